@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` (a real 2-rank DDP training) and `make test`.
+# Each creates .venv/ if missing and installs what it needs; a second run reuses it.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.distkit-installed
+# Open MPI refuses to run as root without these (CI and dev machines run as root).
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+
+.PHONY: demo test bench install
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned here, not in install_requires: 2.13.0 is the CPU wheel on these machines.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[mpi,dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/distkit train configs/demo.py --nprocs 2
+
+# pytest exit 5 (no tests collected) is a failure here, never a silent pass.
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py

@@ -1,0 +1,143 @@
+"""The Strategy interface every engine implements (DESIGN.md section 2).
+
+A Strategy owns one engine's process group and the wrapping of model and optimizer
+for the mode ("grad" or "param"). The training loop talks only to this interface.
+Collectives must be called by every rank, in the same order.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Iterator
+
+import torch
+from torch import nn
+
+from distkit.config import RunConfig
+from distkit.env import ClusterEnv
+from distkit.errors import UnsupportedCombination
+
+
+class Strategy(ABC):
+    """One engine in one mode. Topology attributes are read-only after construction."""
+
+    name: ClassVar[str]
+    supported_modes: ClassVar[frozenset[str]] = frozenset({"grad", "param"})
+
+    def __init__(self, cfg: RunConfig, env: ClusterEnv, device: torch.device) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.device = device
+        self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
+        self.reduce_type = cfg.distributed.reduce_type
+        #: payload bytes this rank handed to collectives (not wire bytes), for summary.json
+        self.comm_bytes = 0
+        self.averager: Any = None  # set by setup() in param mode
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        """Raise UnsupportedCombination/BackendUnavailable before start if ``cfg`` cannot work."""
+        if cfg.distributed.reduce_type not in cls.supported_modes:
+            raise UnsupportedCombination(
+                f"backend '{cls.name}' does not support reduce_type '{cfg.distributed.reduce_type}': "
+                f"use one of {', '.join(sorted(cls.supported_modes))}")
+
+    # -- lifecycle ---------------------------------------------------------------
+    @abstractmethod
+    def init(self) -> None:
+        """Collective: join the process group (every rank)."""
+
+    @abstractmethod
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Collective: broadcast rank 0's initial state and wrap model/optimizer for the mode."""
+
+    def teardown(self) -> None:
+        """Leave the process group; idempotent."""
+
+    def backend_impl(self) -> str:
+        """What really runs, with versions, e.g. 'torch 2.13.0 DDP (gloo)'."""
+        return self.name
+
+    # -- per step ------------------------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's bare module inside any wrapper."""
+        return model
+
+    def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
+        loss.backward()
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context for accumulation micro-steps that must not communicate."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        """Clip the (already reduced, in grad mode) gradients to ``max_norm``; returns the norm before."""
+        return float(torch.nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm))
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Optimizer step + zero_grad; in param mode the averager syncs when due (collective)."""
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if self.averager is not None:
+            self.averager.after_step()
+
+    def finish(self, model: nn.Module) -> None:
+        """Collective: end of training; param mode does its final sync so all ranks hold the average."""
+        if self.averager is not None:
+            self.averager.final_sync()
+
+    # -- collectives -----------------------------------------------------------------
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective: every rank must call it, in the same order. Returns ``src``'s object."""
+
+    @abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Collective: every rank must call it, in the same order. Returns one object per rank."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Collective: every rank must call it, in the same order."""
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Collective: every rank must call it, in the same order. Overwrites ``tensors`` with ``src``'s.
+
+        Default: through ``broadcast_object`` (pickled, slow); backends override with a tensor broadcast.
+        """
+        values = self.broadcast_object([t.detach().cpu() for t in tensors] if self.rank == src else None, src)
+        with torch.no_grad():
+            for t, v in zip(tensors, values):
+                t.copy_(v)
+
+    def average_parameters(self, params: list[torch.Tensor]) -> None:
+        """Collective: every rank must call it, in the same order. Sets each tensor to its mean over ranks.
+
+        One flat all-reduce (torch ``model_averaging/utils.py`` pattern); costs one extra copy
+        of the tensors' total size, temporarily.
+        """
+        if not params:
+            return
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            self.all_reduce(flat, op="mean")
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+
+
+def parameters_and_float_buffers(module: nn.Module) -> Iterator[torch.Tensor]:
+    """What parameter averaging averages: every parameter and every floating-point buffer."""
+    yield from module.parameters()
+    for b in module.buffers():
+        if b.is_floating_point():
+            yield b

@@ -1,0 +1,114 @@
+"""PyTorch DDP (torch.distributed): gloo on CPU, nccl when the device is CUDA.
+
+grad mode: the model is wrapped in DistributedDataParallel (``distributed.options`` are
+passed through: ``bucket_cap_mb``, ``find_unused_parameters``, ...), so backward
+all-reduces gradient buckets while it runs. param mode: no wrapper; each rank steps on
+its own and :class:`~distkit.averaging.ParamAverager` averages with one flat all-reduce.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distkit.averaging import ParamAverager
+from distkit.env import resolve_rendezvous
+
+from .base import Strategy, parameters_and_float_buffers
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class DDPStrategy(Strategy):
+    """torch.distributed + DistributedDataParallel."""
+
+    name = "ddp"
+
+    def init(self) -> None:
+        d = self.cfg.distributed
+        self.pg_backend = d.pg_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if dist.is_initialized():  # the user's script initialised it already (SpeechBrain style)
+            return
+        addr, port = resolve_rendezvous(self.env)
+        # A TCPStore on rank 0; timeout_s bounds both rendezvous and every collective, so a
+        # vanished rank surfaces as an error instead of gloo's 30-minute default hang.
+        store = dist.TCPStore(addr, port, self.world_size, is_master=self.rank == 0,
+                              timeout=datetime.timedelta(seconds=d.timeout_s))
+        dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=d.timeout_s))
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def backend_impl(self) -> str:
+        return f"torch {torch.__version__} DDP ({getattr(self, 'pg_backend', 'gloo')})"
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model.to(self.device)
+        d = self.cfg.distributed
+        if self.reduce_type == "grad":
+            # DDP broadcasts rank 0's parameters and buffers in its constructor.
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=ids, **d.options)
+            self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            return wrapped, optimizer
+        tensors = list(parameters_and_float_buffers(model))
+        self.broadcast_tensors(tensors + [b for b in model.buffers() if not b.is_floating_point()])
+        self.averager = ParamAverager(self, tensors, d.param_sync_step, d.param_sync_time_diff, d.outer_optimizer)
+        return model, optimizer
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(model, DistributedDataParallel):
+            self.comm_bytes += self._grad_bytes  # DDP all-reduced every gradient bucket in backward
+        super().step(model, optimizer)
+
+    # -- collectives -------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        self.comm_bytes += tensor.numel() * tensor.element_size()
+        if op == "mean":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            tensor.div_(self.world_size)
+        else:
+            dist.all_reduce(tensor, op=_OPS[op])
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        if self.world_size == 1:
+            return
+        for t in tensors:
+            self.comm_bytes += t.numel() * t.element_size()
+            dist.broadcast(t.data, src=src)

@@ -1,0 +1,107 @@
+"""``distkit`` command line; ``python -m distkit`` is the same.
+
+Bad input (config, flags, files) prints one line ``distkit: error: ...`` on stderr and
+exits with status 2 before anything is written. A failure during training exits 1 and
+names the rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Any, NoReturn, Optional
+
+from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
+from distkit.errors import DistkitError
+
+EPILOG = """\
+config keys: any top-level key of a config file can be set with ++key value (a Python
+literal, else a string), nested keys with ++distributed.reduce_type param.
+examples:
+  distkit train configs/returnn_ddp.py --nprocs 2
+  torchrun --nproc_per_node 2 -m distkit train configs/speechbrain.yaml ++num_epochs 3
+  mpirun -np 2 .venv/bin/distkit train configs/returnn_ddp.py
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, status 2 (argparse prints usage + text)
+        print(f"distkit: error: {message} (see `distkit {self.prog.split()[-1]} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="distkit", description="Data-parallel PyTorch training on DDP, DeepSpeed, Horovod or MPI.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    t = sub.add_parser("train", help="train from config files", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Train from one or more config files (.py, .yaml, .json); later files and "
+                                   "++key value overrides win.")
+    t.add_argument("configs", nargs="+", metavar="CONFIG", help="config files (.py RETURNN style, .yaml, .json)")
+    t.add_argument("--nprocs", type=int, default=None, metavar="N",
+                   help="start N local ranks (ignored under torchrun/mpirun/srun); same as ++nprocs N")
+    t.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, metavar="N",
+                   help="local rank passed by the deepspeed launcher / torch.distributed.launch")
+    t.add_argument("--distributed_backend", choices=["gloo", "nccl", "mpi"], default=None,
+                   help="torch.distributed backend (SpeechBrain's flag); default nccl on CUDA else gloo")
+    t.add_argument("--distributed_launch", action="store_true",
+                   help="accepted for SpeechBrain scripts; no effect (the launcher is detected)")
+    t.add_argument("--find_unused_parameters", action="store_true",
+                   help="pass find_unused_parameters=True to DistributedDataParallel")
+    t.add_argument("--deepspeed", action="store_true", help="use the DeepSpeed backend")
+    t.add_argument("--deepspeed_config", default=None, metavar="JSON", help="DeepSpeed config file (implies --deepspeed)")
+    return parser
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    width = max(len(k) for k in summary)
+    lines = ["", "summary", "-" * (width + 40)]
+    for k, v in summary.items():
+        lines.append(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    print("\n".join(lines), flush=True)
+
+
+def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list[str]) -> int:
+    flags = LaunchFlags(local_rank=args.local_rank, distributed_backend=args.distributed_backend,
+                        find_unused_parameters=args.find_unused_parameters, deepspeed=args.deepspeed,
+                        deepspeed_config=args.deepspeed_config, nprocs=args.nprocs)
+    cfg: RunConfig = load_config(args.configs, overrides, flags)
+    from distkit.env import detect
+
+    environ = dict(os.environ)
+    if args.local_rank is not None:  # old torch.distributed.launch passes it only as an argument
+        environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    env = detect(environ)
+    if env.launcher == "single" and cfg.nprocs > 1:
+        from distkit.launch import spawn
+
+        return spawn(argv, cfg.nprocs)
+    from distkit.trainer import Trainer
+
+    try:
+        summary = Trainer(cfg, env).fit()
+    except DistkitError:
+        raise
+    except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
+        traceback.print_exc()
+        print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    if env.rank == 0:
+        _print_summary(summary)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rest, overrides = split_overrides(argv)
+        args = build_parser().parse_args(rest)
+        if args.command is None:
+            build_parser().print_help()
+            return 2
+        return train(args, overrides, argv)
+    except DistkitError as e:
+        print(f"distkit: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code

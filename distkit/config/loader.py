@@ -1,0 +1,168 @@
+"""Reading config files (Python, YAML, JSON) and ``++key value`` overrides into one raw dict.
+
+Precedence: defaults < files (in the order given; a later file wins) < command line.
+A Python config is executed like RETURNN's: its top-level globals are the keys; names
+starting with "_", imported modules, and functions/classes that are not keys are helpers
+and are ignored (unless a helper's name is a near-miss of a key, which is an error).
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import os
+import traceback
+import types
+from typing import Any, Iterable, Mapping
+
+from distkit.errors import ConfigError
+
+from .schema import ALL_KEYS
+
+
+def nearest_key(key: str, known: Iterable[str] = ALL_KEYS) -> str | None:
+    """The closest known key to ``key`` (difflib ratio >= 0.6), or None."""
+    match = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def unknown_key_error(key: str, known: Iterable[str] = ALL_KEYS, where: str = "config") -> ConfigError:
+    near = nearest_key(key, known)
+    hint = f"did you mean '{near}'?" if near else "see `distkit train --help` for the known keys"
+    return ConfigError(f"unknown {where} key '{key}': {hint}")
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """Load one config file into a dict of raw (unvalidated) top-level keys."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist: check the path (relative to {os.getcwd()})")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".py" or ext == ".config":
+        return _load_python(path)
+    if ext in (".yaml", ".yml"):
+        return _load_yaml(path)
+    if ext == ".json":
+        return _load_json(path)
+    raise ConfigError(f"config file '{path}': unknown extension '{ext}': use .py, .yaml, .yml or .json")
+
+
+def _load_python(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        code = compile(source, path, "exec")
+    except SyntaxError as e:
+        raise ConfigError(f"{path}:{e.lineno}: syntax error in config: {e.msg}: fix the Python syntax") from None
+    namespace: dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__distkit_config__"}
+    try:
+        exec(code, namespace)  # noqa: S102 - a config file is code by design (RETURNN)
+    except Exception as e:  # any error while executing the user's config is a config error
+        frames = [fr for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
+        line = frames[-1].lineno if frames else "?"
+        raise ConfigError(f"{path}:{line}: error while executing config: {type(e).__name__}: {e}") from None
+    out: dict[str, Any] = {}
+    for name, value in namespace.items():
+        if name.startswith("_") or isinstance(value, types.ModuleType):
+            continue
+        if name not in ALL_KEYS and (isinstance(value, type) or callable(value)):
+            # A helper function/class of the config. A near-miss of a key is almost surely a typo.
+            near = nearest_key(name)
+            if near is not None and difflib.SequenceMatcher(None, name, near).ratio() >= 0.8:
+                raise unknown_key_error(name)
+            continue
+        out[name] = value
+    return out
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}: fix the YAML syntax (no !tags)") from None
+    return _mapping_or_error(data, path)
+
+
+def _load_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    return _mapping_or_error(data, path)
+
+
+def _mapping_or_error(data: Any, path: str) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+    return dict(data)
+
+
+def parse_value(text: str) -> Any:
+    """RETURNN's rule for ``++key value``: a Python literal if it parses as one, else the string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """Take ``++key value`` and ``++key=value`` pairs out of ``argv``.
+
+    Returns the remaining arguments and the (key, parsed value) pairs in order.
+    """
+    rest: list[str] = []
+    pairs: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith("++"):
+            key = tok[2:]
+            if "=" in key:
+                key, raw = key.split("=", 1)
+            elif i + 1 < len(argv):
+                raw = argv[i + 1]
+                i += 1
+            else:
+                raise ConfigError(f"'{tok}' has no value: write '{tok} VALUE'")
+            if not key:
+                raise ConfigError("'++' without a key name: write '++key value'")
+            pairs.append((key, parse_value(raw)))
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, pairs
+
+
+def apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` (dotted for nested dicts, e.g. ``distributed.reduce_type``) in ``raw``."""
+    parts = key.split(".")
+    target = raw
+    for part in parts[:-1]:
+        child = target.get(part)
+        if child is None:
+            child = {}
+            target[part] = child
+        if not isinstance(child, dict):
+            raise ConfigError(f"++{key}: '{part}' is not a dict, cannot set a sub-key in it")
+        target = child
+    target[parts[-1]] = value
+
+
+def load_raw(paths: list[str], overrides: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Files in order, then overrides: the raw dict before resolution."""
+    raw: dict[str, Any] = {}
+    for path in paths:
+        raw.update(load_file(path))
+    for key, value in overrides:
+        top = key.split(".", 1)[0]
+        if top not in ALL_KEYS:
+            raise unknown_key_error(top, where="command-line (++)")
+        apply_override(raw, key, value)
+    return raw

@@ -1,0 +1,227 @@
+"""Fold the seed spellings into one validated :class:`RunConfig`.
+
+Every check that can fail on user input happens here, before any process group exists
+and before anything is written, so bad input costs one line and exit status 2.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from distkit.errors import BackendUnavailable, ConfigError
+
+from .loader import nearest_key, unknown_key_error
+from .schema import (
+    ALL_KEYS, DATA_DISTRIBUTIONS, DEVICES, DISTRIBUTED_KEYS, KNOWN_BACKENDS, OPTIMIZERS,
+    PG_BACKENDS, REDUCE_TYPES, DistributedConfig, RunConfig,
+)
+
+#: RETURNN's ``torch_distributed`` keys -> canonical ``distributed`` keys.
+_TORCH_DISTRIBUTED_KEYS = {
+    "reduce_type": "reduce_type", "param_sync_step": "param_sync_step",
+    "param_sync_time_diff": "param_sync_time_diff", "options": "options",
+    "backend": "pg_backend", "timeout_sec": "timeout_s", "timeout_s": "timeout_s",
+    "sync_on_cpu": None,  # accepted (param mode); on CPU it changes nothing
+    "class": None,        # only the default DDP class is supported; checked below
+}
+
+
+@dataclass
+class LaunchFlags:
+    """Launcher/seed flags from the command line (DESIGN.md section 4)."""
+
+    local_rank: Optional[int] = None
+    distributed_backend: Optional[str] = None
+    find_unused_parameters: bool = False
+    deepspeed: bool = False
+    deepspeed_config: Optional[str] = None
+    nprocs: Optional[int] = None
+
+
+def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None) -> RunConfig:
+    """Validate ``raw`` (files + overrides) and the launcher flags into a RunConfig."""
+    flags = flags or LaunchFlags()
+    raw = copy.copy(raw)
+    for key in raw:
+        if key not in ALL_KEYS:
+            raise unknown_key_error(key)
+    selectors: dict[str, str] = {}  # spelling -> backend it selects
+    dist_raw = raw.pop("distributed", None)
+    dist = DistributedConfig()
+    if dist_raw is not None:
+        if not isinstance(dist_raw, dict):
+            raise ConfigError(f"'distributed' must be a dict like {{'backend': 'ddp'}}, got {dist_raw!r}")
+        for key, value in dist_raw.items():
+            if key not in DISTRIBUTED_KEYS:
+                raise unknown_key_error(key, DISTRIBUTED_KEYS, where="'distributed'")
+            setattr(dist, key, value)
+        if "backend" in dist_raw:
+            selectors["distributed.backend"] = dist_raw["backend"]
+    td = raw.pop("torch_distributed", None)
+    if td is not None:
+        _fold_torch_distributed(td, dist)
+        selectors["torch_distributed"] = "ddp"
+    if raw.pop("use_horovod", False):
+        selectors["use_horovod"] = "horovod"
+    horovod_keys = [k for k in list(raw) if k.startswith("horovod_")]
+    if horovod_keys and "use_horovod" not in selectors and dist.backend != "horovod":
+        raise ConfigError(f"'{horovod_keys[0]}' is set but Horovod is not selected: add use_horovod = True")
+    for key in horovod_keys:
+        raw.pop(key)
+    if raw.pop("deepspeed_config", None) is not None or flags.deepspeed or flags.deepspeed_config:
+        selectors["deepspeed"] = "deepspeed"
+    if len(set(selectors.values())) > 1:
+        desc = ", ".join(f"{k} -> {v}" for k, v in selectors.items())
+        raise ConfigError(f"two backends selected at once ({desc}): keep only one of these spellings")
+    if selectors:
+        dist.backend = next(iter(selectors.values()))
+    if "param_outer_optimizer" in raw:
+        dist.outer_optimizer = raw.pop("param_outer_optimizer")
+    pg = raw.pop("backend", None)  # perceptrain's top-level torch.distributed backend
+    if flags.distributed_backend is not None:
+        pg = flags.distributed_backend
+    if pg is not None:
+        dist.pg_backend = pg
+    if flags.find_unused_parameters:
+        dist.options = {**dist.options, "find_unused_parameters": True}
+    if "compute_setup" in raw:
+        if "device" in raw:
+            raise ConfigError("both 'device' and 'compute_setup' are set: keep one (they are the same key)")
+        cs = raw.pop("compute_setup")
+        raw["device"] = "cuda" if cs == "gpu" else cs
+    cfg = RunConfig(distributed=dist)
+    for key, value in raw.items():
+        setattr(cfg, key, value)
+    if flags.nprocs is not None:
+        cfg.nprocs = flags.nprocs
+    _validate(cfg)
+    return cfg
+
+
+def _fold_torch_distributed(td: Any, dist: DistributedConfig) -> None:
+    if not isinstance(td, dict):
+        raise ConfigError(f"torch_distributed must be a dict (e.g. {{}} or {{'reduce_type': 'param'}}), got {td!r}")
+    for key, value in td.items():
+        if key not in _TORCH_DISTRIBUTED_KEYS:
+            raise unknown_key_error(key, _TORCH_DISTRIBUTED_KEYS, where="torch_distributed")
+        target = _TORCH_DISTRIBUTED_KEYS[key]
+        if target is not None:
+            setattr(dist, target, value)
+    if td.get("class") is not None:
+        raise ConfigError("torch_distributed['class']: custom DDP classes are not supported: remove the key")
+    reduce_type = td.get("reduce_type", "grad")
+    if reduce_type == "grad" and "sync_on_cpu" in td:
+        raise ConfigError("torch_distributed['sync_on_cpu'] only applies to reduce_type 'param': remove it")
+    if reduce_type == "param" and td.get("options"):
+        raise ConfigError("torch_distributed['options'] (DDP kwargs) only apply to reduce_type 'grad': remove them")
+    if dist.pg_backend is not None and "," in str(dist.pg_backend):
+        # RETURNN's "cpu:gloo,cuda:nccl": pick automatically by device.
+        dist.pg_backend = None
+
+
+def _int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"'{name}' must be an integer >= {minimum}, got {value!r}")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        near = nearest_key(str(value), allowed)
+        hint = f" (did you mean '{near}'?)" if near else ""
+        raise ConfigError(f"'{name}' must be one of {', '.join(allowed)}; got {value!r}{hint}")
+
+
+def _validate(cfg: RunConfig) -> None:
+    d = cfg.distributed
+    _choice("distributed.backend", d.backend, KNOWN_BACKENDS)
+    _choice("distributed.reduce_type", d.reduce_type, REDUCE_TYPES)
+    _int("distributed.param_sync_step", d.param_sync_step, 1)
+    if d.param_sync_time_diff is not None and (
+        isinstance(d.param_sync_time_diff, bool) or not isinstance(d.param_sync_time_diff, (int, float))
+        or d.param_sync_time_diff <= 0
+    ):
+        raise ConfigError(f"'param_sync_time_diff' must be a positive number of seconds, got {d.param_sync_time_diff!r}")
+    if not isinstance(d.timeout_s, (int, float)) or isinstance(d.timeout_s, bool) or d.timeout_s <= 0:
+        raise ConfigError(f"'distributed.timeout_s' must be a positive number of seconds, got {d.timeout_s!r}")
+    if not isinstance(d.options, dict):
+        raise ConfigError(f"'distributed.options' must be a dict of DistributedDataParallel kwargs, got {d.options!r}")
+    if d.pg_backend is not None:
+        if d.pg_backend == "mpi":
+            raise BackendUnavailable(
+                "torch.distributed's 'mpi' backend is not built into the PyTorch wheels: "
+                "use backend 'gloo' (or distributed = {'backend': 'mpi'} for distkit's MPI engine)")
+        _choice("distributed.pg_backend", d.pg_backend, PG_BACKENDS)
+    if d.outer_optimizer is not None:
+        oo = d.outer_optimizer
+        if not isinstance(oo, dict) or oo.get("class") != "nesterov":
+            raise ConfigError(f"'param_outer_optimizer' must be like {{'class': 'nesterov', 'lr': 0.7, 'momentum': 0.9}}, got {oo!r}")
+        if d.reduce_type != "param":
+            raise ConfigError("'param_outer_optimizer' only applies to reduce_type 'param': remove it or set reduce_type")
+    _int("batch_size", cfg.batch_size, 1)
+    _int("num_epochs", cfg.num_epochs, 1)
+    _int("max_steps", cfg.max_steps, 1, optional=True)
+    _int("seed", cfg.seed, 0)
+    _int("accum_grad_multiple_step", cfg.accum_grad_multiple_step, 1)
+    _int("eval_every", cfg.eval_every, 1, optional=True)
+    _int("log_every", cfg.log_every, 1)
+    _int("checkpoint_every", cfg.checkpoint_every, 1, optional=True)
+    _int("nprocs", cfg.nprocs, 1)
+    _int("charlm_seq_len", cfg.charlm_seq_len, 2)
+    _choice("device", cfg.device, DEVICES)
+    _choice("data_distribution", cfg.data_distribution, DATA_DISTRIBUTIONS)
+    if not isinstance(cfg.learning_rate, (int, float)) or isinstance(cfg.learning_rate, bool) or cfg.learning_rate <= 0:
+        raise ConfigError(f"'learning_rate' must be a positive number, got {cfg.learning_rate!r}")
+    if cfg.gradient_clip is not None and (not isinstance(cfg.gradient_clip, (int, float)) or cfg.gradient_clip <= 0):
+        raise ConfigError(f"'gradient_clip' must be a positive number (max gradient norm) or None, got {cfg.gradient_clip!r}")
+    if not isinstance(cfg.optimizer, dict) or "class" not in cfg.optimizer:
+        raise ConfigError(f"'optimizer' must be a dict like {{'class': 'adam', 'betas': (0.9, 0.99)}}, got {cfg.optimizer!r}")
+    _choice("optimizer.class", str(cfg.optimizer["class"]).lower(), OPTIMIZERS)
+    if not isinstance(cfg.output_dir, str) or not cfg.output_dir:
+        raise ConfigError(f"'output_dir' must be a non-empty path, got {cfg.output_dir!r}")
+    if cfg.resume not in (None, "auto") and not isinstance(cfg.resume, str):
+        raise ConfigError(f"'resume' must be None, 'auto' or a checkpoint directory, got {cfg.resume!r}")
+    for key in ("model", "dataset", "loss"):
+        setattr(cfg, key, _callable(key, getattr(cfg, key)))
+    if cfg.model is None or cfg.dataset is None:
+        from distkit.tasks import TASKS
+
+        if cfg.task is None:
+            raise ConfigError("no task: set task = 'digits' (or 'charlm'), or give both 'model' and 'dataset'")
+        _choice("task", cfg.task, tuple(TASKS))
+        from distkit.tasks.charlm import SIZES
+
+        _choice("charlm_size", cfg.charlm_size, tuple(SIZES))
+    from distkit.backends import check_backend
+
+    check_backend(cfg)
+
+
+def _callable(key: str, value: Any) -> Optional[Callable[..., Any]]:
+    """Accept a callable or a "module:function" string; import it now so typos fail before start."""
+    if value is None or callable(value):
+        return value
+    if not isinstance(value, str) or ":" not in value:
+        raise ConfigError(f"'{key}' must be a callable or a 'module:function' string, got {value!r}")
+    mod_name, _, attr = value.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or an error inside the user's module
+        raise ConfigError(f"'{key}' = '{value}': cannot import module '{mod_name}' ({type(e).__name__}: {e}): check the name and PYTHONPATH") from None
+    obj: Any = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"'{key}' = '{value}': module '{mod_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"'{key}' = '{value}' is not callable")
+    return obj
+
+
+def replace(cfg: RunConfig, **changes: Any) -> RunConfig:
+    """A copy of ``cfg`` with top-level fields changed (no re-validation)."""
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,111 @@
+"""The resolved configuration: every key distkit knows, its default and its meaning.
+
+One flat namespace of top-level keys (RETURNN style) plus the canonical ``distributed``
+dict. Seed spellings (``torch_distributed``, ``compute_setup``, ``nprocs``, ``backend``,
+``use_horovod``, ``deepspeed_config``) are folded into these fields by
+:mod:`distkit.config.resolve`; nothing else in distkit reads the raw spellings.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+#: Engines a config may name; the registry in :mod:`distkit.backends` says which are built.
+KNOWN_BACKENDS = ("ddp", "deepspeed", "horovod", "mpi")
+REDUCE_TYPES = ("grad", "param")
+DATA_DISTRIBUTIONS = ("shard", "random_seed_offset")
+DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+PG_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class DistributedConfig:
+    """The canonical ``distributed = {...}`` dict (DESIGN.md section 4)."""
+
+    backend: str = "ddp"
+    #: "grad": mean gradient every step; "param": local steps + periodic parameter averaging.
+    reduce_type: str = "grad"
+    #: param mode: average parameters every this many optimizer steps.
+    param_sync_step: int = 100
+    #: param mode: average when this many seconds (float) passed since the last sync, decided
+    #: on the maximum elapsed time over ranks so every rank takes the same decision.
+    param_sync_time_diff: Optional[float] = None
+    #: process-group / collective timeout in seconds (gloo's own default is 30 minutes).
+    timeout_s: float = 300.0
+    #: keyword arguments for DistributedDataParallel (grad mode), e.g. bucket_cap_mb.
+    options: dict[str, Any] = field(default_factory=dict)
+    #: torch.distributed backend; None = nccl on CUDA, else gloo.
+    pg_backend: Optional[str] = None
+    #: param mode outer optimizer on the averaged update (DiLoCo / SlowMo); None = plain averaging.
+    outer_optimizer: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class RunConfig:
+    """Every top-level key. Units: steps are optimizer steps, sizes are per rank unless named global."""
+
+    task: Optional[str] = "digits"
+    model: Optional[Callable[..., Any]] = None
+    dataset: Optional[Callable[..., Any]] = None
+    loss: Optional[Callable[..., Any]] = None
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"class": "sgd"})
+    learning_rate: float = 0.1
+    #: samples per rank per micro-step (like DDP's per-process batch and DeepSpeed's micro batch).
+    batch_size: int = 32
+    num_epochs: int = 1
+    max_steps: Optional[int] = None
+    seed: int = 42
+    device: str = "auto"
+    data_distribution: str = "shard"
+    accum_grad_multiple_step: int = 1
+    #: max global gradient norm (L2); None = no clipping.
+    gradient_clip: Optional[float] = None
+    eval_every: Optional[int] = None
+    log_every: int = 10
+    checkpoint_every: Optional[int] = None
+    output_dir: str = "runs/default"
+    #: None, "auto" (continue from output_dir/checkpoints/latest if present) or a checkpoint dir.
+    resume: Optional[str] = None
+    progress_bar: bool = True
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    #: number of local ranks distkit spawns itself (perceptrain's nprocs); ignored under a launcher.
+    nprocs: int = 1
+    charlm_size: str = "small"
+    charlm_seq_len: int = 64
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe dict; callables become "module:qualname" strings."""
+        return _jsonable(dataclasses.asdict(self))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if callable(value):
+        mod = getattr(value, "__module__", None) or "?"
+        return f"{mod}:{getattr(value, '__qualname__', repr(value))}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+TOP_LEVEL_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig))
+DISTRIBUTED_KEYS = tuple(f.name for f in dataclasses.fields(DistributedConfig))
+
+#: Seed spellings accepted at top level and folded into the fields above.
+ALIAS_KEYS = (
+    "torch_distributed",      # RETURNN: selects ddp
+    "compute_setup",          # perceptrain: same as device ("gpu" = "cuda")
+    "backend",                # perceptrain: torch.distributed backend (gloo | nccl)
+    "param_outer_optimizer",  # distributed.outer_optimizer
+    "use_horovod",            # RETURNN: selects horovod
+    "horovod_reduce_type", "horovod_param_sync_step", "horovod_param_sync_time_diff",
+    "horovod_scale_lr", "horovod_dataset_distribution", "horovod_avg_grad",
+    "horovod_compression", "horovod_require",
+    "deepspeed_config",       # DeepSpeed: selects deepspeed
+)
+ALL_KEYS = TOP_LEVEL_KEYS + ALIAS_KEYS

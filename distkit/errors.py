@@ -1,0 +1,36 @@
+"""Typed errors. Every user-facing error names the problem and the fix.
+
+The CLI turns any :class:`DistkitError` raised before training starts into one line on
+stderr and exit status 2 (bad input); errors during training exit with status 1.
+"""
+from __future__ import annotations
+
+
+class DistkitError(Exception):
+    """Base class of every error distkit raises on purpose."""
+
+    exit_code: int = 2
+
+
+class ConfigError(DistkitError):
+    """A config file, config key or command-line flag is wrong. The text says how to fix it."""
+
+
+class BackendUnavailable(DistkitError):
+    """The selected engine (or a piece it needs) is not installed; the text gives the install command."""
+
+
+class UnsupportedCombination(DistkitError):
+    """The requested backend/mode/launcher combination cannot work; the text says why and what works."""
+
+
+class RankFailure(DistkitError):
+    """Another rank failed or was killed; the text names the rank."""
+
+    exit_code = 1
+
+
+class CollectiveTimeout(DistkitError):
+    """A collective did not complete within ``distributed.timeout_s`` seconds."""
+
+    exit_code = 1
