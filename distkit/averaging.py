@@ -53,8 +53,10 @@ class ParamAverager:
             self._anchor = [t.detach().clone() for t in tensors]
             for a in self._anchor:
                 a.grad = torch.zeros_like(a)
+            momentum = float(outer_optimizer.get("momentum", 0.9))
+            # torch refuses nesterov without momentum; with momentum 0 both are plain SGD anyway.
             self._outer = torch.optim.SGD(self._anchor, lr=float(outer_optimizer.get("lr", 0.7)),
-                                          momentum=float(outer_optimizer.get("momentum", 0.9)), nesterov=True)
+                                          momentum=momentum, nesterov=momentum > 0)
 
     def _due(self) -> bool:
         if self.sync_time_diff is None:

@@ -13,7 +13,7 @@ import traceback
 from typing import Any, NoReturn, Optional
 
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
-from distkit.errors import DistkitError
+from distkit.errors import ConfigError, DistkitError
 
 EPILOG = """\
 config keys: any top-level key of a config file can be set with ++key value (a Python
@@ -26,9 +26,8 @@ examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, status 2 (argparse prints usage + text)
-        print(f"distkit: error: {message} (see `distkit {self.prog.split()[-1]} --help`)", file=sys.stderr)
-        sys.exit(2)
+    def error(self, message: str) -> NoReturn:  # one line, status 2 (argparse would print usage + text)
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -183,8 +184,14 @@ def _validate(cfg: RunConfig) -> None:
     _choice("optimizer.class", str(cfg.optimizer["class"]).lower(), OPTIMIZERS)
     if not isinstance(cfg.output_dir, str) or not cfg.output_dir:
         raise ConfigError(f"'output_dir' must be a non-empty path, got {cfg.output_dir!r}")
-    if cfg.resume not in (None, "auto") and not isinstance(cfg.resume, str):
-        raise ConfigError(f"'resume' must be None, 'auto' or a checkpoint directory, got {cfg.resume!r}")
+    if cfg.resume not in (None, "auto") and not (isinstance(cfg.resume, str) and os.path.isdir(cfg.resume)):
+        raise ConfigError(f"'resume' must be None, 'auto' or an existing checkpoint directory, got {cfg.resume!r}")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' (compute_setup 'gpu') was asked for but no CUDA device is visible: "
+                              "use device = 'auto' or 'cpu'")
     for key in ("model", "dataset", "loss"):
         setattr(cfg, key, _callable(key, getattr(cfg, key)))
     if cfg.model is None or cfg.dataset is None:

@@ -1,0 +1,346 @@
+"""distkit's per-step overhead against a hand-written engine script, interleaved A/B runs.
+
+    python benchmarks/overhead.py [--backend ddp] [--repeats 5] [--steps 100] [--size small|medium]
+
+For each repeat it runs the hand-written baseline (A, ``benchmarks/raw_ddp.py`` for ddp) and
+distkit (B, ``python -m distkit train`` on a generated config) under the same launcher, the
+same number of ranks, the same thread count and the same workload (``charlm``: model, data
+order, per-rank batch, SGD, DDP bucket size). Runs are interleaved with alternating order
+(A B, B A, A B, ...), so slow drift of the machine hits both sides equally.
+
+Timing, identical on both sides and taken from outside the step function on rank 0:
+``perf_counter`` at the start and end of every optimizer step (fetch + forward + backward +
+optimizer step + zero_grad). The raw script does it inline; for distkit a small wrapper
+(``--distkit-worker``) wraps ``distkit.trainer._Run.train_step`` and then runs the real
+``distkit`` CLI entry point in-process, so nothing in distkit changes. The first
+``--warmup`` steps are dropped. Two metrics per step:
+
+* ``iter``: start of step k to start of step k+1, i.e. everything the loop does per step
+  (distkit's logging / fault / checkpoint checks included). The headline numbers.
+* ``step``: inside the step only (start to end of the same step).
+
+p50 and p95 are taken over the pooled post-warm-up steps of all runs of one side; the
+ratio is distkit / raw. Also reported: every run's own numbers and each A/B pair's p50
+ratio. A run whose final parameters differ from the other side's (sha256, as
+``summary.json``'s ``param_checksum``) is flagged: the two sides did not run the same work.
+
+Writes ``benchmarks/results/overhead_<backend>.json`` (+ a PNG when matplotlib is there).
+Adding horovod / mpi / deepspeed = one more entry in ``BACKENDS`` with its baseline script,
+launcher and distkit ``distributed`` section.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TARGET_P50_RATIO = 1.03
+
+
+# --------------------------------------------------------------------------- backends
+def _torchrun(nprocs: int) -> list[str]:
+    # --standalone: a local rendezvous on a free port, so parallel benchmark runs never collide.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How to run one engine both ways. ``launcher(nprocs)`` prefixes a Python script path."""
+
+    name: str
+    baseline: str                                       # script in benchmarks/
+    launcher: Callable[[int], list[str]]
+    distributed: Callable[[argparse.Namespace], dict[str, Any]]  # distkit's `distributed` section
+
+
+BACKENDS: dict[str, Backend] = {
+    "ddp": Backend("ddp", "raw_ddp.py", _torchrun,
+                   lambda a: {"backend": "ddp", "reduce_type": "grad", "pg_backend": "gloo",
+                              "options": {"bucket_cap_mb": a.bucket_cap_mb}}),
+}
+
+
+# --------------------------------------------------------------------------- one run each way
+def _env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # Same thread count on both sides (torchrun's own default would be 1 with a warning).
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    env.pop("DISTKIT_FAULT", None)
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], log: str) -> None:
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if rc != 0:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        raise SystemExit(f"overhead: command failed ({rc}): {' '.join(cmd)}\n--- log tail ---\n{tail}")
+
+
+def run_raw(be: Backend, args: argparse.Namespace, work: str, tag: str) -> dict[str, Any]:
+    times = os.path.join(work, f"{tag}.times.json")
+    cmd = be.launcher(args.nprocs) + [
+        os.path.join(HERE, be.baseline), "--size", args.size, "--seq-len", str(args.seq_len),
+        "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
+        "--seed", str(args.seed), "--bucket-cap-mb", str(args.bucket_cap_mb), "--times", times]
+    t0 = time.perf_counter()
+    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"))
+    with open(times) as f:
+        rec = json.load(f)
+    rec["process_wall_s"] = time.perf_counter() - t0
+    return rec
+
+
+def distkit_config(be: Backend, args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
+    return {
+        "task": "charlm", "charlm_size": args.size, "charlm_seq_len": args.seq_len,
+        "distributed": be.distributed(args),
+        "optimizer": {"class": "sgd"}, "learning_rate": args.lr,
+        "batch_size": args.batch_size, "max_steps": args.steps, "num_epochs": 10_000,
+        "seed": args.seed, "device": "cpu",
+        # One metrics record, at the last step: the raw script does no per-step reduction either.
+        "log_every": args.steps, "eval_every": None, "checkpoint_every": None,
+        "progress_bar": False, "output_dir": output_dir,
+    }
+
+
+def run_distkit(be: Backend, args: argparse.Namespace, work: str, tag: str) -> dict[str, Any]:
+    out_dir = os.path.join(work, f"{tag}.out")
+    cfg_path = os.path.join(work, f"{tag}.config.json")
+    with open(cfg_path, "w") as f:
+        json.dump(distkit_config(be, args, out_dir), f, indent=2)
+    times = os.path.join(work, f"{tag}.times.json")
+    cmd = be.launcher(args.nprocs) + [os.path.abspath(__file__), "--distkit-worker", times, "--", "train", cfg_path]
+    t0 = time.perf_counter()
+    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"))
+    with open(times) as f:
+        rec = json.load(f)
+    rec["process_wall_s"] = time.perf_counter() - t0
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        summary = json.load(f)
+    rec["param_checksum"] = summary["param_checksum"]
+    rec["final_loss"] = summary["final_train_loss"]
+    rec["summary"] = {k: summary[k] for k in ("backend_impl", "launcher", "steps", "wall_time_s", "compute_fraction")}
+    shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)  # the final checkpoint: not needed
+    return rec
+
+
+def distkit_worker(times_path: str, argv: list[str]) -> int:
+    """Per rank, under the launcher: time every ``_Run.train_step`` call, then run the real CLI."""
+    from time import perf_counter
+
+    import torch
+
+    from distkit import cli, trainer
+
+    starts: list[float] = []
+    ends: list[float] = []
+    inner = trainer._Run.train_step
+
+    def timed(self: Any, epoch: int, step_in_epoch: int) -> Any:
+        t0 = perf_counter()
+        out = inner(self, epoch, step_in_epoch)
+        ends.append(perf_counter())
+        starts.append(t0)
+        return out
+
+    trainer._Run.train_step = timed  # type: ignore[method-assign]
+    rc = cli.main(argv)
+    if rc == 0 and int(os.environ.get("RANK", "0")) == 0:
+        with open(times_path, "w") as f:
+            json.dump({"impl": "distkit", "starts": starts, "ends": ends,
+                       "torch_threads": torch.get_num_threads()}, f)
+    return rc
+
+
+# --------------------------------------------------------------------------- statistics
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def step_series(rec: dict[str, Any], warmup: int) -> dict[str, list[float]]:
+    """Post-warm-up per-step seconds: ``iter`` (start to next start) and ``step`` (start to end)."""
+    s, e = rec["starts"], rec["ends"]
+    return {"iter": [s[i + 1] - s[i] for i in range(warmup, len(s) - 1)],
+            "step": [e[i] - s[i] for i in range(warmup, len(s))]}
+
+
+def describe(xs: list[float]) -> dict[str, float]:
+    return {"n": len(xs), "p50_ms": 1e3 * percentile(xs, 50), "p95_ms": 1e3 * percentile(xs, 95),
+            "mean_ms": 1e3 * statistics.fmean(xs), "min_ms": 1e3 * min(xs), "max_ms": 1e3 * max(xs)}
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "distkit"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+    except OSError:
+        commit, dirty = None, None
+    return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "git_commit": commit, "distkit_dirty": dirty}
+
+
+def plot(result: dict[str, Any], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for side, color in (("raw", "tab:blue"), ("distkit", "tab:orange")):
+        for i, run in enumerate(r for r in result["runs"] if r["side"] == side):
+            ax.plot([1e3 * t for t in run["iter_s"]], color=color, alpha=0.6, lw=0.8,
+                    label=side if i == 0 else None)
+    ax.set_xlabel("step (after warm-up)")
+    ax.set_ylabel("step time (ms)")
+    ratio = result["ratio"]["iter"]["p50"]
+    ax.set_title(f"{result['backend']} grad, charlm {result['config']['size']}, {result['config']['nprocs']} ranks: "
+                 f"distkit/raw p50 = {ratio:.3f}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--distkit-worker"]:
+        rest = argv[3:] if argv[2:3] == ["--"] else argv[2:]
+        return distkit_worker(argv[1], rest)
+    ap = argparse.ArgumentParser(description="distkit vs hand-written engine script: per-step time, interleaved A/B.")
+    ap.add_argument("--backend", default="ddp", choices=sorted(BACKENDS))
+    ap.add_argument("--repeats", type=int, default=5, help="A/B pairs (at least 5 for the issue's numbers)")
+    ap.add_argument("--steps", type=int, default=100, help="optimizer steps per run, warm-up included")
+    ap.add_argument("--warmup", type=int, default=10, help="leading steps of each run left out of the stats")
+    ap.add_argument("--size", default="small", choices=["small", "medium", "large"], help="charlm model size")
+    ap.add_argument("--nprocs", type=int, default=2, help="ranks")
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb, both sides")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default cores // nprocs)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/overhead_<backend>.json)")
+    ap.add_argument("--keep", action="store_true", help="keep the per-run work directory (logs, configs, times)")
+    args = ap.parse_args(argv)
+    if args.steps < args.warmup + 10:
+        ap.error("--steps must exceed --warmup by at least 10")
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nprocs)
+    be = BACKENDS[args.backend]
+    out = args.out or os.path.join(HERE, "results", f"overhead_{args.backend}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    work = tempfile.mkdtemp(prefix="distkit-overhead-")
+    runners = {"raw": lambda tag: run_raw(be, args, work, tag), "distkit": lambda tag: run_distkit(be, args, work, tag)}
+
+    runs: list[dict[str, Any]] = []
+    t_all = time.perf_counter()
+    try:
+        for pair in range(args.repeats):
+            order = ("raw", "distkit") if pair % 2 == 0 else ("distkit", "raw")  # A B, B A, ...
+            for side in order:
+                tag = f"{pair:02d}-{side}"
+                rec = runners[side](tag)
+                series = step_series(rec, args.warmup)
+                run = {"pair": pair, "side": side, "iter": describe(series["iter"]), "step": describe(series["step"]),
+                       "process_wall_s": round(rec["process_wall_s"], 3), "param_checksum": rec["param_checksum"],
+                       "final_loss": rec["final_loss"], "torch_threads": rec["torch_threads"],
+                       "iter_s": series["iter"], "step_s": series["step"]}
+                if "summary" in rec:
+                    run["distkit_summary"] = rec["summary"]
+                runs.append(run)
+                print(f"pair {pair} {side:7s}  iter p50 {run['iter']['p50_ms']:7.2f} ms  p95 {run['iter']['p95_ms']:7.2f} ms"
+                      f"  (step p50 {run['step']['p50_ms']:7.2f} ms, process {run['process_wall_s']:.1f}s)", flush=True)
+    finally:
+        if args.keep:
+            print(f"work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    pooled: dict[str, dict[str, Any]] = {}
+    ratio: dict[str, dict[str, float]] = {}
+    for metric in ("iter", "step"):
+        pooled[metric] = {side: describe([t for r in runs if r["side"] == side for t in r[f"{metric}_s"]])
+                          for side in ("raw", "distkit")}
+        ratio[metric] = {q: pooled[metric]["distkit"][f"{q}_ms"] / pooled[metric]["raw"][f"{q}_ms"]
+                         for q in ("p50", "p95", "mean")}
+    pair_ratios = []
+    for pair in range(args.repeats):
+        a = next(r for r in runs if r["pair"] == pair and r["side"] == "raw")
+        b = next(r for r in runs if r["pair"] == pair and r["side"] == "distkit")
+        pair_ratios.append(b["iter"]["p50_ms"] / a["iter"]["p50_ms"])
+    checksums = {r["param_checksum"] for r in runs}
+    result = {
+        "benchmark": "overhead", "backend": args.backend, "mode": "grad",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT) else sys.executable,
+                             os.path.relpath(os.path.abspath(__file__), ROOT), *argv]),
+        "machine": machine_info(),
+        "config": {"task": "charlm", "size": args.size, "seq_len": args.seq_len, "nprocs": args.nprocs,
+                   "batch_size_per_rank": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+                   "repeats": args.repeats, "bucket_cap_mb": args.bucket_cap_mb, "optimizer": "sgd", "lr": args.lr,
+                   "seed": args.seed, "omp_num_threads": args.threads, "pg_backend": "gloo",
+                   "launcher": "torchrun --standalone", "baseline": f"benchmarks/{be.baseline}",
+                   "distkit_config": distkit_config(be, args, "<tmp>")},
+        "method": ("rank 0 perf_counter at start/end of every optimizer step, taken outside the step function on both "
+                   "sides (distkit: wrapper around _Run.train_step, real CLI in-process); first `warmup` steps "
+                   "dropped; 'iter' = start-to-next-start (headline), 'step' = inside the step; p50/p95 over "
+                   "the pooled steps of all runs per side; runs interleaved A B, B A, ..."),
+        "pooled": pooled,
+        "ratio": ratio,
+        "pair_ratios_iter_p50": pair_ratios,
+        "pair_ratio_iter_p50_median": statistics.median(pair_ratios),
+        "target_ratio_p50": TARGET_P50_RATIO,
+        "meets_target": ratio["iter"]["p50"] <= TARGET_P50_RATIO,
+        "same_work": len(checksums) == 1,
+        "total_wall_s": round(time.perf_counter() - t_all, 1),
+        "runs": runs,
+    }
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    png = plot(result, os.path.splitext(out)[0] + ".png")
+    p = pooled["iter"]
+    print(f"\nraw     p50 {p['raw']['p50_ms']:.2f} ms  p95 {p['raw']['p95_ms']:.2f} ms\n"
+          f"distkit p50 {p['distkit']['p50_ms']:.2f} ms  p95 {p['distkit']['p95_ms']:.2f} ms\n"
+          f"ratio distkit/raw: p50 {ratio['iter']['p50']:.4f}  p95 {ratio['iter']['p95']:.4f}  "
+          f"(per-pair p50 ratios {', '.join(f'{x:.3f}' for x in pair_ratios)}; target p50 <= {TARGET_P50_RATIO})\n"
+          f"same final parameters on both sides: {result['same_work']}\n"
+          f"wrote {os.path.relpath(out)}" + (f" and {os.path.relpath(png)}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

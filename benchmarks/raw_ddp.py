@@ -1,0 +1,94 @@
+"""Hand-written torch DDP baseline for ``benchmarks/overhead.py`` (nanoGPT style, no distkit).
+
+Launch under torchrun::
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/raw_ddp.py --steps 100 --times out.json
+
+The workload is distkit's ``charlm`` task (model class and dataset builder are imported: they
+are the workload, not the framework): same seed, same initial parameters, same plain SGD,
+same per-rank batch, same ``shard`` data order (one global permutation per epoch, seeded
+``seed * 1_000_003 + epoch``, rank r takes the r-th slice of each global batch) and the same
+DDP ``bucket_cap_mb``. So after N steps its parameters equal distkit's bit for bit, which the
+benchmark checks through ``param_checksum``.
+
+Each rank records ``time.perf_counter()`` before fetching a step's batch and after
+``zero_grad``; rank 0 writes ``{"starts": [...], "ends": [...], ...}`` to ``--times``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distkit.tasks.charlm import SIZES, CharTransformer, datasets
+
+
+def param_checksum(model: torch.nn.Module) -> str:
+    """sha256 over named_parameters as fp32 bytes (the same definition as distkit's summary)."""
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--steps", type=int, default=100, help="optimizer steps in total (warm-up included)")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    ap.add_argument("--times", required=True, help="JSON file rank 0 writes the step timestamps to")
+    args = ap.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    model = DDP(CharTransformer(vocab, args.seq_len, width, layers, heads), bucket_cap_mb=args.bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    xs, ys = train.tensors
+    global_batch = args.batch_size * world
+    steps_per_epoch = len(xs) // global_batch  # the incomplete last global batch is dropped
+
+    starts, ends = [], []
+    perm, perm_epoch = None, -1
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        epoch, s = divmod(step, steps_per_epoch)
+        if epoch != perm_epoch:  # one permutation per epoch, identical on every rank
+            perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch))
+            perm_epoch = epoch
+        idx = perm[s * global_batch + rank * args.batch_size:][:args.batch_size]
+        x, y = xs[idx], ys[idx]
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()  # DDP all-reduces gradient buckets during backward
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ends.append(time.perf_counter())
+        starts.append(t0)
+
+    checksum = param_checksum(model.module)
+    if rank == 0:
+        with open(args.times, "w") as f:
+            json.dump({"impl": "raw_ddp", "rank": rank, "world_size": world, "starts": starts, "ends": ends,
+                       "final_loss": loss.item(), "param_checksum": checksum,
+                       "torch_threads": torch.get_num_threads()}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

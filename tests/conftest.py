@@ -1,0 +1,164 @@
+"""Shared test helpers: run the real CLI / launchers as subprocesses, spawn ranks, clean up.
+
+Every subprocess a test starts carries ``DISTKIT_TEST_MARK``; after each test any process
+still alive with that mark is killed and the test fails (no leftover ranks).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MARK = f"distkit-test-{uuid.uuid4().hex[:8]}"
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """os.environ without launcher variables, plus the test mark and Open MPI's root permission."""
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "DISTKIT_SPAWN_ID", "DISTKIT_FAULT")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
+    env.update(DISTKIT_TEST_MARK=MARK, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 180, cwd: Optional[Path] = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to completion (killing its whole process group on timeout)."""
+    p = subprocess.Popen(cmd, cwd=cwd or ROOT, env=base_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {cmd}\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def distkit(*args: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m distkit ARGS``."""
+    return run([sys.executable, "-m", "distkit", *args], timeout=timeout, **env)
+
+
+def ok(res: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-4000:]}"
+    return res
+
+
+def summary(out_dir: Path) -> dict[str, Any]:
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+def final_params(out_dir: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    """Model state of ``rank`` in the newest checkpoint (training always saves at the end)."""
+    root = out_dir / "checkpoints"
+    latest = (root / "latest").read_text().strip()
+    return torch.load(root / latest / f"rank-{rank:05d}.pt", weights_only=False)["model"]  # type: ignore[no-any-return]
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _marked_pids() -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if MARK.encode() in f.read():
+                    pids.append(int(d))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers() -> Any:
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    deadline = time.monotonic() + 10  # launchers may still be reaping their children
+    while (left := _marked_pids()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left running after the test: {left}"
+
+
+# -- run_ranks: spawned ranks sharing a FileStore ------------------------------------------
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, store: str, q: Any, args: tuple[Any, ...]) -> None:
+    os.environ["DISTKIT_TEST_MARK"] = MARK
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+        q.put((rank, "ok", fn(rank, world, *args)))
+        dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any, timeout: float = 60) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with a gloo group.
+
+    Returns each rank's result; raises with every failed rank's traceback; kills hung ranks.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    store = str(tmp_path / f"store-{uuid.uuid4().hex[:6]}")
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, q, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            if errors:  # the others may be stuck in a collective with the failed rank
+                deadline = min(deadline, time.monotonic() + 5)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if errors:
+                    break
+                raise AssertionError(f"ranks hung (>{timeout}s); done: {sorted(results)}")
+            try:
+                rank, status, value = q.get(timeout=min(remaining, 1.0))
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs) and q.empty():
+                    raise AssertionError(f"a rank died: exit codes {[p.exitcode for p in procs]}")
+                continue
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,93 @@
+"""Bad input (DESIGN.md section 7): one line on stderr naming problem and fix, exit 2,
+no traceback, nothing written under output_dir."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import distkit
+from distkit.cli import main
+
+# (id, config file text or None, extra CLI args, words the one line must contain)
+CASES = [
+    ("unknown_key", "task = 'digits'\nfoo = 1\n", [], ["unknown config key 'foo'"]),
+    ("misspelt_key", "lerning_rate = 0.1\n", [], ["'lerning_rate'", "did you mean 'learning_rate'"]),
+    ("misspelt_override", "", ["++lerning_rate", "0.1"], ["'lerning_rate'", "did you mean 'learning_rate'"]),
+    ("bad_reduce_type", "torch_distributed = {'reduce_type': 'params'}\n", [], ["reduce_type", "grad, param", "did you mean 'param'"]),
+    ("sync_step_zero", "torch_distributed = {'reduce_type': 'param', 'param_sync_step': 0}\n", [], ["param_sync_step", ">= 1"]),
+    ("sync_step_negative", "", ["++distributed.param_sync_step", "-3"], ["param_sync_step", ">= 1", "-3"]),
+    ("two_backends", "torch_distributed = {}\n", ["++use_horovod", "1"], ["two backends", "torch_distributed", "use_horovod"]),
+    ("two_backends_ds", "distributed = {'backend': 'ddp'}\n", ["--deepspeed"], ["two backends"]),
+    ("syntax_error", "task = 'digits'\nbatch_size = = 3\n", [], [":3:", "syntax error"]),
+    ("exec_error", "task = 'digits'\nx = undefined_name + 1\n", [], [":3:", "NameError", "undefined_name"]),
+    ("unknown_task", "task = 'mnist'\n", [], ["'task'", "digits", "charlm"]),
+    ("batch_size_zero", "batch_size = 0\n", [], ["batch_size", ">= 1"]),
+    ("nprocs_zero", "", ["--nprocs", "0"], ["nprocs", ">= 1"]),
+    ("nprocs_not_int", "", ["--nprocs", "two"], ["--nprocs", "invalid int value"]),
+    ("model_no_import", "model = 'no_such_module_xyz:build'\ndataset = 'no_such_module_xyz:data'\n", [], ["cannot import module 'no_such_module_xyz'"]),
+    ("model_no_attr", "model = 'json:no_such_fn'\ndataset = 'json:loads'\n", [], ["has no attribute 'no_such_fn'"]),
+    ("bad_device", "device = 'tpu'\n", [], ["'device'", "auto, cpu, cuda"]),
+    ("cuda_missing", "compute_setup = 'gpu'\n", [], ["no CUDA device", "auto"]),
+    ("options_in_param", "torch_distributed = {'reduce_type': 'param', 'options': {'bucket_cap_mb': 1}}\n", [], ["options", "only apply to reduce_type 'grad'"]),
+    ("unknown_distributed_key", "", ["++distributed.bakend", "ddp"], ["'bakend'", "did you mean 'backend'"]),
+    ("unknown_torch_distributed_key", "torch_distributed = {'reduce_typ': 'grad'}\n", [], ["torch_distributed", "did you mean 'reduce_type'"]),
+    ("bad_optimizer", "optimizer = {'class': 'rmsprop'}\n", [], ["optimizer.class", "sgd, adam, adamw"]),
+    ("pg_backend_mpi", "", ["--distributed_backend", "mpi"], ["'mpi' backend is not built", "gloo"]),
+    ("resume_missing_dir", "resume = '/nonexistent/ckpt'\n", [], ["'resume'", "existing checkpoint directory"]),
+    ("deepspeed_not_yet", "", ["--deepspeed_config", "ds.json"], ["backend 'deepspeed' is not yet available"]),
+    ("horovod_key_without_horovod", "horovod_reduce_type = 'param'\n", [], ["use_horovod = True"]),
+    ("override_without_value", "", ["++learning_rate"], ["has no value"]),
+]
+
+
+def _write(tmp_path: Path, text: str | None) -> tuple[Path, Path]:
+    out = tmp_path / "out"
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"output_dir = {str(out)!r}\n" + (text or ""))
+    return cfg, out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_in_process(case: tuple[str, str, list[str], list[str]], tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    _, text, extra, words = case
+    cfg, out = _write(tmp_path, text)
+    code = main(["train", str(cfg), *extra])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("distkit: error: "), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert not out.exists()
+
+
+def test_yaml_and_json_errors_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    y = tmp_path / "c.yaml"
+    y.write_text("task: digits\nbatch_size: [1\n")
+    j = tmp_path / "c.json"
+    j.write_text('{"task": "digits",\n "batch_size": }\n')
+    for path, word in ((y, "invalid YAML"), (j, "c.json:2: invalid JSON")):
+        assert main(["train", str(path)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert "\n" not in line and word in line
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("misspelt_key", "syntax_error", "nprocs_zero", "model_no_import")],
+                         ids=lambda c: c[0])
+def test_bad_input_real_process(case: tuple[str, str, list[str], list[str]], tmp_path: Path) -> None:
+    """The same through the real entry point: status 2, one stderr line, no traceback."""
+    _, text, extra, words = case
+    cfg, out = _write(tmp_path, text)
+    res = distkit("train", str(cfg), *extra, timeout=60)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert all(w in res.stderr for w in words)
+    assert not out.exists() and res.stdout == ""
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", str(tmp_path / "nope.py")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "nope.py' does not exist" in line and "\n" not in line

@@ -1,0 +1,116 @@
+"""Failures never hang (DESIGN.md section 7).
+
+A rank that raises, or is killed with SIGKILL, makes every other rank and the launching
+command exit non-zero within 30 seconds, naming the failed rank; a rank that hangs makes
+the others fail after ``distributed.timeout_s``. Faults are real (``DISTKIT_FAULT``, see
+:mod:`distkit.faults`): rank 1 raises, SIGKILLs itself or sleeps forever after step 5 of a
+run long enough that the surviving rank would otherwise keep going. The autouse fixture in
+conftest fails a test that leaves any of its processes running.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, run
+
+FAULT_RANK, FAULT_STEP = 1, 5
+LIMIT_S = 30.0  # the contract: the whole command is over within this many seconds
+
+CONFIG = """\
+task = "digits"
+torch_distributed = {{}}
+num_epochs = 100
+max_steps = 2000
+batch_size = 16
+log_every = 1
+progress_bar = False
+output_dir = {out!r}
+"""
+
+
+def _config(tmp_path: Path) -> tuple[Path, Path]:
+    out = tmp_path / "out"
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(CONFIG.format(out=str(out)))
+    return cfg, out
+
+
+def _command(launcher: str, cfg: Path, *extra: str) -> list[str]:
+    train = ["-m", "distkit", "train", str(cfg), *extra]
+    if launcher == "nprocs":
+        return [sys.executable, *train, "--nprocs", "2"]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *train]
+    if launcher == "mpirun":
+        return [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "DISTKIT_FAULT", sys.executable, *train]
+    raise AssertionError(launcher)
+
+
+def _run_with_fault(launcher: str, tmp_path: Path, kind: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], float, str, Path]:
+    cfg, out = _config(tmp_path)
+    t0 = time.monotonic()
+    # run() kills the whole process group at its own timeout: a hang fails the test, never the suite.
+    res = run(_command(launcher, cfg, *extra), timeout=90, DISTKIT_FAULT=f"{FAULT_RANK}:{FAULT_STEP}:{kind}")
+    elapsed = time.monotonic() - t0
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, f"{launcher} exited 0 although rank {FAULT_RANK} failed:\n{text[-4000:]}"
+    assert elapsed < LIMIT_S, f"{launcher} took {elapsed:.1f}s (> {LIMIT_S}s) to give up:\n{text[-4000:]}"
+    assert not (out / "summary.json").exists(), "a failed run must not write summary.json"
+    # The fault really fired mid-run: rank 0 logged some steps, but not the whole run.
+    steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert FAULT_STEP - 1 <= len(steps) <= FAULT_STEP, steps
+    return res, elapsed, text, out
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_failed_rank_stops_nprocs_run(tmp_path: Path, kind: str) -> None:
+    res, _, text, _ = _run_with_fault("nprocs", tmp_path, kind)
+    how = "exit status 1" if kind == "raise" else "killed by SIGKILL"
+    # distkit's spawner names the rank that failed first, not the one that failed because of it.
+    assert f"distkit: rank {FAULT_RANK} failed ({how})" in res.stderr, text[-4000:]
+    assert "distkit: rank 0 failed (" not in res.stderr, text[-4000:]
+    if kind == "raise":
+        assert f"distkit: rank {FAULT_RANK} failed: RuntimeError: injected fault" in res.stderr, text[-4000:]
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_failed_rank_stops_torchrun_run(tmp_path: Path, kind: str) -> None:
+    res, _, text, _ = _run_with_fault("torchrun", tmp_path, kind)
+    code = "1" if kind == "raise" else r"-9 \(pid: \d+\)\s+\(SIGKILL\)"
+    # torchrun's ChildFailedError report: the root cause is rank 1, with its exit code or signal.
+    root = re.search(r"Root Cause \(first observed failure\):\s*\[0\]:(.*?)={10,}", res.stderr, re.S)
+    assert root is not None, text[-4000:]
+    assert re.search(rf"rank\s*:\s*{FAULT_RANK} \(local_rank: {FAULT_RANK}\)", root.group(1)), root.group(1)
+    assert re.search(rf"exitcode\s*:\s*{code}", root.group(1)), root.group(1)
+    if kind == "raise":
+        assert f"distkit: rank {FAULT_RANK} failed: RuntimeError: injected fault" in res.stderr, text[-4000:]
+
+
+def test_hung_rank_times_out_after_timeout_s(tmp_path: Path) -> None:
+    """Rank 1 sleeps forever; rank 0's collective gives up after distributed.timeout_s = 5 s."""
+    timeout_s = 5
+    res, _, text, out = _run_with_fault("nprocs", tmp_path, "hang", "++distributed.timeout_s", str(timeout_s))
+    ended = time.time()
+    # The last metrics line is rank 0's log of the step before the hang: from then to the end of
+    # the command, rank 0 waited about timeout_s (not gloo's 30 minutes, not the default 300 s).
+    waited = ended - (out / "metrics.jsonl").stat().st_mtime
+    assert timeout_s - 1 <= waited < LIMIT_S, f"waited {waited:.1f}s\n{text[-4000:]}"
+    assert re.search(r"distkit: rank \d failed \(", res.stderr), text[-4000:]
+    assert re.search(r"distkit: rank 0 failed: .*[Tt]imed out", res.stderr), text[-4000:]
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill"])
+def test_failed_rank_stops_mpirun_run(tmp_path: Path, kind: str) -> None:
+    res, _, text, _ = _run_with_fault("mpirun", tmp_path, kind)
+    if kind == "raise":
+        assert f"distkit: rank {FAULT_RANK} failed: RuntimeError: injected fault" in res.stderr, text[-4000:]
+        # Open MPI names the first process that exited non-zero as [job@jobnum,rank].
+        assert re.search(rf"Process name: \[[^\]]*,{FAULT_RANK}\]", text), text[-4000:]
+    else:
+        assert re.search(rf"process rank {FAULT_RANK} with PID \d+ .*\s*signal 9", text), text[-4000:]

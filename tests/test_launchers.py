@@ -1,0 +1,128 @@
+"""DDP end to end under every launcher, as real processes (DESIGN.md sections 5 and 8).
+
+One small RETURNN-style config runs under distkit's own spawner (``--nprocs 2`` and
+perceptrain's ``nprocs = 2`` key), torchrun, the old ``torch.distributed.launch`` (which
+passes ``--local-rank=N`` as an argument) and Open MPI's ``mpirun``, where the user exports
+nothing but the command. Each run must report the launcher it really had, two ranks in
+sync, and the same final parameters, bit for bit: the launcher must not change the result.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import BIN, distkit, ok, run, summary
+
+from distkit.launch import free_port
+
+STEPS = 12
+
+CONFIG = """\
+task = "digits"
+torch_distributed = {{}}
+max_steps = {steps}
+batch_size = 16
+progress_bar = False
+output_dir = {out!r}
+{extra}"""
+
+
+def write_config(path: Path, out: Path, extra: str = "") -> Path:
+    path.write_text(CONFIG.format(steps=STEPS, out=str(out), extra=extra))
+    return path
+
+
+def _command(launcher: str, cfg: Path) -> list[str]:
+    py = sys.executable
+    train = ["-m", "distkit", "train", str(cfg)]
+    if launcher == "spawn":
+        return [py, *train, "--nprocs", "2"]
+    if launcher == "nprocs_key":  # perceptrain: nprocs in the config, no flag
+        return [py, *train]
+    if launcher == "torchrun":  # --standalone: c10d rendezvous on a free port
+        return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *train]
+    if launcher == "torch_launch":  # deprecated launcher: passes --local-rank=N to the module
+        return [py, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                *train]
+    if launcher == "mpirun":  # no MASTER_ADDR/PORT exported: distkit must find the rendezvous itself
+        return [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", py, *train]
+    raise AssertionError(launcher)
+
+
+#: launcher under test -> the ``launcher`` summary.json must report
+EXPECTED = {"spawn": "spawn", "nprocs_key": "spawn", "torchrun": "torchrun", "torch_launch": "torchrun",
+            "mpirun": "openmpi"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
+    """Run the same config once under every launcher; {launcher: (result, output_dir)}."""
+    root = tmp_path_factory.mktemp("launchers")
+    results = {}
+    for launcher in EXPECTED:
+        out = root / f"out-{launcher}"
+        cfg = write_config(root / f"cfg_{launcher}.py", out, "nprocs = 2\n" if launcher == "nprocs_key" else "")
+        results[launcher] = (run(_command(launcher, cfg), timeout=120), out)
+    return results
+
+
+@pytest.mark.parametrize("launcher", list(EXPECTED))
+def test_ddp_under_launcher(runs: dict[str, Any], launcher: str) -> None:
+    res, out = runs[launcher]
+    ok(res)
+    s = summary(out)
+    assert s["world_size"] == 2, s
+    assert s["launcher"] == EXPECTED[launcher], s
+    assert s["backend"] == "ddp" and s["reduce_type"] == "grad", s
+    assert s["ranks_in_sync"] is True, s
+    assert s["steps"] == STEPS, s
+    assert s["samples"] == STEPS * 16 * 2, s
+
+
+def test_same_params_under_every_launcher(runs: dict[str, Any]) -> None:
+    """Same config and seed: bit-identical parameters whichever launcher started the ranks."""
+    checksums = {}
+    for launcher, (res, out) in runs.items():
+        ok(res)
+        checksums[launcher] = summary(out)["param_checksum"]
+    assert len(set(checksums.values())) == 1, checksums
+    assert len(checksums["spawn"]) == 64, checksums  # a sha256 hex digest, not an empty placeholder
+
+
+def test_torch_distributed_launch_passes_local_rank_argument(tmp_path: Path) -> None:
+    """torch 2.13's deprecated launcher still inserts ``--local-rank=N`` before the script's arguments."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys; print('ARGV', sys.argv[1:])\n")
+    res = ok(run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "1",
+                  "--master_port", str(free_port()), str(probe), "train", "cfg.py"], timeout=60))
+    assert "ARGV ['--local-rank=0', 'train', 'cfg.py']" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("flags", [["train", "{cfg}", "--local_rank", "0"],
+                                   ["train", "{cfg}", "--local-rank", "0"],
+                                   ["train", "{cfg}", "--local-rank=0"],
+                                   ["--local-rank=0", "train", "{cfg}"]],  # torch.distributed.launch's order
+                         ids=["local_rank", "local-rank", "local-rank=", "before-command"])
+def test_local_rank_flags_accepted_single_process(tmp_path: Path, flags: list[str]) -> None:
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "cfg.py", out)
+    from distkit.cli import main
+
+    code = main([f.format(cfg=cfg) for f in flags] + ["++max_steps", "3"])
+    assert code == 0
+    s = summary(out)
+    assert (s["world_size"], s["launcher"], s["steps"]) == (1, "single", 3), s
+
+
+def test_local_rank_flag_real_single_process(tmp_path: Path) -> None:
+    """The same through the real command line, as a separate process."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "cfg.py", out)
+    ok(distkit("train", str(cfg), "--local-rank", "0", "++max_steps", "3", timeout=60))
+    s = summary(out)
+    assert (s["world_size"], s["launcher"], s["steps"]) == (1, "single", 3), s
+
