@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from distkit import faults
 from distkit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ def save(strategy: "Strategy", root: str, step: int, state: dict[str, Any]) -> s
     path = os.path.join(tmp, _rank_file(strategy.rank))
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
+    faults.maybe_fire(strategy.rank, step, "checkpoint")
     strategy.barrier()  # every rank's file is complete
     if strategy.is_main:
         manifest = {"step": step, "world_size": strategy.world_size,

@@ -1,8 +1,10 @@
 """Fault injection for failure tests: real SIGKILLs and exceptions at a chosen step.
 
-``DISTKIT_FAULT="RANK:STEP:KIND"`` makes rank RANK, right after optimizer step STEP,
+``DISTKIT_FAULT="RANK:STEP:KIND[:POINT]"`` makes rank RANK, at optimizer step STEP,
 ``kill`` itself with SIGKILL, ``raise`` RuntimeError, or ``hang`` (sleep forever, to test
-timeouts). Read once at import; unset in normal runs, where it costs one comparison.
+timeouts). POINT is ``step`` (right after the optimizer step, the default) or
+``checkpoint`` (inside a checkpoint save, after this rank wrote its file and before the
+manifest). Read once at import; unset in normal runs, where it costs one comparison.
 """
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import signal
 import time
 
 _SPEC = os.environ.get("DISTKIT_FAULT", "")
-_RANK, _STEP, _KIND = (int(_SPEC.split(":")[0]), int(_SPEC.split(":")[1]), _SPEC.split(":")[2]) if _SPEC else (-1, -1, "")
+_PARTS = _SPEC.split(":") if _SPEC else ["-1", "-1", "", "step"]
+_RANK, _STEP, _KIND = int(_PARTS[0]), int(_PARTS[1]), _PARTS[2]
+_POINT = _PARTS[3] if len(_PARTS) > 3 else "step"
 
 
-def maybe_fire(rank: int, step: int) -> None:
-    """Fire the configured fault if this is its rank and step."""
-    if rank != _RANK or step != _STEP:
+def maybe_fire(rank: int, step: int, point: str = "step") -> None:
+    """Fire the configured fault if this is its rank, step and point."""
+    if rank != _RANK or step != _STEP or point != _POINT:
         return
     if _KIND == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -22,18 +22,28 @@ def set_current_strategy(strategy: Optional["Strategy"]) -> None:
 
 
 def _torch_dist() -> Any:
+    """torch.distributed if a process group exists; creates one (gloo) when the launcher says
+    there are several ranks but nobody initialised it yet, as SpeechBrain's ``ddp_init_group``.
+    A later Trainer.fit() with the DDP backend reuses that group."""
     import torch.distributed as dist
 
-    return dist if dist.is_available() and dist.is_initialized() else None
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        from distkit.env import detect, resolve_rendezvous
+
+        env = detect(os.environ)
+        if env.world_size == 1:
+            return None
+        addr, port = resolve_rendezvous(env)
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=env.rank, world_size=env.world_size)
+    return dist
 
 
 def is_main_process() -> bool:
     """True on global rank 0 (or when not distributed)."""
     if _CURRENT is not None:
         return _CURRENT.is_main
-    dist = _torch_dist()
-    if dist is not None:
-        return bool(dist.get_rank() == 0)
     from distkit.env import detect
 
     return detect(os.environ).rank == 0

@@ -1,0 +1,55 @@
+"""The Python API: distkit.Trainer, run_on_main, is_main_process."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import distkit
+from conftest import BIN, ok, run
+
+SCRIPT = '''
+import json, os, sys
+import distkit
+
+out = sys.argv[1]
+marker = os.path.join(out, "prepared.txt")
+os.makedirs(out, exist_ok=True)
+
+def prepare():
+    import time
+    time.sleep(1.0)  # if the others did not wait, they would look before the file exists
+    with open(marker, "a") as f:
+        f.write(os.environ["RANK"] + "\\n")
+    return {"vocab": 42}
+
+seen = []
+result = distkit.run_on_main(prepare, post_func=lambda: seen.append(os.path.exists(marker)))
+summary = distkit.Trainer({"task": "digits", "torch_distributed": {}, "max_steps": 3, "output_dir": out,
+                           "progress_bar": False}).fit()
+print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), "result": result, "seen": seen,
+                              "main": distkit.is_main_process(), "in_sync": summary["ranks_in_sync"]}))
+'''
+
+
+def test_trainer_python_api_single_process(tmp_path: Path) -> None:
+    summary = distkit.Trainer({"task": "digits", "max_steps": 5, "output_dir": str(tmp_path), "progress_bar": False},
+                              batch_size=8).fit()
+    assert summary["steps"] == 5 and summary["samples"] == 40 and summary["world_size"] == 1
+    assert json.loads((tmp_path / "summary.json").read_text())["param_checksum"] == summary["param_checksum"]
+    assert distkit.is_main_process()
+    assert distkit.run_on_main(lambda x: x * 2, args=[21]) == 42
+
+
+def test_run_on_main_under_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "user_script.py"
+    script.write_text(SCRIPT)
+    res = ok(run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "0", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", "localhost:0", str(script), str(tmp_path / "out")], timeout=120))
+    rows = sorted((json.loads(line[7:]) for line in res.stdout.splitlines() if line.startswith("RESULT ")),
+                  key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert (tmp_path / "out" / "prepared.txt").read_text() == "0\n"  # ran once, on rank 0
+    assert all(r["result"] == {"vocab": 42} for r in rows)  # result shared with every rank
+    assert rows[1]["seen"] == [True] and rows[0]["seen"] == []  # post_func on the others, after rank 0 finished
+    assert [r["main"] for r in rows] == [True, False] and all(r["in_sync"] for r in rows)

@@ -1,0 +1,31 @@
+"""Atomic checkpoints: a kill in the middle of a save leaves the previous one loadable."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import distkit, final_params, ok, summary
+
+ARGS = ["train", "configs/returnn_ddp.py", "--nprocs", "2", "++max_steps", "20", "++checkpoint_every", "5",
+        "++progress_bar", "False", "++optimizer", "{'class': 'adam'}", "++learning_rate", "0.001"]
+
+
+def test_kill_during_checkpoint_save_keeps_previous(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    # rank 0 dies after writing its file of step 10 and before the manifest / rename / latest
+    res = distkit(*ARGS, "++output_dir", str(out), DISTKIT_FAULT="0:10:kill:checkpoint")
+    assert res.returncode != 0 and "rank 0 failed (killed by SIGKILL)" in res.stderr
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step-0000005"
+    partial = ckpts / ".step-0000010.tmp"
+    assert partial.is_dir() and not (partial / "manifest.json").exists()
+    assert not (ckpts / "step-0000010").exists()
+    resumed = ok(distkit(*ARGS, "++output_dir", str(out), "++resume", "auto"))
+    assert "at step 5" in resumed.stdout
+    ref = tmp_path / "ref"
+    ok(distkit(*ARGS, "++output_dir", str(ref)))
+    a, b = final_params(ref), final_params(out)
+    assert all(a[k].equal(b[k]) for k in a)  # Adam moments restored too
+    assert summary(out)["steps"] == 20 and not partial.exists()
+    # only the newest 3 complete checkpoints are kept
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == \
+        ["step-0000010", "step-0000015", "step-0000020"]

@@ -1,0 +1,86 @@
+"""Config: files, overrides, precedence, seed spellings, resolved output."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distkit.config import LaunchFlags, load_config, split_overrides
+from distkit.errors import ConfigError
+
+
+def _py(tmp_path: Path, text: str, name: str = "c.py") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_defaults_files_command_line(tmp_path: Path) -> None:
+    a = _py(tmp_path, "batch_size = 4\nlearning_rate = 0.5\n", "a.py")
+    b = tmp_path / "b.yaml"
+    b.write_text("batch_size: 8\nnum_epochs: 2\n")
+    cfg = load_config([a, str(b)], [("num_epochs", 3)])
+    assert (cfg.batch_size, cfg.learning_rate, cfg.num_epochs, cfg.seed) == (8, 0.5, 3, 42)
+
+
+def test_override_parsing_literal_else_string() -> None:
+    rest, pairs = split_overrides(["train", "c.py", "++lr", "0.1", "++name", "abc", "++d={'a': 1}", "--nprocs", "2"])
+    assert rest == ["train", "c.py", "--nprocs", "2"]
+    assert pairs == [("lr", 0.1), ("name", "abc"), ("d", {"a": 1})]
+
+
+def test_python_config_callables_and_helpers(tmp_path: Path) -> None:
+    cfg = load_config([_py(tmp_path, (
+        "import torch\n"
+        "def _private(): pass\n"
+        "def helper():\n    return 1\n"
+        "def build():\n    return torch.nn.Linear(64, 10)\n"
+        "model = build\n"
+        "torch_distributed = {'reduce_type': 'param', 'param_sync_step': 7, 'timeout_sec': 60, 'backend': 'cpu:gloo,cuda:nccl'}\n"
+    ))])
+    assert cfg.model is not None and cfg.model().out_features == 10
+    d = cfg.distributed
+    assert (d.backend, d.reduce_type, d.param_sync_step, d.timeout_s, d.pg_backend) == ("ddp", "param", 7, 60, None)
+
+
+def test_module_function_strings_are_imported(tmp_path: Path) -> None:
+    cfg = load_config([], [("model", "distkit.tasks.digits:make_model"), ("loss", "distkit.tasks:cross_entropy")])
+    from distkit.tasks import cross_entropy
+    from distkit.tasks.digits import make_model
+
+    assert cfg.model is make_model and cfg.loss is cross_entropy
+
+
+def test_seed_spellings(tmp_path: Path) -> None:
+    # perceptrain: nprocs, backend (torch.distributed), compute_setup
+    cfg = load_config([_py(tmp_path, "nprocs = 2\nbackend = 'gloo'\ncompute_setup = 'cpu'\n")])
+    assert (cfg.nprocs, cfg.distributed.pg_backend, cfg.device) == (2, "gloo", "cpu")
+    # SpeechBrain flags
+    cfg = load_config([], [], LaunchFlags(distributed_backend="gloo", find_unused_parameters=True, nprocs=3))
+    assert cfg.distributed.pg_backend == "gloo" and cfg.distributed.options == {"find_unused_parameters": True}
+    assert cfg.nprocs == 3
+    # RETURNN grad options go to DDP
+    cfg = load_config([_py(tmp_path, "torch_distributed = {'options': {'bucket_cap_mb': 5}}\n")])
+    assert cfg.distributed.reduce_type == "grad" and cfg.distributed.options == {"bucket_cap_mb": 5}
+    # nested override
+    cfg = load_config([], [("distributed.reduce_type", "param"), ("param_outer_optimizer", {"class": "nesterov", "lr": 0.7})])
+    assert cfg.distributed.reduce_type == "param" and cfg.distributed.outer_optimizer == {"class": "nesterov", "lr": 0.7}
+
+
+def test_helper_function_that_looks_like_a_typo_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="did you mean 'model'"):
+        load_config([_py(tmp_path, "def modle():\n    pass\n")])
+
+
+def test_resolved_config_written_by_rank0(tmp_path: Path) -> None:
+    from conftest import distkit, ok
+
+    out = tmp_path / "o"
+    ok(distkit("train", "configs/returnn_ddp.py", "++max_steps", "2", "++output_dir", str(out), "++progress_bar", "False",
+               "++loss", "distkit.tasks:cross_entropy"))
+    resolved = json.loads((out / "config.resolved.json").read_text())
+    assert resolved["distributed"]["backend"] == "ddp" and resolved["max_steps"] == 2
+    assert resolved["loss"] == "distkit.tasks:cross_entropy" and resolved["world_size"] == 1
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 2 and lines[-1]["samples"] == 32 and lines[-1]["loss"] > 0

@@ -1,0 +1,39 @@
+"""Every example config runs as the README documents it (shortened with ++max_steps)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import BIN, distkit, ok, run, summary
+
+QUICK = ["++progress_bar", "False", "++max_steps", "12"]
+
+
+def test_demo_reaches_90_percent(tmp_path: Path) -> None:
+    res = ok(distkit("train", "configs/demo.py", "--nprocs", "2", "++output_dir", str(tmp_path), timeout=240))
+    s = summary(tmp_path)
+    assert s["eval_accuracy"] >= 0.90 and s["world_size"] == 2 and s["ranks_in_sync"]
+    assert "eval_accuracy" in res.stdout and "computing time" in res.stdout + res.stderr
+
+
+def test_returnn_param_config(tmp_path: Path) -> None:
+    ok(distkit("train", "configs/returnn_param.py", "--nprocs", "2", "++output_dir", str(tmp_path), *QUICK))
+    s = summary(tmp_path)
+    assert (s["reduce_type"], s["param_sync_step"], s["ranks_in_sync"], s["steps"]) == ("param", 100, True, 12)
+
+
+def test_speechbrain_yaml_under_torchrun(tmp_path: Path) -> None:
+    ok(run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+            "-m", "distkit", "train", "configs/speechbrain.yaml", "--distributed_launch", "--distributed_backend", "gloo",
+            "++output_dir", str(tmp_path), *QUICK]))
+    s = summary(tmp_path)
+    assert (s["launcher"], s["world_size"], s["backend_impl"].endswith("DDP (gloo)")) == ("torchrun", 2, True)
+
+
+def test_charlm_json_spawns_from_nprocs_key(tmp_path: Path) -> None:
+    ok(distkit("train", "configs/charlm.json", "++output_dir", str(tmp_path), "++max_steps", "6", "++eval_every", "3",
+               "++progress_bar", "False"))
+    s = summary(tmp_path)
+    assert s["world_size"] == 2 and s["launcher"] == "spawn" and s["steps"] == 6
+    assert 0 < s["eval_loss"] < 5.0 and s["eval_accuracy"] is not None
+    evals = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    assert len(evals) == 2
