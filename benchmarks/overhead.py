@@ -35,6 +35,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
@@ -142,7 +143,7 @@ def run_distkit(be: Backend, args: argparse.Namespace, work: str, tag: str) -> d
 
 def distkit_worker(times_path: str, argv: list[str]) -> int:
     """Per rank, under the launcher: time every ``_Run.train_step`` call, then run the real CLI."""
-    from time import perf_counter
+    from time import perf_counter, process_time
 
     import torch
 
@@ -150,20 +151,24 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
 
     starts: list[float] = []
     ends: list[float] = []
+    cpu_starts: list[float] = []
+    cpu_ends: list[float] = []
     inner = trainer._Run.train_step
 
     def timed(self: Any, epoch: int, step_in_epoch: int) -> Any:
-        t0 = perf_counter()
+        t0, c0 = perf_counter(), process_time()
         out = inner(self, epoch, step_in_epoch)
         ends.append(perf_counter())
+        cpu_ends.append(process_time())
         starts.append(t0)
+        cpu_starts.append(c0)
         return out
 
     trainer._Run.train_step = timed  # type: ignore[method-assign]
     rc = cli.main(argv)
     if rc == 0 and int(os.environ.get("RANK", "0")) == 0:
         with open(times_path, "w") as f:
-            json.dump({"impl": "distkit", "starts": starts, "ends": ends,
+            json.dump({"impl": "distkit", "starts": starts, "ends": ends, "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,
                        "torch_threads": torch.get_num_threads()}, f)
     return rc
 
@@ -179,11 +184,48 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+METRICS = ("iter", "step", "cpu")
+
+
 def step_series(rec: dict[str, Any], warmup: int) -> dict[str, list[float]]:
-    """Post-warm-up per-step seconds: ``iter`` (start to next start) and ``step`` (start to end)."""
-    s, e = rec["starts"], rec["ends"]
+    """Post-warm-up per-step seconds: ``iter`` (start to next start), ``step`` (start to end),
+    ``cpu`` (rank 0's process CPU time, all threads, start to end of the step)."""
+    s, e, cs, ce = rec["starts"], rec["ends"], rec["cpu_starts"], rec["cpu_ends"]
     return {"iter": [s[i + 1] - s[i] for i in range(warmup, len(s) - 1)],
-            "step": [e[i] - s[i] for i in range(warmup, len(s))]}
+            "step": [e[i] - s[i] for i in range(warmup, len(s))],
+            "cpu": [ce[i] - cs[i] for i in range(warmup, len(s))]}
+
+
+# --------------------------------------------------------------------------- machine noise
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, whole-machine busy CPU s from /proc/stat, CPU s of our waited-for children)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        busy = (sum(v) - v[3] - v[4]) / hz
+    except (OSError, ValueError):
+        busy = float("nan")
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter(), busy, ru.ru_utime + ru.ru_stime
+
+
+def foreign_load(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Busy CPUs that were not this benchmark's processes, averaged over the interval (0 = quiet)."""
+    wall = after[0] - before[0]
+    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / max(wall, 1e-9))
+
+
+def wait_quiet(max_wait_s: float, threshold: float) -> float:
+    """Wait (at most ``max_wait_s``) until other processes use less than ``threshold`` CPUs
+    over a 1 s sample; returns the last sample's load."""
+    deadline = time.perf_counter() + max_wait_s
+    while True:
+        a = cpu_snapshot()
+        time.sleep(1.0)
+        load = foreign_load(a, cpu_snapshot())
+        if load < threshold or time.perf_counter() >= deadline:
+            return load
 
 
 def describe(xs: list[float]) -> dict[str, float]:

@@ -11,8 +11,10 @@ same per-rank batch, same ``shard`` data order (one global permutation per epoch
 DDP ``bucket_cap_mb``. So after N steps its parameters equal distkit's bit for bit, which the
 benchmark checks through ``param_checksum``.
 
-Each rank records ``time.perf_counter()`` before fetching a step's batch and after
-``zero_grad``; rank 0 writes ``{"starts": [...], "ends": [...], ...}`` to ``--times``.
+Each rank records ``time.perf_counter()`` (and ``time.process_time()``, this process's CPU
+time over all its threads) before fetching a step's batch and after ``zero_grad``; rank 0
+writes ``{"starts": [...], "ends": [...], "cpu_starts": [...], "cpu_ends": [...], ...}``
+to ``--times``.
 """
 from __future__ import annotations
 
@@ -63,10 +65,10 @@ def main() -> None:
     global_batch = args.batch_size * world
     steps_per_epoch = len(xs) // global_batch  # the incomplete last global batch is dropped
 
-    starts, ends = [], []
+    starts, ends, cpu_starts, cpu_ends = [], [], [], []
     perm, perm_epoch = None, -1
     for step in range(args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         epoch, s = divmod(step, steps_per_epoch)
         if epoch != perm_epoch:  # one permutation per epoch, identical on every rank
             perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch))
@@ -79,12 +81,15 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
         starts.append(t0)
+        cpu_starts.append(c0)
 
     checksum = param_checksum(model.module)
     if rank == 0:
         with open(args.times, "w") as f:
             json.dump({"impl": "raw_ddp", "rank": rank, "world_size": world, "starts": starts, "ends": ends,
+                       "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,
                        "final_loss": loss.item(), "param_checksum": checksum,
                        "torch_threads": torch.get_num_threads()}, f)
     dist.destroy_process_group()
