@@ -35,7 +35,9 @@ CASES = [
     ("bad_optimizer", "optimizer = {'class': 'rmsprop'}\n", [], ["optimizer.class", "sgd, adam, adamw"]),
     ("pg_backend_mpi", "", ["--distributed_backend", "mpi"], ["'mpi' backend is not built", "gloo"]),
     ("resume_missing_dir", "resume = '/nonexistent/ckpt'\n", [], ["'resume'", "existing checkpoint directory"]),
-    ("deepspeed_not_yet", "", ["--deepspeed_config", "ds.json"], ["backend 'deepspeed' is not yet available"]),
+    ("deepspeed_flag_not_yet", "", ["--deepspeed"], ["backend 'deepspeed' is not yet available"]),
+    ("deepspeed_config_missing", "", ["--deepspeed_config", "nope_ds.json"], ["'nope_ds.json' does not exist"]),
+    ("bad_compression", "use_horovod = True\nhorovod_compression = 'int8'\n", [], ["compression", "none, fp16"]),
     ("horovod_key_without_horovod", "horovod_reduce_type = 'param'\n", [], ["use_horovod = True"]),
     ("override_without_value", "", ["++learning_rate"], ["has no value"]),
 ]

@@ -30,6 +30,35 @@ _TORCH_DISTRIBUTED_KEYS = {
 }
 
 
+#: RETURNN's Horovod keys -> canonical ``distributed`` keys (data_distribution is top level).
+_HOROVOD_KEYS = {
+    "horovod_reduce_type": "reduce_type", "horovod_param_sync_step": "param_sync_step",
+    "horovod_param_sync_time_diff": "param_sync_time_diff", "horovod_scale_lr": "scale_lr",
+    "horovod_dataset_distribution": "data_distribution", "horovod_avg_grad": "avg_grad",
+    "horovod_compression": "compression", "horovod_require": "require_horovod",
+}
+
+
+def _load_deepspeed_config(value: Any) -> dict[str, Any]:
+    """A DeepSpeed config given as a dict or a JSON file path."""
+    if isinstance(value, dict):
+        return dict(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"'deepspeed_config' must be a JSON file path or a dict, got {value!r}")
+    if not os.path.isfile(value):
+        raise ConfigError(f"DeepSpeed config file '{value}' does not exist: check the --deepspeed_config path")
+    import json
+
+    try:
+        with open(value, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{value}:{e.lineno}: invalid JSON in DeepSpeed config: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{value}: a DeepSpeed config must be a JSON object")
+    return data
+
+
 @dataclass
 class LaunchFlags:
     """Launcher/seed flags from the command line (DESIGN.md section 4)."""
@@ -71,9 +100,19 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None) -> RunConfig:
     if horovod_keys and "use_horovod" not in selectors and dist.backend != "horovod":
         raise ConfigError(f"'{horovod_keys[0]}' is set but Horovod is not selected: add use_horovod = True")
     for key in horovod_keys:
-        raw.pop(key)
-    if raw.pop("deepspeed_config", None) is not None or flags.deepspeed or flags.deepspeed_config:
+        target = _HOROVOD_KEYS[key]
+        value = raw.pop(key)
+        if target == "data_distribution":
+            raw.setdefault("data_distribution", value)
+        else:
+            setattr(dist, target, value)
+    ds = raw.pop("deepspeed_config", None)
+    if flags.deepspeed_config is not None:
+        ds = flags.deepspeed_config
+    if ds is not None or flags.deepspeed:
         selectors["deepspeed"] = "deepspeed"
+        if ds is not None:
+            dist.deepspeed_config = _load_deepspeed_config(ds)
     if len(set(selectors.values())) > 1:
         desc = ", ".join(f"{k} -> {v}" for k, v in selectors.items())
         raise ConfigError(f"two backends selected at once ({desc}): keep only one of these spellings")
@@ -157,6 +196,13 @@ def _validate(cfg: RunConfig) -> None:
                 "torch.distributed's 'mpi' backend is not built into the PyTorch wheels: "
                 "use backend 'gloo' (or distributed = {'backend': 'mpi'} for distkit's MPI engine)")
         _choice("distributed.pg_backend", d.pg_backend, PG_BACKENDS)
+    _choice("distributed.compression", d.compression, ("none", "fp16"))
+    if not isinstance(d.bucket_cap_mb, (int, float)) or isinstance(d.bucket_cap_mb, bool) or d.bucket_cap_mb <= 0:
+        raise ConfigError(f"'distributed.bucket_cap_mb' must be a positive number of MiB, got {d.bucket_cap_mb!r}")
+    _int("distributed.param_sync_group_size", d.param_sync_group_size, 1)
+    for flag in ("scale_lr", "avg_grad", "require_horovod"):
+        if not isinstance(getattr(d, flag), (bool, int)):
+            raise ConfigError(f"'distributed.{flag}' must be True or False, got {getattr(d, flag)!r}")
     if d.outer_optimizer is not None:
         oo = d.outer_optimizer
         if not isinstance(oo, dict) or oo.get("class") != "nesterov":

@@ -40,6 +40,20 @@ class DistributedConfig:
     pg_backend: Optional[str] = None
     #: param mode outer optimizer on the averaged update (DiLoCo / SlowMo); None = plain averaging.
     outer_optimizer: Optional[dict[str, Any]] = None
+    #: multiply learning_rate by the world size (RETURNN's horovod_scale_lr)
+    scale_lr: bool = False
+    #: grad mode: average gradients (True) or sum them (False, RETURNN's horovod_avg_grad = False)
+    avg_grad: bool = True
+    #: gradient compression for the collective: "none" | "fp16" (horovod)
+    compression: str = "none"
+    #: horovod: fail instead of falling back to the mpi engine when Horovod is not importable
+    require_horovod: bool = False
+    #: mpi engine: gradient bucket size in MiB (buckets are all-reduced as soon as they are full)
+    bucket_cap_mb: float = 25.0
+    #: deepspeed: the DeepSpeed config (a dict, after loading the JSON file if a path was given)
+    deepspeed_config: Optional[dict[str, Any]] = None
+    #: deepspeed param mode: ranks per replica group (ZeRO shards inside a group, groups average)
+    param_sync_group_size: int = 1
 
 
 @dataclass
