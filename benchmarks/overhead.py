@@ -296,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default cores // nprocs)")
-    ap.add_argument("--quiet-wait", type=float, default=20.0, metavar="S",
+    ap.add_argument("--quiet-wait", type=float, default=5.0, metavar="S",
                     help="before each run wait up to S seconds for other processes to go quiet (0: don't)")
     ap.add_argument("--noisy-load", type=float, default=0.1, metavar="CPUS",
                     help="a run during which other processes used more than this many CPUs on average is "

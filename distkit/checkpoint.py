@@ -35,8 +35,12 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def save(strategy: "Strategy", root: str, step: int, state: dict[str, Any]) -> str:
-    """Collective: write this rank's ``state`` into checkpoint ``step``; returns its directory."""
+def save(strategy: "Strategy", root: str, step: int, state: dict[str, Any], model: Any = None) -> str:
+    """Collective: write this rank's ``state`` into checkpoint ``step``; returns its directory.
+
+    Engines with their own format (DeepSpeed) write it into the same temporary directory
+    through ``strategy.save_engine_files`` first, so it is covered by the same manifest.
+    """
     name = f"step-{step:07d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
     if strategy.is_main:
@@ -44,14 +48,16 @@ def save(strategy: "Strategy", root: str, step: int, state: dict[str, Any]) -> s
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     strategy.barrier()
+    strategy.save_engine_files(tmp, model)
     path = os.path.join(tmp, _rank_file(strategy.rank))
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
     faults.maybe_fire(strategy.rank, step, "checkpoint")
     strategy.barrier()  # every rank's file is complete
     if strategy.is_main:
-        manifest = {"step": step, "world_size": strategy.world_size,
-                    "files": {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}}
+        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
+                 for d, _, names in os.walk(tmp) for f in names}
+        manifest = {"step": step, "world_size": strategy.world_size, "files": dict(sorted(files.items()))}
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f)
         shutil.rmtree(final, ignore_errors=True)

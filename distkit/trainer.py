@@ -12,7 +12,7 @@ import json
 import os
 import random
 import time
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
@@ -30,15 +30,17 @@ from distkit.tasks import Task, make_task
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-def build_optimizer(cfg: RunConfig, params: Any) -> torch.optim.Optimizer:
+def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1) -> torch.optim.Optimizer:
+    """The configured optimizer; ``distributed.scale_lr`` multiplies the learning rate by the world size."""
     kwargs = {k: v for k, v in cfg.optimizer.items() if k != "class"}
-    return _OPTIMIZERS[str(cfg.optimizer["class"]).lower()](params, lr=cfg.learning_rate, **kwargs)
+    lr = cfg.learning_rate * (world_size if cfg.distributed.scale_lr else 1)
+    return _OPTIMIZERS[str(cfg.optimizer["class"]).lower()](params, lr=lr, **kwargs)
 
 
-def param_checksum(model: torch.nn.Module) -> str:
+def param_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """sha256 over every parameter in ``named_parameters`` order, as fp32 bytes."""
     h = hashlib.sha256()
-    for _, p in model.named_parameters():
+    for _, p in named:
         h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
 
@@ -71,6 +73,9 @@ class Trainer:
         set_current_strategy(strategy)
         try:
             return _Run(self.cfg, strategy).run()
+        except BaseException:
+            strategy.abort()  # e.g. MPI_Abort: the other ranks must not wait for this one
+            raise
         finally:
             set_current_strategy(None)
             strategy.teardown()
@@ -82,7 +87,7 @@ class _Run:
         torch.manual_seed(cfg.seed), random.seed(cfg.seed), np.random.seed(cfg.seed)
         self.task: Task = make_task(cfg)
         model = self.task.model_fn()
-        self.model, self.opt = s.setup(model, build_optimizer(cfg, model.parameters()))
+        self.model, self.opt = s.setup(model, build_optimizer(cfg, model.parameters(), s.world_size))
         self.bare = s.unwrap(self.model)
         self.plan = BatchPlan(len(self.task.train), cfg.batch_size, s.rank, s.world_size, cfg.data_distribution, cfg.seed)
         # Ranks may hold different data (user datasets); the minimum step count never hangs.
@@ -103,7 +108,7 @@ class _Run:
             self.out = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a" if self.step else "w")
 
     def _state(self) -> dict[str, Any]:
-        return {"model": self.bare.state_dict(), "optimizer": self.opt.state_dict(),
+        return {**self.s.state_dict(self.model, self.opt),
                 "averager": self.s.averager.state_dict() if self.s.averager else None,
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
                 "progress": {"step": self.step, "samples": self.samples}}
@@ -113,8 +118,8 @@ class _Run:
         if not path:
             return
         st = checkpoint.load(path, self.s.rank, self.s.world_size)
-        self.bare.load_state_dict(st["model"])
-        self.opt.load_state_dict(st["optimizer"])
+        self.s.load_engine_files(path, self.model)
+        self.s.load_state_dict(self.model, self.opt, st)
         if self.s.averager is not None and st["averager"] is not None:
             self.s.averager.load_state_dict(st["averager"])
         torch.set_rng_state(st["rng"]["torch"]), random.setstate(st["rng"]["python"]), np.random.set_state(st["rng"]["numpy"])
@@ -192,7 +197,7 @@ class _Run:
                     el, ea = self.evaluate()
                     self._log({"step": self.step, "eval_loss": el, "eval_accuracy": ea})
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < self.total_steps:
-                    checkpoint.save(s, self.ckpt_root, self.step, self._state())
+                    checkpoint.save(s, self.ckpt_root, self.step, self._state(), self.model)
             wall = time.perf_counter() - t_epoch
             if s.is_main:
                 bar.write(f"epoch {epoch + 1}: {n_epoch} steps, train loss {train_loss:.4f}, {wall:.2f}s, "
@@ -201,9 +206,9 @@ class _Run:
         s.finish(self.model)
         wall = time.perf_counter() - t_start
         eval_loss, eval_acc = self.evaluate()
-        checksum = param_checksum(self.bare)
+        checksum = param_checksum(s.full_named_parameters(self.model))
         in_sync = all(c == checksum for c in s.all_gather_object(checksum))
-        checkpoint.save(s, self.ckpt_root, self.step, self._state())
+        checkpoint.save(s, self.ckpt_root, self.step, self._state(), self.model)
         summary = {
             "backend": cfg.distributed.backend, "backend_impl": s.backend_impl(),
             "reduce_type": cfg.distributed.reduce_type,

@@ -58,6 +58,9 @@ class Strategy(ABC):
     def teardown(self) -> None:
         """Leave the process group; idempotent."""
 
+    def abort(self) -> None:
+        """This rank failed: make sure the others do not wait for it (e.g. MPI_Abort). Not collective."""
+
     def backend_impl(self) -> str:
         """What really runs, with versions, e.g. 'torch 2.13.0 DDP (gloo)'."""
         return self.name
@@ -89,6 +92,25 @@ class Strategy(ABC):
         """Collective: end of training; param mode does its final sync so all ranks hold the average."""
         if self.averager is not None:
             self.averager.final_sync()
+
+    # -- state (checkpoints, checksums) ------------------------------------------------------
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's model + optimizer state for a checkpoint (a picklable dict)."""
+        return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        self.unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def save_engine_files(self, directory: str, model: nn.Module) -> None:
+        """Collective: engines with their own checkpoint format write it into ``directory`` (default: nothing)."""
+
+    def load_engine_files(self, directory: str, model: nn.Module) -> None:
+        """Collective: read what :meth:`save_engine_files` wrote (default: nothing)."""
+
+    def full_named_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective where parameters are sharded: every parameter, whole, in a fixed order."""
+        yield from self.unwrap(model).named_parameters()
 
     # -- collectives -----------------------------------------------------------------
     @abstractmethod
