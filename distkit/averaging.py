@@ -51,8 +51,6 @@ class ParamAverager:
         self._anchor: list[torch.Tensor] = []
         if outer_optimizer is not None:
             self._anchor = [t.detach().clone() for t in tensors]
-            for a in self._anchor:
-                a.grad = torch.zeros_like(a)
             momentum = float(outer_optimizer.get("momentum", 0.9))
             # torch refuses nesterov without momentum; with momentum 0 both are plain SGD anyway.
             self._outer = torch.optim.SGD(self._anchor, lr=float(outer_optimizer.get("lr", 0.7)),
@@ -78,10 +76,10 @@ class ParamAverager:
         self.strategy.average_parameters(self.tensors)
         if self._outer is not None:
             with torch.no_grad():
-                for a, t in zip(self._anchor, self.tensors):
-                    a.grad.copy_(a - t)  # pseudo-gradient: how far the average moved, negated
+                for a, t in zip(self._anchor, self.tensors, strict=True):
+                    a.grad = a - t  # pseudo-gradient: how far the average moved, negated
                 self._outer.step()
-                for a, t in zip(self._anchor, self.tensors):
+                for a, t in zip(self._anchor, self.tensors, strict=True):
                     t.copy_(a)
         self.steps_since_sync = 0
         self.num_syncs += 1
@@ -104,7 +102,7 @@ class ParamAverager:
         self.num_syncs = int(state["num_syncs"])
         if self._outer is not None and "anchor" in state:
             with torch.no_grad():
-                for a, v in zip(self._anchor, state["anchor"]):
+                for a, v in zip(self._anchor, state["anchor"], strict=True):
                     a.copy_(v)
             self._outer.load_state_dict(state["outer"])
         self._last_sync = time.monotonic()

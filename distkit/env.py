@@ -175,10 +175,10 @@ def detect(environ: Mapping[str, str]) -> ClusterEnv:
                       num_nodes=None, job_id=jid[1] if jid else None)
     if _get(e, "HOROVOD_RANK") and _get(e, "HOROVOD_SIZE") and _get(e, "HOROVOD_GLOO_RENDEZVOUS_ADDR"):
         # The rendezvous server's addr:port is unique per running horovodrun: a usable job id.
-        jid = f"horovod-{e['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{e.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}"
+        hvd_id = f"horovod-{e['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{e.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}"
         return _build(e, "horovodrun", _int(e, "HOROVOD_RANK"), _int(e, "HOROVOD_SIZE"),
                       local_rank=_int(e, "HOROVOD_LOCAL_RANK"), local_world=_int(e, "HOROVOD_LOCAL_SIZE"),
-                      node_rank=_int(e, "HOROVOD_CROSS_RANK"), num_nodes=_int(e, "HOROVOD_CROSS_SIZE"), job_id=jid)
+                      node_rank=_int(e, "HOROVOD_CROSS_RANK"), num_nodes=_int(e, "HOROVOD_CROSS_SIZE"), job_id=hvd_id)
     # 4. distkit's own spawner (one node; it always exports MASTER_ADDR/MASTER_PORT).
     if _get(e, "DISTKIT_SPAWN_ID"):
         return _build(e, "spawn", _int(e, "RANK", default=0), _int(e, "WORLD_SIZE", default=1),

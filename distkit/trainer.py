@@ -68,7 +68,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, save; returns the summary (the content of summary.json) on every rank."""
-        strategy = strategy_class(self.cfg.distributed.backend)(self.cfg, self.env, pick_device(self.cfg.device, self.env.local_rank))
+        device = pick_device(self.cfg.device, self.env.local_rank)
+        strategy = strategy_class(self.cfg.distributed.backend)(self.cfg, self.env, device)
         strategy.init()
         set_current_strategy(strategy)
         try:
@@ -84,12 +85,15 @@ class Trainer:
 class _Run:
     def __init__(self, cfg: RunConfig, s: Strategy) -> None:
         self.cfg, self.s = cfg, s
-        torch.manual_seed(cfg.seed), random.seed(cfg.seed), np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
         self.task: Task = make_task(cfg)
         model = self.task.model_fn()
         self.model, self.opt = s.setup(model, build_optimizer(cfg, model.parameters(), s.world_size))
         self.bare = s.unwrap(self.model)
-        self.plan = BatchPlan(len(self.task.train), cfg.batch_size, s.rank, s.world_size, cfg.data_distribution, cfg.seed)
+        n_train = len(self.task.train)  # type: ignore[arg-type]
+        self.plan = BatchPlan(n_train, cfg.batch_size, s.rank, s.world_size, cfg.data_distribution, cfg.seed)
         # Ranks may hold different data (user datasets); the minimum step count never hangs.
         local = torch.tensor([self.plan.steps_per_epoch // cfg.accum_grad_multiple_step])
         self.steps_per_epoch = int(s.all_reduce(local, op="min").item())
@@ -122,7 +126,9 @@ class _Run:
         self.s.load_state_dict(self.model, self.opt, st)
         if self.s.averager is not None and st["averager"] is not None:
             self.s.averager.load_state_dict(st["averager"])
-        torch.set_rng_state(st["rng"]["torch"]), random.setstate(st["rng"]["python"]), np.random.set_state(st["rng"]["numpy"])
+        torch.set_rng_state(st["rng"]["torch"])
+        random.setstate(st["rng"]["python"])
+        np.random.set_state(st["rng"]["numpy"])
         self.step, self.samples = st["progress"]["step"], st["progress"]["samples"]
         if self.s.is_main:
             print(f"distkit: resumed from {path} at step {self.step}", flush=True)
@@ -139,7 +145,8 @@ class _Run:
         self.bare.eval()
         totals = torch.zeros(3, dtype=torch.float64)  # loss * n, correct, n
         with torch.no_grad():
-            for idx in eval_slices(len(self.task.eval), self.cfg.batch_size, self.s.rank, self.s.world_size):
+            for idx in eval_slices(len(self.task.eval),  # type: ignore[arg-type]
+                                    self.cfg.batch_size, self.s.rank, self.s.world_size):
                 x, y = to_device(fetch(self.task.eval, idx), self.s.device)
                 out = self.bare(x)
                 totals[0] += float(self.task.loss(out, y)) * len(idx)

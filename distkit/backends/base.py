@@ -136,7 +136,7 @@ class Strategy(ABC):
         """
         values = self.broadcast_object([t.detach().cpu() for t in tensors] if self.rank == src else None, src)
         with torch.no_grad():
-            for t, v in zip(tensors, values):
+            for t, v in zip(tensors, values, strict=True):
                 t.copy_(v)
 
     def average_parameters(self, params: list[torch.Tensor]) -> None:

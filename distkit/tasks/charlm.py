@@ -42,6 +42,7 @@ class CharTransformer(nn.Module):
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
+        self.mask: torch.Tensor
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
