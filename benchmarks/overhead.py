@@ -13,16 +13,20 @@ Timing, identical on both sides and taken from outside the step function on rank
 optimizer step + zero_grad). The raw script does it inline; for distkit a small wrapper
 (``--distkit-worker``) wraps ``distkit.trainer._Run.train_step`` and then runs the real
 ``distkit`` CLI entry point in-process, so nothing in distkit changes. The first
-``--warmup`` steps are dropped. Two metrics per step:
+``--warmup`` steps are dropped. Three metrics per step:
 
 * ``iter``: start of step k to start of step k+1, i.e. everything the loop does per step
   (distkit's logging / fault / checkpoint checks included). The headline numbers.
 * ``step``: inside the step only (start to end of the same step).
+* ``cpu``: rank 0's process CPU seconds during the step (robust to other processes).
 
 p50 and p95 are taken over the pooled post-warm-up steps of all runs of one side; the
 ratio is distkit / raw. Also reported: every run's own numbers and each A/B pair's p50
-ratio. A run whose final parameters differ from the other side's (sha256, as
-``summary.json``'s ``param_checksum``) is flagged: the two sides did not run the same work.
+ratio. Each run's foreign load (CPUs busy with processes that are not ours, from
+/proc/stat minus our children's rusage) is recorded; pairs above ``--noisy-load`` are
+listed and the ``quiet`` section repeats the comparison without them. ``same_work`` is
+false when the final parameters differ between runs (sha256, as ``summary.json``'s
+``param_checksum``): then the two sides did not run the same work.
 
 Writes ``benchmarks/results/overhead_<backend>.json`` (+ a PNG when matplotlib is there).
 Adding horovod / mpi / deepspeed = one more entry in ``BACKENDS`` with its baseline script,
@@ -198,7 +202,7 @@ def step_series(rec: dict[str, Any], warmup: int) -> dict[str, list[float]]:
 
 # --------------------------------------------------------------------------- machine noise
 def cpu_snapshot() -> tuple[float, float, float]:
-    """(wall s, whole-machine busy CPU s from /proc/stat, CPU s of our waited-for children)."""
+    """(wall s, whole-machine busy CPU s from /proc/stat, CPU s of this process + its waited-for children)."""
     hz = os.sysconf("SC_CLK_TCK")
     try:
         with open("/proc/stat") as f:
@@ -206,8 +210,9 @@ def cpu_snapshot() -> tuple[float, float, float]:
         busy = (sum(v) - v[3] - v[4]) / hz
     except (OSError, ValueError):
         busy = float("nan")
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.perf_counter(), busy, ru.ru_utime + ru.ru_stime
+    ours = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return time.perf_counter(), busy, ours
 
 
 def foreign_load(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
@@ -269,8 +274,9 @@ def plot(result: dict[str, Any], path: str) -> Optional[str]:
     ax.set_xlabel("step (after warm-up)")
     ax.set_ylabel("step time (ms)")
     ratio = result["ratio_p50"]
+    noisy = f", {len(result['noisy_pairs'])} noisy pairs" if result["noisy_pairs"] else ""
     ax.set_title(f"{result['backend']} grad, charlm {result['config']['size']}, {result['config']['nprocs']} ranks: "
-                 f"distkit/raw p50 = {ratio:.3f}")
+                 f"distkit/raw p50 = {ratio:.3f}{noisy}", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -296,17 +302,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default cores // nprocs)")
-    ap.add_argument("--quiet-wait", type=float, default=5.0, metavar="S",
+    ap.add_argument("--quiet-wait", type=float, default=3.0, metavar="S",
                     help="before each run wait up to S seconds for other processes to go quiet (0: don't)")
     ap.add_argument("--noisy-load", type=float, default=0.1, metavar="CPUS",
                     help="a run during which other processes used more than this many CPUs on average is "
                          "flagged noisy, and so is its pair")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="scheduling priority for this benchmark and its ranks (e.g. -10 as root on a shared "
+                         "machine, so other processes disturb the timings less); 0 leaves it unchanged")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/overhead_<backend>.json)")
     ap.add_argument("--keep", action="store_true", help="keep the per-run work directory (logs, configs, times)")
     args = ap.parse_args(argv)
     if args.steps < args.warmup + 10:
         ap.error("--steps must exceed --warmup by at least 10")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nprocs)
+    if args.nice:
+        try:  # the ranks inherit it
+            os.setpriority(os.PRIO_PROCESS, 0, args.nice)
+        except OSError as e:
+            print(f"overhead: cannot set nice {args.nice} ({e}); running at the current priority", file=sys.stderr)
     be = BACKENDS[args.backend]
     out = args.out or os.path.join(HERE, "results", f"overhead_{args.backend}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -376,6 +390,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "seed": args.seed, "omp_num_threads": args.threads, "pg_backend": "gloo",
                    "launcher": "torchrun --standalone", "baseline": f"benchmarks/{be.baseline}",
                    "quiet_wait_s": args.quiet_wait, "noisy_load_cpus": args.noisy_load,
+                   "nice": os.getpriority(os.PRIO_PROCESS, 0),
                    "distkit_config": distkit_config(be, args, "<tmp>")},
         "method": ("rank 0 perf_counter/process_time at start and end of every optimizer step, taken outside the "
                    "step function on both sides (distkit: a wrapper around _Run.train_step, the real CLI run "

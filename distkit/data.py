@@ -31,12 +31,17 @@ class BatchPlan:
         self.n, self.b, self.rank, self.world, self.mode, self.seed = num_samples, batch_size, rank, world_size, mode, seed
         per_step = batch_size * world_size if mode == "shard" else batch_size
         self.steps_per_epoch = num_samples // per_step
+        self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, permutation): one randperm per epoch
 
     def _perm(self, epoch: int) -> torch.Tensor:
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
         seed = self.seed * 1_000_003 + epoch
         if self.mode == "random_seed_offset":
             seed += (self.rank + 1) * RANK_SEED_OFFSET
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(seed))
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(seed))
+        self._cache = (epoch, perm)
+        return perm
 
     def indices(self, epoch: int, start_step: int = 0, steps: int | None = None) -> Iterator[torch.Tensor]:
         """Index tensors of this rank's batches for ``epoch``, from ``start_step``."""

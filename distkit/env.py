@@ -36,6 +36,8 @@ class ClusterEnv:
     launcher: str
     job_id: str | None
     nodelist: str | None
+    #: torchrun's agent already serves the rendezvous store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE)
+    agent_store: bool = False
 
     @property
     def is_distributed(self) -> bool:
@@ -115,7 +117,7 @@ def _build(env: Mapping[str, str], launcher: str, rank: int | None, world: int |
                           "LOCAL_WORLD_SIZE (or the launcher's per-node task count)")
     addr, port = _master(env)
     return ClusterEnv(rank, local_rank, world, local_world, node_rank, num_nodes, addr, port, launcher,
-                      job_id, nodelist)
+                      job_id, nodelist, env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
 def detect(environ: Mapping[str, str]) -> ClusterEnv:

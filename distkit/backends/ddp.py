@@ -37,7 +37,8 @@ class DDPStrategy(Strategy):
         addr, port = resolve_rendezvous(self.env)
         # A TCPStore on rank 0; timeout_s bounds both rendezvous and every collective, so a
         # vanished rank surfaces as an error instead of gloo's 30-minute default hang.
-        store = dist.TCPStore(addr, port, self.world_size, is_master=self.rank == 0,
+        # Under torchrun the agent already serves the store on MASTER_PORT; rank 0 only connects.
+        store = dist.TCPStore(addr, port, self.world_size, is_master=self.rank == 0 and not self.env.agent_store,
                               timeout=datetime.timedelta(seconds=d.timeout_s))
         dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=d.timeout_s))

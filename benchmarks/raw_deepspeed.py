@@ -1,0 +1,112 @@
+"""Hand-written DeepSpeed baseline for ``benchmarks/overhead.py --backend deepspeed`` (no distkit).
+
+Launch under torchrun (or the deepspeed launcher)::
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 benchmarks/raw_deepspeed.py \
+        --zero-stage 2 --steps 100 --times out.json
+
+The workload is the same as ``raw_ddp.py`` and distkit's ``charlm`` task: same seed and initial
+parameters, plain SGD passed to ``deepspeed.initialize`` as a client optimizer, same per-rank
+batch (DeepSpeed's ``train_micro_batch_size_per_gpu``), same ``shard`` data order, no clipping
+(``gradient_clipping`` 0; DeepSpeed's default would be 1.0), no accumulation. The DeepSpeed
+config is exactly what distkit's deepspeed backend resolves for
+``{"zero_optimization": {"stage": S}}``, so the final ``param_checksum`` equals distkit's.
+
+Per step rank 0 records ``perf_counter`` / ``process_time`` before fetching the batch and after
+``engine.step()``; it writes ``{"impl": "raw_deepspeed", "starts", "ends", "cpu_starts", "cpu_ends",
+"final_loss", "param_checksum", ...}`` to ``--times`` (the same keys as ``raw_ddp.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distkit.tasks.charlm import SIZES, CharTransformer, datasets
+
+
+def param_checksum(named) -> str:  # type: ignore[no-untyped-def]
+    h = hashlib.sha256()
+    for _, p in named:
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank (train_micro_batch_size_per_gpu)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                    help="accepted for overhead.py's common command line; DeepSpeed's buckets keep their defaults "
+                         "on both sides")
+    ap.add_argument("--times", required=True)
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help="passed by the deepspeed launcher")
+    args = ap.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    config = {"zero_optimization": {"stage": args.zero_stage}, "train_micro_batch_size_per_gpu": args.batch_size,
+              "gradient_accumulation_steps": 1, "train_batch_size": args.batch_size * world,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    xs, ys = train.tensors
+    global_batch = args.batch_size * world
+    steps_per_epoch = len(xs) // global_batch
+
+    starts, ends, cpu_starts, cpu_ends = [], [], [], []
+    perm, perm_epoch = None, -1
+    for step in range(args.steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        epoch, s = divmod(step, steps_per_epoch)
+        if epoch != perm_epoch:
+            perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch))
+            perm_epoch = epoch
+        idx = perm[s * global_batch + rank * args.batch_size:][:args.batch_size]
+        x, y = xs[idx], ys[idx]
+        logits = engine(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
+        starts.append(t0)
+        cpu_starts.append(c0)
+
+    if args.zero_stage == 3:
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            checksum = param_checksum(engine.module.named_parameters())
+    else:
+        checksum = param_checksum(engine.module.named_parameters())
+    if rank == 0:
+        with open(args.times, "w") as f:
+            json.dump({"impl": "raw_deepspeed", "zero_stage": args.zero_stage, "rank": rank, "world_size": world,
+                       "starts": starts, "ends": ends, "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,
+                       "final_loss": loss.item(), "param_checksum": checksum,
+                       "torch_threads": torch.get_num_threads()}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Per-rank memory of parameters, gradients and optimizer state under ZeRO stages 0-3.
+
+    python benchmarks/zero_memory.py [--ranks 2 4] [--stages 0 1 2 3] [--size large]
+
+For each (world size, stage) it launches ``torchrun`` with this file as the worker: charlm
+``--size`` (large: ~10.7M parameters), DeepSpeed with ``{"optimizer": Adam (torch_adam)}``, fp32,
+one forward/backward/step. Each rank counts the bytes of the *distinct storages* it holds:
+
+* params: the module's parameter tensors (ZeRO-3: the ``ds_tensor`` partitions),
+* grads: gradient tensors alive right after backward at the accumulation boundary (``p.grad``,
+  ZeRO-1/2 ``averaged_gradients`` partitions, ZeRO-3 ``grad_partitions_flat_buffer``),
+* optimizer: the torch optimizer's state (Adam exp_avg, exp_avg_sq) plus the fp32 master copy when
+  it is a separate storage from the parameters (ZeRO-1/2 keep one even in fp32; ZeRO-3 aliases it).
+
+Expected (fp32 analogue of the ZeRO paper's Psi*(2+2+K) with K=12 for mixed-precision Adam;
+here 4 bytes params + 4 bytes grads + 8 bytes Adam moments, +4 bytes fp32 master where DeepSpeed
+keeps a separate one), Psi = parameter count, N = world size:
+
+| stage | params | grads | optimizer |
+|---|---|---|---|
+| 0 | 4 Psi | 4 Psi | 8 Psi |
+| 1 | 4 Psi | 4 Psi | 12 Psi / N |
+| 2 | 4 Psi | 4 Psi / N | 12 Psi / N |
+| 3 | 4 Psi / N | 4 Psi / N | 8 Psi / N |
+
+and the paper's mixed-precision figures (2+2+12)Psi, (2+2+12/N)Psi, (2+(2+12)/N)Psi, (16/N)Psi for
+reference. Writes ``benchmarks/results/zero_memory.json`` and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _storages(tensors: Any) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in tensors:
+        if t is None or not hasattr(t, "untyped_storage") or t.numel() == 0:
+            continue
+        st = t.untyped_storage()
+        out[st.data_ptr()] = max(out.get(st.data_ptr(), 0), st.nbytes())
+    return out
+
+
+def worker(stage: int, size: str, out: str) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import datetime
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from distkit.tasks.charlm import SIZES, CharTransformer, datasets
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    train, _, vocab = datasets(64)
+    model = CharTransformer(vocab, 64, *SIZES[size])
+    psi = sum(p.numel() for p in model.parameters())
+    conf = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2 * world,
+            "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    x, y = train.tensors[0][rank * 2:rank * 2 + 2], train.tensors[1][rank * 2:rank * 2 + 2]
+    logits = engine(x)
+    engine.backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    param_st = _storages(params)
+    grads = [p.grad for p in engine.module.parameters()]
+    for part in getattr(opt, "averaged_gradients", {}).values():
+        grads.extend(part or [])
+    grads.extend(g.grad for g in getattr(opt, "single_partition_of_fp32_groups", []))
+    grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
+    grad_st = {k: v for k, v in _storages(grads).items() if k not in param_st}
+    engine.step()
+    base = getattr(opt, "optimizer", opt)
+    state = [t for s in base.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+    masters = list(getattr(opt, "single_partition_of_fp32_groups", [])) + list(getattr(opt, "fp32_partitioned_groups_flat", []))
+    opt_st = {k: v for k, v in _storages(state + masters).items() if k not in param_st}
+    rec = {"rank": rank, "world_size": world, "stage": stage, "psi": psi, "params_bytes": sum(param_st.values()),
+           "grads_bytes": sum(grad_st.values()), "optimizer_bytes": sum(opt_st.values())}
+    recs: list[Any] = [None] * world
+    dist.all_gather_object(recs, rec)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(recs, f)
+    dist.destroy_process_group()
+
+
+def expected(stage: int, psi: int, n: int) -> dict[str, float]:
+    fp32 = {0: (4, 4, 8), 1: (4, 4, 12 / n), 2: (4, 4 / n, 12 / n), 3: (4 / n, 4 / n, 8 / n)}[stage]
+    mixed = {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
+    return {"params_bytes": fp32[0] * psi, "grads_bytes": fp32[1] * psi, "optimizer_bytes": fp32[2] * psi,
+            "paper_mixed_precision_total_bytes": mixed * psi}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--size", default="large")
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "zero_memory.json"))
+    args = ap.parse_args()
+    if args.worker is not None:
+        return worker(args.worker, args.size, args.out)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    rows = []
+    for n in args.ranks:
+        for stage in args.stages:
+            with tempfile.TemporaryDirectory() as tmp:
+                part = os.path.join(tmp, "r.json")
+                subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                                os.path.abspath(__file__), "--worker", str(stage), "--size", args.size, "--out", part],
+                               env=env, check=True, stdout=subprocess.DEVNULL)
+                with open(part) as f:
+                    recs = json.load(f)
+            exp = expected(stage, recs[0]["psi"], n)
+            rows.append({"world_size": n, "stage": stage, "psi": recs[0]["psi"], "per_rank": recs, "expected_fp32": exp})
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"size": args.size, "optimizer": "Adam (torch_adam), fp32", "rows": rows}, f, indent=2)
+    mib = 1 / 2 ** 20
+    print("| N | stage | params MiB (exp) | grads MiB (exp) | optimizer MiB (exp) | total MiB | paper mixed-precision MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        m, e = r["per_rank"][0], r["expected_fp32"]
+        tot = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
+        print(f"| {r['world_size']} | {r['stage']} | {m['params_bytes'] * mib:.1f} ({e['params_bytes'] * mib:.1f}) | "
+              f"{m['grads_bytes'] * mib:.1f} ({e['grads_bytes'] * mib:.1f}) | {m['optimizer_bytes'] * mib:.1f} "
+              f"({e['optimizer_bytes'] * mib:.1f}) | {tot * mib:.1f} | {e['paper_mixed_precision_total_bytes'] * mib:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
