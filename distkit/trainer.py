@@ -107,6 +107,10 @@ class _Run:
             os.makedirs(cfg.output_dir, exist_ok=True)
             with open(os.path.join(cfg.output_dir, "config.resolved.json"), "w") as f:
                 json.dump({**cfg.to_json(), "world_size": s.world_size, "launcher": s.env.launcher}, f, indent=2)
+            d = cfg.distributed
+            print(f"distkit: {d.backend}/{d.reduce_type} on {s.world_size} rank(s) via {s.env.launcher}, "
+                  f"task {self.task.name}, batch {cfg.batch_size}/rank, {self.total_steps} steps; "
+                  f"resolved config: {os.path.join(cfg.output_dir, 'config.resolved.json')}", flush=True)
         self._maybe_resume()
         if s.is_main:
             self.out = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a" if self.step else "w")

@@ -1,0 +1,58 @@
+"""The command itself: help texts, console script, uneven data."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, distkit, ok, run, summary
+
+FLAGS = ["--nprocs", "--local_rank", "--local-rank", "--distributed_backend", "--distributed_launch",
+         "--find_unused_parameters", "--deepspeed", "--deepspeed_config"]
+
+
+def test_help_documents_every_flag() -> None:
+    top = ok(distkit("--help"))
+    assert "train" in top.stdout
+    train = ok(distkit("train", "--help"))
+    for flag in FLAGS:
+        assert flag in train.stdout, flag
+    assert "++key value" in train.stdout
+
+
+def test_console_script_equals_module(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["train", "configs/returnn_ddp.py", "++max_steps", "3", "++progress_bar", "False"]
+    ok(run([str(BIN / "distkit"), *common, "++output_dir", str(a)]))
+    ok(distkit(*common, "++output_dir", str(b)))
+    assert summary(a)["param_checksum"] == summary(b)["param_checksum"]
+
+
+UNEVEN = '''
+import os
+import torch
+from torch.utils.data import TensorDataset
+from distkit.tasks.digits import make_model
+
+model = make_model
+def dataset():
+    # every rank holds a different amount of data (e.g. files split unevenly)
+    n = 100 + 37 * int(os.environ.get("RANK", "0"))
+    g = torch.Generator().manual_seed(n)
+    return TensorDataset(torch.rand(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+torch_distributed = {}
+batch_size = 10
+num_epochs = 2
+progress_bar = False
+'''
+
+
+@pytest.mark.parametrize("mode,steps", [("shard", 10), ("random_seed_offset", 20)])
+def test_uneven_data_per_rank_never_hangs(tmp_path: Path, mode: str, steps: int) -> None:
+    cfg = tmp_path / "uneven.py"
+    cfg.write_text(UNEVEN + f"output_dir = {str(tmp_path / 'out')!r}\ndata_distribution = {mode!r}\n")
+    ok(distkit("train", str(cfg), "--nprocs", "2", timeout=120))
+    s = summary(tmp_path / "out")
+    # rank 0 has 100 samples, rank 1 137. shard: global batches of 20 -> min(5, 6) = 5 steps per
+    # epoch; random_seed_offset: batches of 10 from each rank's own data -> min(10, 13) = 10.
+    assert s["steps"] == steps and s["ranks_in_sync"] and s["eval_accuracy"] is None
