@@ -50,6 +50,11 @@ def _storages(tensors: Any) -> dict[int, int]:
     return out
 
 
+def _as_list(x: Any) -> list[Any]:
+    """ZeRO-1/2 buckets hold a list of buffers, ZeRO-3 buckets one tensor (or None)."""
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
 def worker(stage: int, size: str, out: str) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import datetime
@@ -72,24 +77,58 @@ def worker(stage: int, size: str, out: str) -> None:
             "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 9,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    param_st = _storages(params)
+
+    def grad_parts() -> dict[str, dict[int, int]]:
+        """Gradient storages by kind, each kind without the storages of the kinds before it."""
+        seen = dict(param_st)
+        out: dict[str, dict[int, int]] = {}
+        for kind, ts in (
+                ("p.grad", [p.grad for p in engine.module.parameters()]),
+                ("partitions", [t for part in getattr(opt, "averaged_gradients", {}).values() for t in (part or [])]
+                 + [g.grad for g in getattr(opt, "single_partition_of_fp32_groups", [])]
+                 + [getattr(opt, "grad_partitions_flat_buffer", None)]),
+                # DeepSpeed's staging buffer for bucketed reduction (contiguous_gradients): reduce_bucket_size
+                # elements (default 5e8), allocated with torch.empty, so mostly never touched (not resident).
+                ("reduction_buffers", [t for b in (getattr(opt, "ipg_buckets", None) or {}).values()
+                                       for t in _as_list(getattr(b, "buffer", None))])):
+            st = {k: v for k, v in _storages(ts).items() if k not in seen}
+            seen.update(st)
+            out[kind] = st
+        return out
+
+    # Peak of the live gradients during backward: sampled after every parameter's gradient is accumulated
+    # (hooks registered after DeepSpeed's, so they see the state after DeepSpeed's own hook ran).
+    peak = {"bytes": 0}
+
+    def sample(_p: Any) -> None:
+        parts = grad_parts()
+        peak["bytes"] = max(peak["bytes"], sum(parts["p.grad"].values()) + sum(parts["partitions"].values()))
+
+    hooks = [p.register_post_accumulate_grad_hook(sample) for p in engine.module.parameters() if p.requires_grad]
     x, y = train.tensors[0][rank * 2:rank * 2 + 2], train.tensors[1][rank * 2:rank * 2 + 2]
     logits = engine(x)
     engine.backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
-    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    param_st = _storages(params)
-    grads = [p.grad for p in engine.module.parameters()]
-    for part in getattr(opt, "averaged_gradients", {}).values():
-        grads.extend(part or [])
-    grads.extend(g.grad for g in getattr(opt, "single_partition_of_fp32_groups", []))
-    grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
-    grad_st = {k: v for k, v in _storages(grads).items() if k not in param_st}
+    for h in hooks:
+        h.remove()
+    parts = grad_parts()
+    grad_st = {**parts["p.grad"], **parts["partitions"]}
     engine.step()
     base = getattr(opt, "optimizer", opt)
     state = [t for s in base.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
     masters = list(getattr(opt, "single_partition_of_fp32_groups", [])) + list(getattr(opt, "fp32_partitioned_groups_flat", []))
-    opt_st = {k: v for k, v in _storages(state + masters).items() if k not in param_st}
+    moments_st = {k: v for k, v in _storages(state).items() if k not in param_st}
+    master_st = {k: v for k, v in _storages(masters).items() if k not in param_st and k not in moments_st}
+    opt_st = {**moments_st, **master_st}
     rec = {"rank": rank, "world_size": world, "stage": stage, "psi": psi, "params_bytes": sum(param_st.values()),
-           "grads_bytes": sum(grad_st.values()), "optimizer_bytes": sum(opt_st.values())}
+           "grads_bytes": sum(grad_st.values()), "optimizer_bytes": sum(opt_st.values()),
+           "breakdown": {"grads_full_p_grad_bytes": sum(parts["p.grad"].values()),
+                         "grads_partition_bytes": sum(parts["partitions"].values()),
+                         "grads_peak_during_backward_bytes": peak["bytes"],
+                         "grad_reduction_buffer_bytes_allocated": sum(parts["reduction_buffers"].values()),
+                         "optimizer_moments_bytes": sum(moments_st.values()),
+                         "optimizer_fp32_master_bytes": sum(master_st.values())}}
     recs: list[Any] = [None] * world
     dist.all_gather_object(recs, rec)
     if rank == 0:
@@ -132,16 +171,28 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"size": args.size, "optimizer": "Adam (torch_adam), fp32", "rows": rows}, f, indent=2)
+    print(markdown_table(rows))
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Rank 0's numbers (every rank holds the same amount up to padding; all ranks are in the JSON)."""
     mib = 1 / 2 ** 20
-    print("| N | stage | params MiB (exp) | grads MiB (exp) | optimizer MiB (exp) | total MiB | paper mixed-precision MiB |")
-    print("|---|---|---|---|---|---|---|")
+    out = ["| N | stage | params MiB (exp) | grads MiB after backward (exp) | grads peak in backward | "
+           "optimizer MiB (exp) = moments + fp32 master | total MiB (exp) | paper mixed-precision MiB |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, e = r["per_rank"][0], r["expected_fp32"]
+        b = m.get("breakdown", {})
         tot = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
-        print(f"| {r['world_size']} | {r['stage']} | {m['params_bytes'] * mib:.1f} ({e['params_bytes'] * mib:.1f}) | "
-              f"{m['grads_bytes'] * mib:.1f} ({e['grads_bytes'] * mib:.1f}) | {m['optimizer_bytes'] * mib:.1f} "
-              f"({e['optimizer_bytes'] * mib:.1f}) | {tot * mib:.1f} | {e['paper_mixed_precision_total_bytes'] * mib:.1f} |")
-
+        etot = e["params_bytes"] + e["grads_bytes"] + e["optimizer_bytes"]
+        out.append(f"| {r['world_size']} | {r['stage']} | {m['params_bytes'] * mib:.1f} ({e['params_bytes'] * mib:.1f}) | "
+                   f"{m['grads_bytes'] * mib:.1f} ({e['grads_bytes'] * mib:.1f}) | "
+                   f"{b.get('grads_peak_during_backward_bytes', float('nan')) * mib:.1f} | "
+                   f"{m['optimizer_bytes'] * mib:.1f} ({e['optimizer_bytes'] * mib:.1f}) = "
+                   f"{b.get('optimizer_moments_bytes', float('nan')) * mib:.1f} + "
+                   f"{b.get('optimizer_fp32_master_bytes', float('nan')) * mib:.1f} | "
+                   f"{tot * mib:.1f} ({etot * mib:.1f}) | {e['paper_mixed_precision_total_bytes'] * mib:.1f} |")
+    return "\n".join(out)
 
 if __name__ == "__main__":
     main()

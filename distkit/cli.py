@@ -22,6 +22,8 @@ examples:
   distkit train configs/returnn_ddp.py --nprocs 2
   torchrun --nproc_per_node 2 -m distkit train configs/speechbrain.yaml ++num_epochs 3
   mpirun -np 2 .venv/bin/distkit train configs/returnn_ddp.py
+  deepspeed --num_accelerators 2 --module distkit train cfg.py --deepspeed --deepspeed_config ds.json
+  distkit export runs/x/checkpoints/step-0000040 model.pt
 """
 
 
@@ -33,8 +35,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="distkit", description="Data-parallel PyTorch training on DDP, DeepSpeed, Horovod or MPI.",
                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    # torch.distributed.launch puts --local-rank=N before the module's own arguments, i.e.
-    # before "train": accept it at the top level too.
+    # torch.distributed.launch and the deepspeed launcher put --local-rank=N before the module's
+    # own arguments, i.e. before "train": accept it at the top level too.
     parser.add_argument("--local_rank", "--local-rank", dest="top_local_rank", type=int, default=None,
                         help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -55,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pass find_unused_parameters=True to DistributedDataParallel")
     t.add_argument("--deepspeed", action="store_true", help="use the DeepSpeed backend")
     t.add_argument("--deepspeed_config", default=None, metavar="JSON", help="DeepSpeed config file (implies --deepspeed)")
+    from distkit.export import add_parser as add_export_parser
+
+    add_export_parser(sub)
     return parser
 
 
@@ -109,6 +114,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command is None:
             build_parser().print_help()
             return 2
+        if args.command == "export":
+            from distkit.export import run as export
+
+            return export(args)
         return train(args, overrides, argv)
     except DistkitError as e:
         print(f"distkit: error: {e}", file=sys.stderr, flush=True)

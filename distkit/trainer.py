@@ -148,9 +148,18 @@ class _Run:
             return None, None
         self.bare.eval()
         totals = torch.zeros(3, dtype=torch.float64)  # loss * n, correct, n
+        slices = list(eval_slices(len(self.task.eval),  # type: ignore[arg-type]
+                                  self.cfg.batch_size, self.s.rank, self.s.world_size))
+        n_forward = len(slices)
+        if self.s.forward_is_collective(self.model):  # every rank runs as many forwards as the busiest one
+            n_forward = int(self.s.all_reduce(torch.tensor([n_forward]), op="max").item())
         with torch.no_grad():
-            for idx in eval_slices(len(self.task.eval),  # type: ignore[arg-type]
-                                    self.cfg.batch_size, self.s.rank, self.s.world_size):
+            for k in range(n_forward):
+                if k >= len(slices):  # padding forward on a repeated batch; its output is not counted
+                    pad = slices[0] if slices else torch.arange(1)
+                    self.bare(to_device(fetch(self.task.eval, pad), self.s.device)[0])
+                    continue
+                idx = slices[k]
                 x, y = to_device(fetch(self.task.eval, idx), self.s.device)
                 out = self.bare(x)
                 totals[0] += float(self.task.loss(out, y)) * len(idx)

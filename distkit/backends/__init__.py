@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 REGISTRY: dict[str, str] = {
     "ddp": "distkit.backends.ddp:DDPStrategy",
+    "deepspeed": "distkit.backends.deepspeed:DeepSpeedStrategy",
+    "mpi": "distkit.backends.mpi:MPIStrategy",
+    "horovod": "distkit.backends.horovod:HorovodStrategy",
 }
 
 

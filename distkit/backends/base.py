@@ -70,6 +70,11 @@ class Strategy(ABC):
         """The user's bare module inside any wrapper."""
         return model
 
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        """True where a forward pass communicates (ZeRO-3 gathers parameters in it): evaluation then
+        runs the same number of forward passes on every rank."""
+        return False
+
     def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
         loss.backward()
 

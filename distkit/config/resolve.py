@@ -135,6 +135,10 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None) -> RunConfig:
     cfg = RunConfig(distributed=dist)
     for key, value in raw.items():
         setattr(cfg, key, value)
+    # Which top-level keys the user wrote (files + overrides), so a backend whose own config can say
+    # the same thing (DeepSpeed's batch size, clipping, optimizer) tells "left at the default" from
+    # "set to the default value".
+    cfg.explicit_keys = frozenset(raw)
     if flags.nprocs is not None:
         cfg.nprocs = flags.nprocs
     _validate(cfg)

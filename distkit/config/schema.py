@@ -88,10 +88,12 @@ class RunConfig:
     nprocs: int = 1
     charlm_size: str = "small"
     charlm_seq_len: int = 64
+    #: set by the resolver: the top-level keys the user wrote (not a config key)
+    explicit_keys: Optional[frozenset[str]] = field(default=None, metadata={"internal": True})
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict; callables become "module:qualname" strings."""
-        return _jsonable(dataclasses.asdict(self))
+        return _jsonable({k: v for k, v in dataclasses.asdict(self).items() if k in TOP_LEVEL_KEYS})
 
 
 def _jsonable(value: Any) -> Any:
@@ -107,7 +109,7 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-TOP_LEVEL_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig))
+TOP_LEVEL_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("internal"))
 DISTRIBUTED_KEYS = tuple(f.name for f in dataclasses.fields(DistributedConfig))
 
 #: Seed spellings accepted at top level and folded into the fields above.

@@ -1,0 +1,103 @@
+"""Hand-written mpi4py baseline for ``benchmarks/overhead.py --backend mpi`` (no distkit, no torch.distributed).
+
+Launch under mpirun::
+
+    mpirun -np 2 python benchmarks/raw_mpi.py --steps 100 --times out.json
+
+The simplest correct data-parallel loop over MPI: after ``loss.backward()`` every gradient is
+all-reduced on its own, blocking, ``Allreduce(IN_PLACE)`` on the gradient's numpy view (no
+copy), then divided by the world size, then plain SGD steps. Parameters start from rank 0's
+(one ``Bcast`` per tensor, as distkit does).
+
+The workload is distkit's ``charlm`` task, as in ``raw_ddp.py``: same seed and initial
+parameters, SGD, per-rank batch, ``shard`` data order. For two ranks the sum a+b is the same
+float whatever the grouping, so the final parameters equal distkit's mpi engine (bucketed,
+overlapped ``Iallreduce``, then divide) bit for bit; the benchmark checks ``param_checksum``.
+
+Rank 0 records ``perf_counter`` / ``process_time`` before fetching each step's batch and after
+``zero_grad`` and writes them to ``--times`` (the same keys as ``raw_ddp.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from distkit.tasks.charlm import SIZES, CharTransformer, datasets
+
+
+def param_checksum(model: torch.nn.Module) -> str:
+    """sha256 over named_parameters as fp32 bytes (the same definition as distkit's summary)."""
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--steps", type=int, default=100, help="optimizer steps in total (warm-up included)")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="accepted for overhead.py's command line; unused")
+    ap.add_argument("--times", required=True, help="JSON file rank 0 writes the step timestamps to")
+    args = ap.parse_args()
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            comm.Bcast(t.detach().reshape(-1).numpy(), root=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=args.lr)
+    xs, ys = train.tensors
+    global_batch = args.batch_size * world
+    steps_per_epoch = len(xs) // global_batch
+
+    starts, ends, cpu_starts, cpu_ends = [], [], [], []
+    perm, perm_epoch = None, -1
+    for step in range(args.steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        epoch, s = divmod(step, steps_per_epoch)
+        if epoch != perm_epoch:
+            perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch))
+            perm_epoch = epoch
+        idx = perm[s * global_batch + rank * args.batch_size:][:args.batch_size]
+        x, y = xs[idx], ys[idx]
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        for p in params:  # one blocking all-reduce per gradient, in place on its memory
+            comm.Allreduce(MPI.IN_PLACE, p.grad.reshape(-1).numpy(), op=MPI.SUM)
+            p.grad.div_(world)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
+        starts.append(t0)
+        cpu_starts.append(c0)
+
+    checksum = param_checksum(model)
+    if rank == 0:
+        with open(args.times, "w") as f:
+            json.dump({"impl": "raw_mpi", "rank": rank, "world_size": world, "starts": starts, "ends": ends,
+                       "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,
+                       "final_loss": loss.item(), "param_checksum": checksum,
+                       "torch_threads": torch.get_num_threads()}, f)
+
+
+if __name__ == "__main__":
+    main()

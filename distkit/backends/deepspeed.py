@@ -1,0 +1,490 @@
+"""DeepSpeed (ZeRO stages 0-3) as a distkit backend.
+
+grad mode: the DeepSpeed engine does everything it normally does: ``engine.backward``,
+``engine.step``, engine-managed gradient accumulation, ZeRO partitioning, clipping,
+bf16/fp16, its optimizer/scheduler blocks. distkit only drives the loop.
+
+param mode (DeepSpeed has none): the ranks are cut into replica groups of
+``distributed.param_sync_group_size`` consecutive ranks. Each group is one DeepSpeed
+data-parallel world (handed to DeepSpeed as a Megatron-style ``mpu``): inside it ZeRO
+partitions and gradients are reduced as usual; the groups step independently, and every
+``param_sync_step`` steps :class:`~distkit.averaging.ParamAverager` averages across
+groups. What is averaged is the optimizer's fp32 *master* copy (ZeRO-1/2
+``single_partition_of_fp32_groups``, ZeRO-3 ``fp32_partitioned_groups_flat``, the bf16
+optimizer's ``fp32_groups_flat_partition``; the parameters themselves at stage 0 fp32),
+over the ranks that hold the same partition in each group; the model's (bf16/fp16/fp32)
+weights are then rewritten from it, so the next step starts from the average. Floating
+buffers are averaged over all ranks. Optimizer moments stay local (as for DDP).
+
+Config: the DeepSpeed JSON (``cfg.distributed.deepspeed_config``) is honoured; where a
+DeepSpeed key and a distkit key overlap (batch size, accumulation, clipping, optimizer)
+they must agree or :meth:`DeepSpeedStrategy.check_config` raises ConfigError naming
+both. ``gradient_clip`` <-> ``gradient_clipping``: DeepSpeed's own default is 1.0, distkit's
+is "no clipping"; distkit always writes the key, so a run clips only if one of the two
+says so. The resolved JSON is written to ``output_dir/deepspeed_config.resolved.json``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distkit.averaging import ParamAverager
+from distkit.config import RunConfig
+from distkit.errors import BackendUnavailable, ConfigError, UnsupportedCombination
+
+from .ddp import DDPStrategy
+
+#: file (under output_dir) holding the DeepSpeed config the engine really got
+RESOLVED_NAME = "deepspeed_config.resolved.json"
+#: where save_engine_files puts DeepSpeed's checkpoint inside a distkit checkpoint directory
+ENGINE_DIR = "deepspeed"
+TAG = "ds"
+
+_DEFAULTS = RunConfig()
+
+
+def _explicit(cfg: RunConfig, key: str) -> bool:
+    """Did the user set top-level ``key``? Uses ``cfg.explicit_keys`` when the resolver
+    records it, else "differs from the default" (a value equal to the default counts as unset)."""
+    keys = cfg.explicit_keys
+    if keys is not None:
+        return key in keys
+    return bool(getattr(cfg, key) != getattr(_DEFAULTS, key))
+
+
+def _pos_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"DeepSpeed config '{name}' must be an integer >= 1, got {value!r}")
+    return value
+
+
+def zero_section(ds: dict[str, Any]) -> dict[str, Any]:
+    z = ds.get("zero_optimization") or {}
+    if not isinstance(z, dict):
+        raise ConfigError(f"DeepSpeed config 'zero_optimization' must be an object, got {z!r}")
+    return z
+
+
+def _offload_device(z: dict[str, Any], key: str) -> str:
+    section = z.get(key) or {}
+    return str(section.get("device", "none")) if isinstance(section, dict) else "none"
+
+
+def _enabled(ds: dict[str, Any], key: str) -> bool:
+    section = ds.get(key) or {}
+    return bool(section.get("enabled", False)) if isinstance(section, dict) else bool(section)
+
+
+class _ReplicaGroups:
+    """A Megatron-style ``mpu`` for DeepSpeed: data parallel = this rank's replica group of
+    ``size`` consecutive ranks; no tensor/pipeline parallelism. Creating it is collective."""
+
+    def __init__(self, rank: int, world_size: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.index = rank // size              # which replica group
+        self.position = rank % size            # rank inside the group = ZeRO partition id
+        groups = [dist.new_group(list(range(k * size, (k + 1) * size))) for k in range(world_size // size)]
+        cross = [dist.new_group(list(range(i, world_size, size))) for i in range(size)]
+        singles = [dist.new_group([r]) for r in range(world_size)]
+        self.dp_group, self.cross_group, self.single = groups[self.index], cross[self.position], singles[rank]
+        self.cross_size = world_size // size
+
+    # data parallel
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.position
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(range(self.index * self.size, (self.index + 1) * self.size))
+
+    # model / tensor / pipeline parallel: one rank each
+    def get_model_parallel_group(self) -> Any:
+        return self.single
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_pipe_parallel_group = get_model_parallel_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_pipe_parallel_world_size = get_model_parallel_world_size
+    get_pipeline_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_pipeline_model_parallel_rank = get_model_parallel_rank
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.rank
+
+
+class _MasterAverager(ParamAverager):
+    """ParamAverager whose tensors are optimizer master copies; after every sync the model's
+    weights are rewritten from them (``refresh``), so the next step starts from the average."""
+
+    def __init__(self, strategy: DeepSpeedStrategy, masters: list[torch.Tensor], buffers: list[torch.Tensor],
+                 refresh: Any, **kwargs: Any) -> None:
+        self._n_masters, self._refresh, self._ds = len(masters), refresh, strategy
+        super().__init__(strategy, masters + buffers, **kwargs)
+        self.strategy = self  # type: ignore[assignment]  # average_parameters/all_reduce below
+
+    def average_parameters(self, tensors: list[torch.Tensor]) -> None:
+        s = self._ds
+        assert s.mpu is not None
+        s.average_over(tensors[:self._n_masters], s.mpu.cross_group, s.mpu.cross_size)
+        s.average_over(tensors[self._n_masters:], None, s.world_size)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self._ds.all_reduce(tensor, op)
+
+    def sync(self) -> None:
+        super().sync()
+        self._refresh()
+
+
+class DeepSpeedStrategy(DDPStrategy):
+    """deepspeed.initialize / DeepSpeedEngine, on torch.distributed (gloo on CPU, nccl on CUDA)."""
+
+    name = "deepspeed"
+
+    # -- before any process group ------------------------------------------------------------
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        """Fold DeepSpeed's keys into distkit's (ConfigError on disagreement) and refuse what cannot work.
+
+        Idempotent; mutates ``cfg`` only to copy a DeepSpeed value into the matching distkit key.
+        """
+        super().check_config(cfg)
+        if importlib.util.find_spec("deepspeed") is None:
+            raise BackendUnavailable("backend 'deepspeed' needs DeepSpeed: pip install 'distkit[deepspeed]' "
+                                     "(or pip install deepspeed==0.19.8)")
+        d = cfg.distributed
+        ds = d.deepspeed_config if d.deepspeed_config is not None else {}
+        if not isinstance(ds, dict):
+            raise ConfigError(f"'deepspeed_config' must be a dict or a JSON file path, got {ds!r}")
+        known = getattr(cfg, "_deepspeed_known", None)
+        if known is None:  # first call: remember which batch keys the user gave (for init's train_batch_size rule)
+            known = {"micro": "train_micro_batch_size_per_gpu" in ds or _explicit(cfg, "batch_size"),
+                     "gas": "gradient_accumulation_steps" in ds or _explicit(cfg, "accum_grad_multiple_step")}
+            cfg.__dict__["_deepspeed_known"] = known
+        pairs = (("train_micro_batch_size_per_gpu", "batch_size"),
+                 ("gradient_accumulation_steps", "accum_grad_multiple_step"))
+        for ds_key, key in pairs:
+            if ds_key in ds:
+                value = _pos_int(ds_key, ds[ds_key])
+                if _explicit(cfg, key) and getattr(cfg, key) != value:
+                    raise ConfigError(f"'{key}' = {getattr(cfg, key)} (distkit) and '{ds_key}' = {value} (DeepSpeed "
+                                      f"config) disagree: remove one of them or make them equal")
+                setattr(cfg, key, value)
+        if "train_batch_size" in ds:
+            _pos_int("train_batch_size", ds["train_batch_size"])
+        if "gradient_clipping" in ds:
+            clip = ds["gradient_clipping"]
+            if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+                raise ConfigError(f"DeepSpeed config 'gradient_clipping' must be a number >= 0 (0 = off), got {clip!r}")
+            clip_value = float(clip) if clip > 0 else None
+            if _explicit(cfg, "gradient_clip") and cfg.gradient_clip != clip_value:
+                raise ConfigError(f"'gradient_clip' = {cfg.gradient_clip} (distkit) and 'gradient_clipping' = {clip} "
+                                  "(DeepSpeed config) disagree: remove one of them or make them equal")
+            cfg.gradient_clip = clip_value
+        if "optimizer" in ds:
+            for key in ("optimizer", "learning_rate"):
+                if _explicit(cfg, key):
+                    raise ConfigError(f"'{key}' (distkit) and the 'optimizer' block of the DeepSpeed config both choose "
+                                      f"the optimizer: remove '{key}' (DeepSpeed's block wins) or the 'optimizer' block "
+                                      "(distkit's optimizer is then passed to DeepSpeed as a client optimizer)")
+            if d.scale_lr:
+                raise ConfigError("'distributed.scale_lr' cannot scale the learning rate of the DeepSpeed config's "
+                                  "'optimizer' block: set its params.lr instead")
+        z = zero_section(ds)
+        stage = z.get("stage", 0)
+        if stage not in (0, 1, 2, 3):
+            raise ConfigError(f"DeepSpeed config zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+        for key in ("offload_optimizer", "offload_param"):
+            dev = _offload_device(z, key)
+            if dev not in ("none", "cpu", "nvme"):
+                raise ConfigError(f"zero_optimization.{key}.device must be none, cpu or nvme, got {dev!r}")
+        if _offload_device(z, "offload_param") != "none" and stage != 3:
+            raise UnsupportedCombination(f"zero_optimization.offload_param needs ZeRO stage 3 (this config has stage "
+                                         f"{stage}): set stage 3 or remove offload_param")
+        if _offload_device(z, "offload_optimizer") != "none" and stage == 0:
+            raise UnsupportedCombination("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3: set a stage "
+                                         "or remove offload_optimizer")
+        if _enabled(ds, "fp16") and _enabled(ds, "bf16"):
+            raise ConfigError("the DeepSpeed config enables both fp16 and bf16: keep one")
+        if d.reduce_type == "grad" and d.param_sync_group_size != 1:
+            raise ConfigError("'distributed.param_sync_group_size' only applies to reduce_type 'param': remove it")
+        if d.reduce_type == "param":
+            if "nvme" in (_offload_device(z, "offload_optimizer"), _offload_device(z, "offload_param")):
+                raise UnsupportedCombination("param mode averages the optimizer's master weights in memory; NVMe "
+                                             "offload keeps them on disk: use offload device 'cpu' or reduce_type 'grad'")
+            if _enabled(ds, "fp16") and stage == 0:
+                raise UnsupportedCombination("param mode with fp16 needs a ZeRO stage >= 1 (stage 0 fp16 keeps its fp32 "
+                                             "master copy where distkit cannot refresh the weights from it): "
+                                             "use stage 1-3 or bf16")
+            if ds.get("zero_optimization", {}).get("zero_hpz_partition_size", 1) not in (1, None):
+                raise UnsupportedCombination("param mode does not support ZeRO++ hierarchical partitioning "
+                                             "(zero_hpz_partition_size): remove it")
+
+    def _data_parallel_size(self) -> int:
+        return self.cfg.distributed.param_sync_group_size if self.reduce_type == "param" else self.world_size
+
+    def _resolve_batch(self) -> None:
+        """DeepSpeed's rule train_batch_size = micro * accumulation * data-parallel size, with this world size."""
+        cfg, ds = self.cfg, self.cfg.distributed.deepspeed_config or {}
+        g = self.cfg.distributed.param_sync_group_size
+        if self.reduce_type == "param" and self.world_size % g:
+            raise UnsupportedCombination(f"param_sync_group_size {g} does not divide the world size {self.world_size}: "
+                                         "use a divisor of the number of ranks")
+        dp, tbs = self._data_parallel_size(), ds.get("train_batch_size")
+        if tbs is None:
+            return
+        known = getattr(cfg, "_deepspeed_known", {"micro": True, "gas": True})
+        micro, gas = cfg.batch_size, cfg.accum_grad_multiple_step
+        if known["micro"] and not known["gas"] and tbs % (micro * dp) == 0:
+            gas = tbs // (micro * dp)
+        elif not known["micro"] and tbs % (gas * dp) == 0:
+            micro = tbs // (gas * dp)
+        if micro * gas * dp != tbs:
+            raise ConfigError(f"DeepSpeed config 'train_batch_size' = {tbs} != train_micro_batch_size_per_gpu "
+                              f"(batch_size) {micro} x gradient_accumulation_steps {gas} x data-parallel size {dp}: "
+                              "fix one of them (or drop train_batch_size)")
+        cfg.batch_size, cfg.accum_grad_multiple_step = micro, gas
+
+    def resolved_deepspeed_config(self, client_optimizer: bool) -> dict[str, Any]:
+        """The dict handed to deepspeed.initialize (also written to output_dir)."""
+        cfg = self.cfg
+        conf = copy.deepcopy(cfg.distributed.deepspeed_config or {})
+        conf["train_micro_batch_size_per_gpu"] = cfg.batch_size
+        conf["gradient_accumulation_steps"] = cfg.accum_grad_multiple_step
+        conf["train_batch_size"] = cfg.batch_size * cfg.accum_grad_multiple_step * self._data_parallel_size()
+        conf["gradient_clipping"] = float(cfg.gradient_clip or 0.0)  # explicit: DeepSpeed's own default is 1.0
+        if client_optimizer:
+            conf.setdefault("zero_allow_untested_optimizer", True)
+        if _offload_device(zero_section(conf), "offload_optimizer") != "none":
+            conf.setdefault("zero_force_ds_cpu_optimizer", False)  # torch optimizers work; CPUAdam needs a compiler
+        conf.setdefault("steps_per_print", 10 ** 9)  # distkit logs; DeepSpeed prints only if asked
+        return conf
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def init(self) -> None:
+        self.check_config(self.cfg)
+        self._resolve_batch()
+        ds = self.cfg.distributed.deepspeed_config or {}
+        self.zero_stage = int(zero_section(ds).get("stage", 0))
+        if self.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
+        import deepspeed  # type: ignore[import-untyped]
+
+        super().init()  # torch.distributed with distkit's timeout; DeepSpeed wraps the existing group
+        deepspeed.init_distributed(dist_backend=self.pg_backend, verbose=False)
+        self.mpu: _ReplicaGroups | None = None
+        if self.reduce_type == "param":
+            self.mpu = _ReplicaGroups(self.rank, self.world_size, self.cfg.distributed.param_sync_group_size)
+        self.engine: Any = None
+
+    def teardown(self) -> None:
+        try:
+            from deepspeed.utils import groups  # type: ignore[import-untyped]
+
+            groups.mpu = None
+        except ImportError:
+            pass
+        super().teardown()
+
+    def backend_impl(self) -> str:
+        import deepspeed  # type: ignore[import-untyped]
+
+        return (f"deepspeed {deepspeed.__version__} ZeRO-{self.zero_stage} "
+                f"(torch {torch.__version__}, {getattr(self, 'pg_backend', 'gloo')})")
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        import deepspeed  # type: ignore[import-untyped]
+
+        cfg, ds = self.cfg, self.cfg.distributed.deepspeed_config or {}
+        model.to(self.device)
+        client = "optimizer" not in ds
+        # payload per step in grad mode: one gradient reduction (all-reduce or reduce-scatter) of every parameter
+        self._grad_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        conf = self.resolved_deepspeed_config(client)
+        if self.is_main:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            with open(os.path.join(cfg.output_dir, RESOLVED_NAME), "w") as f:
+                json.dump(conf, f, indent=2)
+        if self.mpu is not None:  # groups would each broadcast from their own first rank: use rank 0's state
+            self.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
+        kwargs: dict[str, Any] = {"model": model, "config": conf, "mpu": self.mpu}
+        if client:
+            kwargs["optimizer"] = optimizer
+        else:
+            kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
+        engine, ds_opt, _, _ = deepspeed.initialize(**kwargs)
+        self.engine = engine
+        dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
+        if dtype is not None:  # the data loader yields fp32 features; the engine's weights are 16-bit
+            engine.module.register_forward_pre_hook(
+                lambda _m, args: tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+                                       for a in args))
+        if self.mpu is not None:
+            masters, refresh = self._masters(engine)
+            buffers = [b for b in engine.module.buffers() if b.is_floating_point()]
+            d = cfg.distributed
+            self.averager = _MasterAverager(self, masters, buffers, refresh, sync_step=d.param_sync_step,
+                                            sync_time_diff=d.param_sync_time_diff, outer_optimizer=d.outer_optimizer)
+        return engine, ds_opt
+
+    def _masters(self, engine: Any) -> tuple[list[torch.Tensor], Any]:
+        """The optimizer's fp32 master tensors (this rank's partitions) and how to rewrite the weights from them."""
+        opt = engine.optimizer
+        if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+            return list(opt.single_partition_of_fp32_groups), opt.update_lp_params
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
+            def refresh() -> None:
+                for i in range(len(opt.fp32_partitioned_groups_flat)):
+                    opt._reassign_or_swap_out_partitioned_parameters(i)
+            return list(opt.fp32_partitioned_groups_flat), refresh
+        if hasattr(opt, "fp32_groups_flat_partition"):  # bf16 optimizer (stage 0 + bf16)
+            return list(opt.fp32_groups_flat_partition), opt.update_lp_params
+        params = list(engine.module.parameters())
+        if any(p.dtype != torch.float32 for p in params):
+            raise UnsupportedCombination(f"param mode cannot find the master weights of {type(opt).__name__}: "
+                                         "use a ZeRO stage >= 1 or fp32")
+        return params, lambda: None
+
+    def average_over(self, tensors: list[torch.Tensor], group: Any, size: int) -> None:
+        """Collective over ``group`` (None = all ranks): set each tensor to its mean; one flat all-reduce."""
+        if not tensors or size == 1:
+            return
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+            self.comm_bytes += flat.numel() * flat.element_size()
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+
+    # -- per step -------------------------------------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    def forward_is_collective(self, model: nn.Module) -> bool:
+        """ZeRO-3 all-gathers each layer's parameters inside the forward pass."""
+        return self.zero_stage == 3
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        # The engine manages accumulation itself (it knows the boundary from its micro-step counter).
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
+        engine: Any = model  # the DeepSpeedEngine setup() returned
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.backward(loss, scale_wrt_gas=False)  # distkit's loop already divided by the accumulation steps
+        if not boundary:
+            engine.step()  # a micro-step: only advances the engine's counter (no optimizer step)
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        """No-op: the engine clips inside ``engine.step`` (``gradient_clipping`` in the resolved config)."""
+        return float("nan")
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        engine: Any = model
+        engine.step()  # the optimizer step (this is the accumulation boundary) + zero_grad
+        if self.reduce_type == "grad":
+            self.comm_bytes += self._grad_bytes
+        if self.averager is not None:
+            self.averager.after_step()
+
+    # -- state ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _gathered(self, module: nn.Module) -> Iterator[None]:
+        """Collective under ZeRO-3 (inside the replica group): whole parameters for the duration."""
+        if self.zero_stage == 3:
+            import deepspeed  # type: ignore[import-untyped]
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def full_named_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        module = self.unwrap(model)
+        with self._gathered(module):
+            named = [(n, p.detach().clone()) for n, p in module.named_parameters()]
+        yield from named
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole model in fp32 (collective under ZeRO-3) for inspection; the resumable state is the
+        engine checkpoint written by :meth:`save_engine_files`."""
+        module = self.unwrap(model)
+        with self._gathered(module):
+            sd = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
+                  for k, v in module.state_dict().items()}
+        return {"model": sd, "optimizer": None, "zero_stage": self.zero_stage}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Nothing: :meth:`load_engine_files` restored model, optimizer and scheduler."""
+
+    def _engine_dir(self, directory: str) -> str:
+        sub = f"group-{self.mpu.index}" if self.mpu is not None else "all"
+        return os.path.join(directory, ENGINE_DIR, sub)
+
+    def save_engine_files(self, directory: str, model: nn.Module) -> None:
+        """Collective: ``engine.save_checkpoint`` into distkit's temporary checkpoint directory, without
+        DeepSpeed's ``latest`` file (distkit's manifest + ``latest`` are what a resume trusts)."""
+        path = self._engine_dir(directory)
+        os.makedirs(os.path.join(path, TAG), exist_ok=True)  # DeepSpeed creates it on global rank 0 only
+        engine: Any = model
+        engine.save_checkpoint(path, tag=TAG, client_state={}, save_latest=False)
+
+    def load_engine_files(self, directory: str, model: nn.Module) -> None:
+        path = self._engine_dir(directory)
+        if not os.path.isdir(os.path.join(path, TAG)):
+            raise ConfigError(f"checkpoint '{directory}' holds no DeepSpeed engine state ({path}): it was not written "
+                              "by the deepspeed backend with this param_sync_group_size")
+        engine: Any = model
+        loaded, _ = engine.load_checkpoint(path, tag=TAG, load_module_strict=True, load_optimizer_states=True,
+                                           load_lr_scheduler_states=True)
+        if loaded is None:
+            raise ConfigError(f"DeepSpeed could not load its checkpoint from {path}")
+
+
+def consolidated_state_dict(checkpoint_dir: str, group: int = 0) -> dict[str, torch.Tensor]:
+    """A plain fp32 ``state_dict`` of the whole model from a distkit checkpoint written by this backend,
+    any ZeRO stage (not collective; no process group needed). Used by ``distkit export``. Built from the
+    optimizer's fp32 master weights where there are any. ``group``: which replica group (param mode)."""
+    root = os.path.join(checkpoint_dir, ENGINE_DIR)
+    if not os.path.isdir(root):
+        raise ConfigError(f"'{checkpoint_dir}' holds no DeepSpeed engine state: export needs a checkpoint of the "
+                          "deepspeed backend")
+    sub = "all" if os.path.isdir(os.path.join(root, "all")) else f"group-{group}"  # param mode: groups agree after the final sync
+    path = os.path.join(root, sub)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    tag_dir = os.path.join(path, TAG)
+    if any("zero_pp_rank" in f for f in os.listdir(tag_dir)):
+        from deepspeed.utils import zero_to_fp32  # type: ignore[import-untyped]
+
+        sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(path, tag=TAG)
+    else:  # stage 0 fp32: the model states file holds the whole module
+        files = sorted(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
+        sd = torch.load(os.path.join(tag_dir, files[0]), map_location="cpu", weights_only=False)["module"]
+    return {k: (v.float() if v.is_floating_point() else v).clone() for k, v in sd.items()}

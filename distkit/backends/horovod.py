@@ -1,0 +1,246 @@
+"""Horovod (``horovod.torch``), RETURNN's ``use_horovod = True``; launched by ``mpirun`` or ``horovodrun``.
+
+grad mode: ``hvd.DistributedOptimizer`` (its gradient hooks start an all-reduce as soon as
+each gradient is ready; ``backward_passes_per_step`` = ``accum_grad_multiple_step``;
+``hvd.Average``, or ``hvd.Sum`` with ``horovod_avg_grad = False``; fp16 compression with
+``horovod_compression = "fp16"``). param mode: the plain optimizer and
+:class:`~distkit.averaging.ParamAverager`, averaging with one flat ``hvd.allreduce``.
+Both modes start from rank 0's parameters and buffers (``hvd.broadcast_parameters``).
+
+Which engine runs is decided once, when the registry imports this module: the registry
+entry ``HorovodStrategy`` is :class:`HorovodEngine` when ``horovod.torch`` imports, else
+:class:`HorovodFallback`, distkit's mpi engine (same modes and keys, same math), which
+says so in one line at start and in ``summary.json``'s ``backend_impl``. With
+``horovod_require = True`` the fallback refuses to start (exit 2, with the install command).
+Nothing outside this module knows about the fallback.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from distkit.averaging import ParamAverager
+from distkit.errors import BackendUnavailable, DistkitError, UnsupportedCombination
+
+from .base import Strategy, parameters_and_float_buffers
+from .mpi import MPIStrategy, mpi_impl
+
+INSTALL_HINT = "build and install it with `make horovod` (runs scripts/build_horovod.sh .venv, ~3 min once, then cached)"
+
+
+def _import_horovod() -> tuple[Any, Optional[str]]:
+    """``(horovod.torch, None)``, or ``(None, why)`` when it cannot be imported (absent or a broken build)."""
+    try:
+        import horovod.torch as hvd
+    except Exception as e:  # noqa: BLE001 - ImportError, or OSError/undefined symbol from a build for another torch
+        return None, f"{type(e).__name__}: {e}"
+    return hvd, None
+
+
+class HorovodEngine(Strategy):
+    """The real Horovod. Every rank runs under ``mpirun -np N`` or ``horovodrun -np N``."""
+
+    name = "horovod"
+
+    def init(self) -> None:
+        hvd, why = _import_horovod()
+        if hvd is None:  # only if horovod broke between config check and start
+            raise BackendUnavailable(f"horovod is not importable ({why}): {INSTALL_HINT}")
+        self.hvd = hvd
+        # Horovod's only hang guard: a collective some rank never joins shuts Horovod down after
+        # this long (the waiting ranks then raise, and abort() ends the job). Horovod ignores the
+        # shutdown time unless the stall check (default 60 s) runs at least as often.
+        # The user's own settings in the environment win.
+        timeout = max(int(self.cfg.distributed.timeout_s), 1)
+        if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in os.environ:
+            os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(timeout)
+            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(min(60, timeout)))
+        hvd.init()
+        self._initialized = True
+        if (hvd.size(), hvd.rank()) != (self.world_size, self.rank):
+            raise UnsupportedCombination(
+                f"horovod found rank {hvd.rank()} of {hvd.size()} but the {self.env.launcher} launcher says rank "
+                f"{self.rank} of {self.world_size}: launch Horovod with mpirun -np {self.world_size} or "
+                f"horovodrun -np {self.world_size} (not --nprocs)")
+        self._grad_bytes = 0
+        self._synchronized = False
+        self._buffers: list[torch.Tensor] = []
+        self._buffer_hook: Any = None
+
+    def teardown(self) -> None:
+        if getattr(self, "_initialized", False):
+            if self._buffer_hook is not None:
+                self._buffer_hook.remove()
+            self.hvd.shutdown()
+            self._initialized = False
+
+    def abort(self) -> None:
+        """Print which rank failed and why, then end this process so the launcher ends the others."""
+        if not getattr(self, "_initialized", False) or self.world_size == 1:
+            return
+        exc = sys.exc_info()[1]
+        if exc is not None and not isinstance(exc, DistkitError):
+            traceback.print_exc()
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
+        print(f"distkit: rank {self.rank} failed: {what} (aborting all {self.world_size} Horovod ranks)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        code = exc.exit_code if isinstance(exc, DistkitError) else 1
+        if self.hvd.mpi_enabled():
+            with contextlib.suppress(ImportError):
+                from mpi4py import MPI  # MPI is initialised (by Horovod): this only binds it
+
+                MPI.COMM_WORLD.Abort(code)
+        # Gloo (horovodrun --gloo) or no mpi4py: exiting non-zero makes the launcher stop the job.
+        # os._exit, not raise: Horovod's atexit shutdown would wait for the ranks we just left.
+        os._exit(code)
+
+    def backend_impl(self) -> str:
+        import horovod
+
+        ctrl = "MPI" if self.hvd.mpi_enabled() else "Gloo"
+        comp = ", fp16 compression" if self.cfg.distributed.compression == "fp16" else ""
+        return f"horovod {horovod.__version__} ({ctrl}{comp})"
+
+    # -- setup -------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        hvd, d = self.hvd, self.cfg.distributed
+        model.to(self.device)
+        self.broadcast_tensors([*model.parameters(), *model.buffers()])
+        # DDP semantics for buffers (BatchNorm statistics) in both engines: rank 0's before each training forward.
+        self._buffers = list(model.buffers())
+        if self.reduce_type == "param":
+            self.averager = ParamAverager(self, list(parameters_and_float_buffers(model)), d.param_sync_step,
+                                          d.param_sync_time_diff, d.outer_optimizer)
+            return model, optimizer
+        if self._buffers and self.world_size > 1:
+            self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)
+        had_state = any(len(s) for s in optimizer.state.values())
+        opt = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16 if d.compression == "fp16" else hvd.Compression.none,
+            backward_passes_per_step=self.cfg.accum_grad_multiple_step,
+            op=hvd.Average if d.avg_grad else hvd.Sum)
+        if had_state:
+            # Only with existing state: on a fresh optimizer Horovod first takes one step with zero
+            # gradients to create the state, which moves Adam's step count and applies weight decay
+            # (a different result from DDP). A fresh optimizer has equal (empty) state everywhere.
+            opt.load_state_dict(optimizer.state_dict())
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        per_elem = 2 if d.compression == "fp16" else None
+        self._grad_bytes = sum(p.numel() * (per_elem or p.element_size()) for p in model.parameters() if p.requires_grad)
+        return model, opt
+
+    def _sync_buffers(self, module: nn.Module, args: Any) -> None:
+        if module.training:
+            self.broadcast_tensors(self._buffers)
+
+    # -- per step ----------------------------------------------------------------------
+    def _distributed(self, optimizer: torch.optim.Optimizer) -> bool:
+        return hasattr(optimizer, "synchronize") and self.averager is None
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        if self._distributed(optimizer):
+            optimizer.synchronize()  # type: ignore[attr-defined]  # wait for the reduced gradients, then clip them
+            self._synchronized = True
+        return super().clip_grad_norm(model, optimizer, max_norm)
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if not self._distributed(optimizer):
+            super().step(model, optimizer)
+            return
+        if self._synchronized:
+            with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+                optimizer.step()
+        else:
+            optimizer.step()
+        self._synchronized = False
+        optimizer.zero_grad()  # Horovod's own (no set_to_none argument); sets grads to None
+        self.comm_bytes += self._grad_bytes
+
+    # no_sync: Horovod counts micro-steps itself (backward_passes_per_step) and sends on the last.
+
+    # -- collectives -------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
+        if self.world_size == 1:
+            return tensor
+        hvd = self.hvd
+        self.comm_bytes += tensor.numel() * tensor.element_size()
+        # mean = sum, then divide (as the other engines do: the same rounding everywhere)
+        out = hvd.allreduce(tensor.detach(), op={"sum": hvd.Sum, "mean": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op])
+        if op == "mean":
+            out = out / self.world_size
+        with torch.no_grad():
+            tensor.copy_(out)
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective: every rank must call it, in the same order. Returns ``src``'s object."""
+        return obj if self.world_size == 1 else self.hvd.broadcast_object(obj, root_rank=src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Collective: every rank must call it, in the same order. Returns one object per rank."""
+        return [obj] if self.world_size == 1 else list(self.hvd.allgather_object(obj))
+
+    def barrier(self) -> None:
+        """Collective: every rank must call it, in the same order."""
+        if self.world_size > 1:
+            self.hvd.barrier()
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Collective: every rank must call it, in the same order. In-place ``hvd.broadcast_`` of each tensor."""
+        if self.world_size == 1:
+            return
+        handles = []
+        for t in tensors:
+            self.comm_bytes += t.numel() * t.element_size()
+            handles.append(self.hvd.broadcast_async_(t.detach(), root_rank=src))
+        for h in handles:
+            self.hvd.synchronize(h)
+
+
+class HorovodFallback(MPIStrategy):
+    """``use_horovod`` without Horovod installed: distkit's mpi engine, same modes, keys and math."""
+
+    name = "horovod"
+    #: why ``horovod.torch`` did not import (set when this module is imported)
+    reason: ClassVar[str] = ""
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        if cfg.distributed.require_horovod:
+            raise BackendUnavailable(f"horovod_require = True but horovod is not importable ({cls.reason}): {INSTALL_HINT}")
+        try:
+            super().check_config(cfg)
+        except BackendUnavailable:
+            raise BackendUnavailable(
+                f"use_horovod needs Horovod or, as a fallback, mpi4py; neither imports ({cls.reason}): "
+                f"{INSTALL_HINT}, or pip install 'distkit[mpi]'") from None
+
+    def init(self) -> None:
+        super().init()
+        if self.is_main:
+            print(f"distkit: horovod is not importable ({self.reason}); running use_horovod on distkit's mpi "
+                  "engine (same modes and keys; horovod_require = True makes this an error)", flush=True)
+
+    def backend_impl(self) -> str:
+        return f"{mpi_impl()} (horovod fallback: horovod not importable)"
+
+
+def _select() -> type[Strategy]:
+    hvd, why = _import_horovod()
+    if hvd is not None:
+        return HorovodEngine
+    HorovodFallback.reason = why or "unknown"
+    return HorovodFallback
+
+
+#: The registry's "horovod" entry: the real engine when ``horovod.torch`` imports, else the fallback.
+HorovodStrategy: type[Strategy] = _select()

@@ -1,0 +1,382 @@
+"""MPI through mpi4py: distkit's own bucketed, overlapped gradient reducer. No torch.distributed.
+
+Launch: ``mpirun -np N python -m distkit train cfg.py`` with ``distributed = {"backend": "mpi"}``.
+
+grad mode: :class:`GradReducer` makes every ``param.grad`` a view into a flat bucket of
+about ``distributed.bucket_cap_mb`` MiB (parameters in reverse registration order, as DDP:
+that is roughly the order backward produces them). A ``post_accumulate_grad`` hook counts
+the gradients of each bucket; a full bucket starts a non-blocking ``Iallreduce(IN_PLACE)``
+on the bucket's own memory (no copies between torch and MPI) while backward goes on.
+Buckets are started strictly in index order, so every rank issues the same collectives in
+the same order (MPI requires it). ``step()`` waits, divides by the world size
+(``avg_grad``; sums when False) and steps. param mode: a plain model and
+:class:`~distkit.averaging.ParamAverager`, averaging with one flat ``Allreduce``.
+
+Failures: an exception on one rank calls ``MPI_Abort`` (mpi4py's default would leave the
+other ranks blocked in a collective forever); a rank stuck in one collective longer than
+``distributed.timeout_s`` is aborted by a watchdog thread. A killed rank is noticed by
+``mpirun``, which ends the job naming the rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from distkit.averaging import ParamAverager
+from distkit.errors import BackendUnavailable, DistkitError, UnsupportedCombination
+
+from .base import Strategy, parameters_and_float_buffers
+
+INSTALL_HINT = "pip install 'distkit[mpi]' (mpi4py + the Open MPI wheel), then launch with mpirun -np N"
+
+
+def import_mpi() -> Any:
+    """mpi4py's MPI module (initialises MPI on first import), or BackendUnavailable with the fix."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise BackendUnavailable(f"the mpi engine needs mpi4py ({e}): {INSTALL_HINT}") from None
+    return MPI
+
+
+def mpi_impl() -> str:
+    """e.g. "mpi4py 4.1.2 (Open MPI v5.0.11)"."""
+    import mpi4py
+
+    MPI = import_mpi()
+    lib = MPI.Get_library_version().strip().split(",")[0].splitlines()[0]
+    return f"mpi4py {mpi4py.__version__} ({lib})"
+
+
+def _np(t: torch.Tensor) -> Any:
+    """A numpy view of a contiguous CPU tensor (shares memory: MPI reads and writes the tensor)."""
+    return t.detach().reshape(-1).numpy()
+
+
+class _Bucket:
+    """Gradients of a few parameters laid out in one flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        # CUDA tensors need a host copy (a CUDA-aware MPI is not assumed); on CPU there is none.
+        self.host = self.flat if device.type == "cpu" else torch.zeros_like(self.flat, device="cpu").pin_memory()
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.ready = 0
+        self.request: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+class GradReducer:
+    """Mean (or sum) of gradients over ranks, all-reduced bucket by bucket during backward.
+
+    Cross-rank contract: every rank registers the same parameters in the same order and
+    runs backward over the same parameters each step (gradients never produced are
+    all-reduced as zeros in :meth:`finish`). Memory: the buckets are the gradients (no
+    second copy); the optimizer must not replace ``param.grad`` (no torch optimizer does).
+
+    Args:
+        strategy: the MPI strategy (communicator, world size, byte count).
+        params: parameters that require grad, in registration order.
+        bucket_cap_mb: bucket size in MiB; a parameter larger than that gets a bucket of its own.
+        average: divide the sum by the world size.
+    """
+
+    def __init__(self, strategy: MPIStrategy, params: list[nn.Parameter], bucket_cap_mb: float, average: bool) -> None:
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.s, self.average = strategy, average
+        self.enabled = True  # False inside no_sync(): hooks then only accumulate
+        cap = bucket_cap_mb * 2 ** 20
+        self.buckets: list[_Bucket] = []
+        group: list[nn.Parameter] = []
+        for p in reversed(params):
+            if group and (p.dtype != group[0].dtype or
+                          sum(q.numel() * q.element_size() for q in group) + p.numel() * p.element_size() > cap):
+                self.buckets.append(_Bucket(group, strategy.device))
+                group = []
+            group.append(p)
+        if group:
+            self.buckets.append(_Bucket(group, strategy.device))
+        self._where = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0  # index of the next bucket to start (buckets start in order on every rank)
+        self.reduced = False  # finish() ran since the last zero()
+        self.attach()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    def attach(self) -> None:
+        """Make each ``param.grad`` the view of its bucket (accumulation then writes into the bucket)."""
+        for b in self.buckets:
+            for p, v in zip(b.params, b.views):
+                if p.grad is not v:
+                    if p.grad is not None:
+                        v.copy_(p.grad)
+                    p.grad = v
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        b = self._where[id(p)]
+        b.ready += 1
+        if b.ready == len(b.params):
+            # Start every bucket that is full, in order; a later full bucket waits for earlier ones.
+            while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+                self._start(self.buckets[self._next])
+                self._next += 1
+
+    def _start(self, b: _Bucket) -> None:
+        if b.host is not b.flat:
+            b.host.copy_(b.flat)
+        if self.s.world_size > 1:
+            b.request = self.s.comm.Iallreduce(self.s.MPI.IN_PLACE, _np(b.host), op=self.s.MPI.SUM)
+            self.s.comm_bytes += b.nbytes
+
+    def finish(self) -> None:
+        """Start what backward did not (unused parameters), wait for all, scale. Once per step."""
+        if self.reduced:
+            return
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+            self._next += 1
+        with self.s.watch("Iallreduce (gradient buckets)"):
+            self.s.MPI.Request.Waitall([b.request for b in self.buckets if b.request is not None])
+        for b in self.buckets:
+            b.request = None
+            if b.host is not b.flat:
+                b.flat.copy_(b.host)
+            if self.average and self.s.world_size > 1:
+                b.flat.div_(self.s.world_size)
+        self.reduced = True
+
+    def zero(self) -> None:
+        """zero_grad for the next step: the gradients stay bucket views."""
+        self._next, self.reduced = 0, False
+        for b in self.buckets:
+            b.flat.zero_()
+            b.ready = 0
+        self.attach()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class MPIStrategy(Strategy):
+    """Data parallelism over MPI with mpi4py (``mpirun -np N``)."""
+
+    name = "mpi"
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        super().check_config(cfg)
+        import_mpi()
+        if cfg.distributed.compression != "none":
+            raise UnsupportedCombination(
+                f"compression '{cfg.distributed.compression}' is not implemented by the mpi engine: "
+                "remove it, or install real Horovod (scripts/build_horovod.sh, `make horovod`) and use use_horovod = True")
+
+    # -- lifecycle -------------------------------------------------------------------
+    def init(self) -> None:
+        self.MPI = import_mpi()
+        # Our own communicator: user code on COMM_WORLD never interleaves with ours.
+        self.comm = self.MPI.COMM_WORLD.Dup()
+        size, rank = self.comm.Get_size(), self.comm.Get_rank()
+        if (size, rank) != (self.world_size, self.rank):
+            launcher = self.env.launcher
+            self.comm.Free()
+            raise UnsupportedCombination(
+                f"backend '{self.name}' found MPI rank {rank} of {size} but the {launcher} launcher says rank "
+                f"{self.rank} of {self.world_size}: MPI engines need an MPI launcher: "
+                f"mpirun -np {self.world_size} python -m distkit train CONFIG (not --nprocs)")
+        self.reducer: Optional[GradReducer] = None
+        self._buffers: list[torch.Tensor] = []
+        self._buffer_hook: Any = None
+        self._watch_what: Optional[str] = None
+        self._watch_since = 0.0
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch_loop, name="distkit-mpi-watchdog", daemon=True)
+        if size > 1:
+            self._watchdog.start()
+
+    def teardown(self) -> None:
+        if getattr(self, "_stop", None) is None:
+            return
+        self._stop.set()
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=5)
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+        if self._buffer_hook is not None:
+            self._buffer_hook.remove()
+            self._buffer_hook = None
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+    def abort(self) -> None:
+        """Print which rank failed and why, then MPI_Abort: every rank of the job ends now."""
+        if getattr(self, "comm", None) is None or self.world_size == 1:
+            return  # single process: the exception propagates as usual
+        exc = sys.exc_info()[1]
+        if exc is not None and not isinstance(exc, DistkitError):
+            traceback.print_exc()
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
+        print(f"distkit: rank {self.rank} failed: {what} (aborting all {self.world_size} MPI ranks)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        code = exc.exit_code if isinstance(exc, DistkitError) else 1
+        self.MPI.COMM_WORLD.Abort(code)
+
+    def backend_impl(self) -> str:
+        return mpi_impl()
+
+    # -- watchdog: distributed.timeout_s for MPI collectives ----------------------------------
+    @contextlib.contextmanager
+    def watch(self, what: str) -> Iterator[None]:
+        """Blocking MPI calls inside this block are aborted after ``timeout_s`` (MPI has no timeout)."""
+        self._watch_what, self._watch_since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            self._watch_what = None
+
+    def _watch_loop(self) -> None:
+        timeout = float(self.cfg.distributed.timeout_s)
+        while not self._stop.wait(min(1.0, timeout / 4)):
+            what = self._watch_what
+            if what is not None and time.monotonic() - self._watch_since > timeout:
+                print(f"distkit: rank {self.rank}: {what} did not complete within distributed.timeout_s = "
+                      f"{timeout:g} s (another rank hangs or died): aborting all {self.world_size} MPI ranks",
+                      file=sys.stderr, flush=True)
+                self.MPI.COMM_WORLD.Abort(1)
+
+    # -- setup -------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model.to(self.device)
+        d = self.cfg.distributed
+        # rank 0's initial parameters and buffers everywhere (as DDP's constructor does).
+        self.broadcast_tensors([*model.parameters(), *model.buffers()])
+        if self.reduce_type == "grad":
+            params = [p for p in model.parameters() if p.requires_grad]
+            odd = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
+            if odd:
+                raise UnsupportedCombination(f"the mpi engine all-reduces fp32/fp64 gradients; the model has {', '.join(odd)} "
+                                             "parameters: keep fp32 master parameters (autocast) or use ddp")
+            self.reducer = GradReducer(self, params, d.bucket_cap_mb, bool(d.avg_grad))
+            # DDP semantics for buffers (BatchNorm statistics): rank 0's, before every training forward.
+            self._buffers = list(model.buffers())
+            if self._buffers and self.world_size > 1:
+                self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)
+            return model, optimizer
+        self.averager = ParamAverager(self, list(parameters_and_float_buffers(model)), d.param_sync_step,
+                                      d.param_sync_time_diff, d.outer_optimizer)
+        return model, optimizer
+
+    def _sync_buffers(self, module: nn.Module, args: Any) -> None:
+        if module.training:
+            self.broadcast_tensors(self._buffers)
+
+    # -- per step ----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
+        if self.reducer is not None:
+            self.reducer.attach()  # cheap identity checks; repairs grads a user may have replaced
+        loss.backward()
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        assert self.reducer is not None
+        self.reducer.enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = True
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Accumulation micro-steps: gradients add up in the buckets, nothing is sent."""
+        return self._no_sync() if self.reducer is not None else contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        if self.reducer is not None:
+            self.reducer.finish()  # clip the reduced gradient, as every rank holds it
+        return super().clip_grad_norm(model, optimizer, max_norm)
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.reducer is None:
+            super().step(model, optimizer)
+            return
+        self.reducer.finish()
+        optimizer.step()
+        self.reducer.zero()  # zero_grad: the grads are bucket views and stay so
+
+    # -- collectives -------------------------------------------------------------------
+    def _op(self, op: str) -> Any:
+        return {"sum": self.MPI.SUM, "mean": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
+        if self.world_size == 1:
+            return tensor
+        direct = tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype not in (torch.bfloat16, torch.float16)
+        buf = tensor if direct else tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else tensor.dtype).contiguous()
+        self.comm_bytes += tensor.numel() * tensor.element_size()
+        with self.watch(f"Allreduce({op})"):
+            self.comm.Allreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))
+        if op == "mean":
+            buf.div_(self.world_size)
+        if not direct:
+            with torch.no_grad():
+                tensor.copy_(buf)
+        return tensor
+
+    def average_parameters(self, params: list[torch.Tensor]) -> None:
+        """Collective: every rank must call it, in the same order. One flat ``Allreduce`` of all ``params``."""
+        super().average_parameters(params)  # cat -> all_reduce(mean) (one Allreduce) -> copy back
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective: every rank must call it, in the same order. Returns ``src``'s object."""
+        if self.world_size == 1:
+            return obj
+        with self.watch("bcast"):
+            return self.comm.bcast(obj, root=src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Collective: every rank must call it, in the same order. Returns one object per rank."""
+        if self.world_size == 1:
+            return [obj]
+        with self.watch("allgather"):
+            return list(self.comm.allgather(obj))
+
+    def barrier(self) -> None:
+        """Collective: every rank must call it, in the same order."""
+        if self.world_size > 1:
+            with self.watch("Barrier"):
+                self.comm.Barrier()
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Collective: every rank must call it, in the same order. ``Bcast`` of each tensor's memory."""
+        if self.world_size == 1:
+            return
+        with self.watch("Bcast"), torch.no_grad():
+            for t in tensors:
+                direct = t.device.type == "cpu" and t.is_contiguous() and t.dtype not in (torch.bfloat16, torch.float16)
+                buf = t.detach() if direct else t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).contiguous()
+                self.comm_bytes += t.numel() * t.element_size()
+                self.comm.Bcast(_np(buf), root=src)
+                if not direct:
+                    t.copy_(buf)

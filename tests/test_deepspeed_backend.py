@@ -1,0 +1,251 @@
+"""DeepSpeed backend on real processes (DeepSpeed's CPU accelerator, gloo): parity with DDP for
+ZeRO 0-3, param mode (per rank and in replica groups), resume after SIGKILL, export, config rules.
+
+Each run starts real ranks with the real `distkit` CLI (and once each torchrun / the deepspeed
+launcher); a 2-rank DeepSpeed start costs ~20 s here, so runs are short (digits, 20 steps).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import BIN, ROOT, distkit, final_params, max_abs_diff, ok, run, summary
+
+from distkit.backends.deepspeed import consolidated_state_dict
+from distkit.launch import free_port
+from distkit.tasks.charlm import SIZES, CharTransformer, datasets
+from distkit.tasks.digits import make_model
+
+TOL = 1e-5
+DIGITS = """task = "digits"
+optimizer = {"class": "sgd"}
+learning_rate = 0.1
+batch_size = 16
+num_epochs = 5
+log_every = 5
+progress_bar = False
+"""
+CHARLM = """task = "charlm"
+charlm_size = "small"
+optimizer = {"class": "sgd"}
+learning_rate = 0.5
+batch_size = 8
+log_every = 2
+progress_bar = False
+"""
+
+
+def _files(tmp: Path, name: str, ds: dict[str, Any] | None, task: str) -> tuple[Path, Path | None]:
+    cfg = tmp / f"{task}.py"
+    cfg.write_text(DIGITS if task == "digits" else CHARLM)
+    if ds is None:
+        return cfg, None
+    js = tmp / f"{name}.json"
+    js.write_text(json.dumps(ds))
+    return cfg, js
+
+
+def train(tmp: Path, name: str, ds: dict[str, Any] | None, *overrides: str, nprocs: int = 2, steps: int = 20,
+          task: str = "digits", **env: str) -> Path:
+    """A distkit run; ``ds`` None = DDP grad mode (the reference), else DeepSpeed with this config."""
+    cfg, js = _files(tmp, name, ds, task)
+    out = tmp / name
+    flags = ["--deepspeed_config", str(js)] if js else ["++torch_distributed", "{}"]
+    ok(distkit("train", str(cfg), "--nprocs", str(nprocs), *flags, "++output_dir", str(out),
+               "++max_steps", str(steps), *overrides, timeout=400, **env))
+    return out
+
+
+def zero(stage: int, **extra: Any) -> dict[str, Any]:
+    z: dict[str, Any] = {"stage": stage}
+    if stage == 3:  # partition every parameter (by default ZeRO-3 keeps tensors < 1e5 elements whole on each rank)
+        z["stage3_param_persistence_threshold"] = 0
+    return {"zero_optimization": z, **extra}
+
+
+def export(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    res = ok(run([str(BIN / "python"), "-m", "distkit.export", str(ckpt), str(out)], timeout=120))
+    assert "exported" in res.stdout
+    return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def ddp_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(tmp_path_factory.mktemp("ref"), "ddp", None)
+
+
+# -- 6. grad mode parity: ZeRO 0-3 == DDP (digits, SGD, fp32, 20 steps) ---------------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_grad_mode_equals_ddp(tmp_path: Path, ddp_ref: Path, stage: int) -> None:
+    out = train(tmp_path, f"z{stage}", zero(stage))
+    s = summary(out)
+    assert s["backend"] == "deepspeed" and s["zero_stage"] == stage and f"ZeRO-{stage}" in s["backend_impl"]
+    assert s["steps"] == 20 and s["samples"] == 20 * 32 and s["ranks_in_sync"] is True
+    assert max_abs_diff(final_params(out), final_params(ddp_ref)) <= TOL
+    torch.manual_seed(42)
+    assert max_abs_diff(final_params(out), make_model().state_dict()) > 1e-3  # it did train
+    resolved = json.loads((out / "deepspeed_config.resolved.json").read_text())
+    assert resolved["train_batch_size"] == 32 and resolved["gradient_clipping"] == 0.0  # not DeepSpeed's 1.0
+    assert resolved["zero_optimization"]["stage"] == stage
+    # export: a plain state_dict that loads into the bare model and equals the trained parameters
+    sd = export(out, tmp_path / "model.pt")
+    bare = make_model()
+    bare.load_state_dict(sd)
+    assert max_abs_diff(bare.state_dict(), final_params(out)) == 0.0
+
+
+def test_engine_accumulation_and_clipping_equal_ddp(tmp_path: Path) -> None:
+    # DeepSpeed's own keys drive accumulation and clipping; DDP gets the same through distkit's keys.
+    ds = train(tmp_path, "ds", zero(2, gradient_accumulation_steps=2, gradient_clipping=0.05, train_batch_size=32),
+               "++batch_size", "8")
+    ref = train(tmp_path, "ddp", None, "++batch_size", "8", "++accum_grad_multiple_step", "2",
+                "++gradient_clip", "0.05")
+    assert max_abs_diff(final_params(ds), final_params(ref)) <= TOL
+    assert summary(ds)["samples"] == summary(ref)["samples"] == 20 * 32
+    # clipping was active: the unclipped run ends elsewhere
+    unclipped = train(tmp_path, "ddp_noclip", None, "++batch_size", "8", "++accum_grad_multiple_step", "2")
+    assert max_abs_diff(final_params(ds), final_params(unclipped)) > 1e-4
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_charlm_zero_stages_equal_ddp(tmp_path: Path, stage: int) -> None:
+    ref = train(tmp_path, "ddp", None, task="charlm", steps=6)
+    out = train(tmp_path, f"z{stage}", zero(stage), "++eval_every", "3", task="charlm", steps=6)
+    assert max_abs_diff(final_params(out), final_params(ref)) <= TOL
+    s = summary(out)
+    assert s["zero_stage"] == stage and s["ranks_in_sync"] is True and s["eval_loss"] < 4.6  # < ln(100): it learned
+
+
+# -- 4. param mode ----------------------------------------------------------------------------------
+def test_param_sync_every_step_equals_grad_zero2(tmp_path: Path, ddp_ref: Path) -> None:
+    out = train(tmp_path, "p1", zero(2), "++distributed", "{'reduce_type': 'param', 'param_sync_step': 1}")
+    s = summary(out)
+    assert s["reduce_type"] == "param" and s["param_sync_step"] == 1 and s["ranks_in_sync"] is True
+    assert max_abs_diff(final_params(out), final_params(ddp_ref)) <= TOL
+
+
+def test_param_groups_4_ranks_zero2(tmp_path: Path) -> None:
+    # 2 replica groups of 2 ranks: ZeRO-2 inside a group, averaging across groups every step == grad mode.
+    par = {"reduce_type": "param", "param_sync_step": 1, "param_sync_group_size": 2}
+    out = train(tmp_path, "g2", zero(2), "++distributed", repr(par), nprocs=4)
+    ref = train(tmp_path, "ddp4", None, nprocs=4)
+    assert max_abs_diff(final_params(out), final_params(ref)) <= TOL
+    assert summary(out)["ranks_in_sync"] is True and summary(out)["world_size"] == 4
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    assert sorted(p.name for p in (ckpt / "deepspeed").iterdir()) == ["group-0", "group-1"]
+    # each group is a 2-rank ZeRO world: two optimizer partitions per group
+    assert len(list((ckpt / "deepspeed" / "group-1" / "ds").glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    # sync every 7 steps: groups drift apart between syncs, so this is not grad mode; the final sync re-joins them
+    out7 = train(tmp_path, "g7", zero(2), "++distributed", repr({**par, "param_sync_step": 7}), nprocs=4)
+    assert summary(out7)["ranks_in_sync"] is True
+    assert max_abs_diff(final_params(out7, 0), final_params(out7, 3)) == 0.0
+    assert max_abs_diff(final_params(out7), final_params(ref)) > 1e-4
+
+
+def test_param_mode_bf16_averages_fp32_masters(tmp_path: Path) -> None:
+    # bf16 weights are rounded copies of the optimizer's fp32 masters; the sync must average the masters,
+    # or each rank's next step would start from its own master again. Sync every 3 steps, 20 steps: the
+    # final sync is what makes both ranks' masters (exported from each group's optimizer files) equal.
+    out = train(tmp_path, "bf", zero(2, bf16={"enabled": True}),
+                "++distributed", "{'reduce_type': 'param', 'param_sync_step': 3}")
+    s = summary(out)
+    assert s["ranks_in_sync"] is True
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    m0, m1 = consolidated_state_dict(str(ckpt), 0), consolidated_state_dict(str(ckpt), 1)
+    assert max_abs_diff(m0, m1) == 0.0
+    assert max_abs_diff(m0, final_params(out)) < 1e-2  # the bf16 weights are the rounded masters
+    assert any(not torch.equal(m0[k], final_params(out)[k]) for k in m0)  # and masters are really fp32
+
+
+# -- 5. checkpoints: kill, resume bit-identically; the offload example config runs on CPU ---------------------
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sigkill_then_resume_is_bit_identical(tmp_path: Path, stage: int) -> None:
+    common = ["++checkpoint_every", "5", "++optimizer", "{'class': 'sgd', 'momentum': 0.9}"]
+    ref = train(tmp_path, "ref", zero(stage), *common)
+    cfg, js = _files(tmp_path, "ref", zero(stage), "digits")
+    out = tmp_path / "killed"
+    args = ["train", str(cfg), "--nprocs", "2", "--deepspeed", "--deepspeed_config", str(js), "++output_dir", str(out),
+            "++max_steps", "20", *common]
+    killed = distkit(*args, DISTKIT_FAULT="1:13:kill", timeout=300)
+    assert killed.returncode != 0 and "rank 1 failed (killed by SIGKILL)" in killed.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step-0000010"
+    assert not (out / "checkpoints" / "step-0000010" / "deepspeed" / "all" / "latest").exists()  # distkit's pointer only
+    resumed = ok(distkit(*args, "++resume", "auto", timeout=300))
+    assert "at step 10" in resumed.stdout
+    a, b = final_params(ref), final_params(out)
+    assert all(a[k].equal(b[k]) for k in a)
+    assert summary(out)["param_checksum"] == summary(ref)["param_checksum"]
+
+
+def test_zero3_offload_example_config_runs_on_cpu(tmp_path: Path) -> None:
+    # the example has its own Adam 'optimizer' block, so the distkit config leaves optimizer/learning_rate unset
+    out = tmp_path / "off"
+    (tmp_path / "charlm_ds.py").write_text('task = "charlm"\ncharlm_size = "small"\nprogress_bar = False\nlog_every = 2\n')
+    ok(distkit("train", str(tmp_path / "charlm_ds.py"), "--nprocs", "2", "--deepspeed", "--deepspeed_config",
+               str(ROOT / "configs" / "ds_zero3_offload.json"), "++output_dir", str(out), "++max_steps", "4",
+               timeout=400))
+    s = summary(out)
+    assert s["zero_stage"] == 3 and s["steps"] == 4 and s["samples"] == 4 * 8 * 2 * 2 and s["ranks_in_sync"]
+    resolved = json.loads((out / "deepspeed_config.resolved.json").read_text())
+    assert resolved["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert resolved["gradient_accumulation_steps"] == 2 and resolved["gradient_clipping"] == 1.0
+    vocab = datasets(64)[2]
+    bare = CharTransformer(vocab, 64, *SIZES["small"])
+    bare.load_state_dict(export(out, tmp_path / "m.pt"))
+
+
+# -- 1. launchers ------------------------------------------------------------------------------------
+def test_torchrun_and_deepspeed_launcher(tmp_path: Path, ddp_ref: Path) -> None:
+    cfg, js = _files(tmp_path, "z2", zero(2), "digits")
+    common = ["train", str(cfg), "--deepspeed", "--deepspeed_config", str(js), "++max_steps", "20"]
+    tr = tmp_path / "torchrun"
+    ok(run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "distkit", *common,
+            "++output_dir", str(tr)], timeout=300))
+    dsl = tmp_path / "dslaunch"
+    ok(run([str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()), "--module", "distkit", *common,
+            "++output_dir", str(dsl)], timeout=300, DS_ACCELERATOR="cpu"))
+    assert summary(tr)["launcher"] == "torchrun" and summary(dsl)["launcher"] == "deepspeed"
+    for out in (tr, dsl):
+        assert max_abs_diff(final_params(out), final_params(ddp_ref)) <= TOL
+
+
+# -- 2. config: overlapping keys must agree; impossible combinations refused before start ---------------
+@pytest.mark.parametrize("ds, overrides, message", [
+    ({"train_micro_batch_size_per_gpu": 8}, ["++batch_size", "16"],
+     "'batch_size' = 16 (distkit) and 'train_micro_batch_size_per_gpu' = 8"),
+    ({"gradient_accumulation_steps": 2}, ["++accum_grad_multiple_step", "4"],
+     "'accum_grad_multiple_step' = 4 (distkit) and 'gradient_accumulation_steps' = 2"),
+    ({"gradient_clipping": 1.0}, ["++gradient_clip", "0.5"], "'gradient_clip' = 0.5 (distkit) and 'gradient_clipping' = 1.0"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}}}, ["++learning_rate", "0.01"],
+     "(distkit) and the 'optimizer' block of the DeepSpeed config"),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1}, [],
+     ("'train_batch_size' = 48 != train_micro_batch_size_per_gpu (batch_size) 16 x gradient_accumulation_steps 1 x "
+      "data-parallel size 2")),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, [], "offload_param needs ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 4}}, [], "zero_optimization.stage must be 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2}}, ["++distributed", "{'reduce_type': 'param', 'param_sync_group_size': 3}"],
+     "param_sync_group_size 3 does not divide the world size 2"),
+    ({"fp16": {"enabled": True}}, ["++distributed", "{'reduce_type': 'param'}"], "param mode with fp16 needs a ZeRO stage"),
+    ({"zero_optimization": {"stage": 1}}, ["++distributed", "{'param_sync_group_size': 2}"],
+     "'distributed.param_sync_group_size' only applies to reduce_type 'param'"),
+], ids=["micro", "accum", "clip", "optimizer", "train_batch_size", "offload_param", "stage", "group", "fp16", "group_grad"])
+def test_conflicts_are_one_line_errors(tmp_path: Path, ds: dict[str, Any], overrides: list[str], message: str) -> None:
+    cfg, js = _files(tmp_path, "bad", ds, "digits")
+    out = tmp_path / "out"
+    res = distkit("train", str(cfg), "--nprocs", "2", "--deepspeed_config", str(js), "++output_dir", str(out),
+                  *overrides, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert message in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert not (out / "summary.json").exists() and not (out / "checkpoints").exists()
+
+
+def test_deepspeed_keys_fill_distkit_keys(tmp_path: Path) -> None:
+    # DeepSpeed's train_batch_size with only the micro batch given: the accumulation steps follow (64 = 16 x 2 x 2).
+    out = train(tmp_path, "tbs", zero(1, train_batch_size=64, train_micro_batch_size_per_gpu=16), steps=4)
+    resolved = json.loads((out / "deepspeed_config.resolved.json").read_text())
+    assert resolved["gradient_accumulation_steps"] == 2
+    assert summary(out)["samples"] == 4 * 64

@@ -1,0 +1,214 @@
+"""The mpi engine (mpi4py, distkit's own bucketed reducer) under real ``mpirun`` processes.
+
+Parity with DDP (same seed, same data), param == grad with sync step 1, closed forms of
+the reducer (bucket layout, mean/sum, accumulation), SIGKILL + resume, and failures that
+end the job within seconds naming the rank.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import BIN, ROOT, distkit, final_params, max_abs_diff, ok, run, summary
+
+TOL = 1e-5
+MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none"]
+# the DDP reference config, re-pointed at the mpi engine
+MPI = ["++torch_distributed", "None", "++distributed.backend", "mpi"]
+SHORT = ["++max_steps", "20", "++progress_bar", "False", "++log_every", "5", "++batch_size", "8"]
+
+
+def mpirun(*args: str, timeout: float = 180, **env: str) -> Any:
+    """``mpirun -np 2 python -m distkit ARGS``."""
+    return run([*MPIRUN, sys.executable, "-m", "distkit", *args], timeout=timeout, **env)
+
+
+def train_mpi(out: Path, *overrides: str, **env: str) -> Path:
+    ok(mpirun("train", "configs/returnn_ddp.py", "++output_dir", str(out), *SHORT, *MPI, *overrides, **env))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Runs several tests compare against: DDP grad mode (--nprocs 2) and mpi grad mode."""
+    root = tmp_path_factory.mktemp("ref")
+    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(root / "ddp"), *SHORT))
+    return {"ddp": root / "ddp", "mpi": train_mpi(root / "mpi")}
+
+
+def test_grad_mode_reproduces_ddp(ref: dict[str, Path]) -> None:
+    diff = max_abs_diff(final_params(ref["mpi"]), final_params(ref["ddp"]))
+    assert diff <= TOL, diff
+    s = summary(ref["mpi"])
+    assert (s["backend"], s["launcher"], s["world_size"], s["steps"], s["samples"]) == ("mpi", "openmpi", 2, 20, 320)
+    assert s["backend_impl"].startswith("mpi4py ") and "Open MPI" in s["backend_impl"]
+    assert s["ranks_in_sync"] is True
+    # 20 steps x every gradient (fp32) at least; the reducer counts what it hands to MPI
+    n_grad_bytes = sum(t.numel() * 4 for t in final_params(ref["mpi"]).values())
+    assert s["comm_bytes"] >= 20 * n_grad_bytes
+
+
+def test_clipped_and_accumulated_grad_mode_reproduces_ddp(tmp_path: Path) -> None:
+    # clipping must see the reduced gradient (the reducer waits first); accumulation must not send early
+    extra = ["++gradient_clip", "0.05", "++accum_grad_multiple_step", "2", "++batch_size", "4"]
+    ddp = tmp_path / "ddp"
+    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(ddp), *SHORT, *extra))
+    mpi = train_mpi(tmp_path / "mpi", *extra)
+    assert max_abs_diff(final_params(mpi), final_params(ddp)) <= TOL
+
+
+def test_tiny_buckets_equal_one_bucket(ref: dict[str, Path], tmp_path: Path) -> None:
+    # 0.001 MiB buckets: every parameter in a bucket of its own, all-reduced while backward runs
+    tiny = train_mpi(tmp_path / "tiny", "++distributed.bucket_cap_mb", "0.001")
+    one = final_params(ref["mpi"])  # default 25 MiB: the whole digits model in one bucket
+    assert max_abs_diff(final_params(tiny), one) == 0.0
+
+
+REDUCER_SCRIPT = r"""
+import json, os, sys, torch
+from distkit.backends.mpi import MPIStrategy
+from distkit.config import resolve
+from distkit.env import detect
+
+cap, avg, out = float(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+cfg = resolve({"distributed": {"backend": "mpi", "bucket_cap_mb": cap, "avg_grad": avg}})
+s = MPIStrategy(cfg, detect(os.environ), torch.device("cpu"))
+s.init()
+r, n = s.rank, s.world_size
+torch.manual_seed(100 + r)  # different initial parameters per rank: setup must broadcast rank 0's
+model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+model, opt = s.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+init = [p.detach().clone() for p in model.parameters()]
+
+def moved(before):
+    # with lr 1 and d loss / d p = const, each element moves by exactly the reduced gradient
+    return sorted({round(float(v), 6) for b, p in zip(before, model.parameters()) for v in (b - p).reshape(-1)})
+
+# step 1: loss_r = (r + 1) * sum(params), so each rank's gradient is r + 1 everywhere
+s.backward((r + 1) * sum(p.sum() for p in model.parameters()), model)
+s.step(model, opt)
+step1 = moved(init)
+grads_are_views = all(p.grad is v for b in s.reducer.buckets for p, v in zip(b.params, b.views))
+grads_zero = all(float(p.grad.abs().max()) == 0.0 for p in model.parameters())
+# step 2: two micro-steps, the first under no_sync (nothing sent), then one reduce
+before = [p.detach().clone() for p in model.parameters()]
+with s.no_sync(model):
+    s.backward((r + 1) * sum(p.sum() for p in model.parameters()), model)
+s.backward((r + 1) * sum(p.sum() for p in model.parameters()), model)
+s.step(model, opt)
+step2 = moved(before)
+# collectives, closed forms
+t = torch.full((5,), float(r)); s.all_reduce(t, op="mean")
+mx = torch.tensor([r]); s.all_reduce(mx, op="max")
+mn = torch.tensor([r + 3], dtype=torch.int64); s.all_reduce(mn, op="min")
+avg_t = [torch.full((3, 2), float(r)), torch.full((4,), 10.0 * r)]; s.average_parameters(avg_t)
+res = {"buckets": len(s.reducer.buckets), "step1": step1, "step2": step2, "views": grads_are_views,
+       "zeroed": grads_zero, "init": [p.tolist() for p in init][1], "mean": t.tolist(), "max": mx.item(),
+       "min": mn.item(), "avg": [avg_t[0].unique().tolist(), avg_t[1].unique().tolist()],
+       "gather": s.all_gather_object({"rank": r}), "bcast": s.broadcast_object("from-0" if r == 0 else None),
+       "comm_bytes": s.comm_bytes}
+s.barrier()
+s.teardown(); s.teardown()  # idempotent
+with open(os.path.join(out, f"rank{r}.json"), "w") as f:
+    json.dump(res, f)
+"""
+
+
+@pytest.mark.parametrize("cap,avg,expect", [("0.001", "1", 1.5), ("25", "1", 1.5), ("0.001", "0", 3.0)],
+                         ids=["tiny-buckets-mean", "one-bucket-mean", "tiny-buckets-sum"])
+def test_reducer_closed_forms(tmp_path: Path, cap: str, avg: str, expect: float) -> None:
+    script = tmp_path / "reducer.py"
+    script.write_text(REDUCER_SCRIPT)
+    ok(run([*MPIRUN, sys.executable, str(script), cap, avg, str(tmp_path)], timeout=120))
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2))
+    # 2 ranks with gradients 1 and 2: mean 1.5, sum 3; accumulating two micro-steps doubles it
+    assert r0["step1"] == r1["step1"] == [expect]
+    assert r0["step2"] == r1["step2"] == [2 * expect]
+    # 4 parameters of 8192, 128, 1280, 40 bytes: 0.001 MiB (1048 B) splits them into 4 buckets
+    assert r0["buckets"] == (4 if cap == "0.001" else 1)
+    assert r0["views"] and r0["zeroed"]
+    assert r0["init"] == r1["init"]  # rank 0's initial parameters reached rank 1
+    assert r0["mean"] == r1["mean"] == [0.5] * 5
+    assert (r0["max"], r1["max"], r0["min"], r1["min"]) == (1, 1, 3, 3)
+    assert r0["avg"] == r1["avg"] == [[0.5], [5.0]]  # mean(range(2)) * ones
+    assert r0["gather"] == r1["gather"] == [{"rank": 0}, {"rank": 1}]
+    assert r0["bcast"] == r1["bcast"] == "from-0"
+    assert r0["comm_bytes"] > 0
+
+
+def test_param_sync_every_step_equals_grad(ref: dict[str, Path], tmp_path: Path) -> None:
+    param = train_mpi(tmp_path / "param", "++distributed.reduce_type", "param", "++distributed.param_sync_step", "1")
+    assert max_abs_diff(final_params(param), final_params(ref["mpi"])) <= TOL
+    s = summary(param)
+    assert (s["reduce_type"], s["param_sync_step"], s["ranks_in_sync"]) == ("param", 1, True)
+
+
+def test_param_mode_ranks_in_sync_after_final_sync(ref: dict[str, Path], tmp_path: Path) -> None:
+    # sync every 7 of 20 steps: only the final sync makes the ranks agree
+    out = train_mpi(tmp_path / "p7", "++distributed.reduce_type", "param", "++distributed.param_sync_step", "7")
+    assert summary(out)["ranks_in_sync"] is True
+    assert max_abs_diff(final_params(out, 0), final_params(out, 1)) == 0.0
+    assert max_abs_diff(final_params(out), final_params(ref["mpi"])) > 1e-4  # and it is not grad mode
+
+
+@pytest.mark.parametrize("mode", [[], ["++distributed.reduce_type", "param", "++distributed.param_sync_step", "4"]],
+                         ids=["grad", "param"])
+def test_sigkill_then_resume_is_bit_identical(tmp_path: Path, mode: list[str]) -> None:
+    common = [*mode, "++checkpoint_every", "5", "++optimizer", "{'class': 'sgd', 'momentum': 0.9}"]
+    ref = train_mpi(tmp_path / "ref", *common)
+    out = tmp_path / "killed"
+    args = ["train", "configs/returnn_ddp.py", "++output_dir", str(out), *SHORT, *MPI, *common]
+    killed = mpirun(*args, DISTKIT_FAULT="1:13:kill")
+    assert killed.returncode != 0 and "rank 1" in killed.stdout + killed.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step-0000010"
+    assert not (out / "summary.json").exists()
+    resumed = ok(mpirun(*args, "++resume", "auto"))
+    assert "resumed from" in resumed.stdout and "at step 10" in resumed.stdout
+    a, b = final_params(ref), final_params(out)
+    assert all(a[k].equal(b[k]) for k in a)  # bit-identical
+    assert summary(out)["param_checksum"] == summary(ref)["param_checksum"]
+
+
+@pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
+def test_failure_on_one_rank_ends_the_job_quickly(tmp_path: Path, kind: str) -> None:
+    # an exception calls MPI_Abort (mpi4py alone would leave rank 0 in a collective forever);
+    # a SIGKILL is noticed by mpirun; a hung rank: the waiting rank's watchdog aborts after
+    # timeout_s. All: non-zero exit, the failed rank named, well under 30 s.
+    t0 = time.monotonic()
+    res = mpirun("train", "configs/returnn_ddp.py", "++output_dir", str(tmp_path), *SHORT, *MPI,
+                 "++distributed.timeout_s", "5", DISTKIT_FAULT=f"1:7:{kind}", timeout=60)
+    wall = time.monotonic() - t0
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-2000:]
+    assert wall < 30, f"took {wall:.1f}s"
+    if kind == "raise":
+        assert "distkit: rank 1 failed: RuntimeError: injected fault at step 7" in res.stderr
+    elif kind == "kill":
+        assert "process rank 1" in out and "signal 9" in out
+    else:  # MPI cannot tell which rank hangs; the waiting one says what it waited for
+        assert "distkit: rank 0: Iallreduce (gradient buckets) did not complete within distributed.timeout_s = 5 s" in out
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_without_mpi4py_is_one_line_with_the_install_command(tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow" / "mpi4py"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('mpi4py shadowed by the test (not installed)')\n")
+    res = distkit("train", "configs/returnn_ddp.py", "++output_dir", str(tmp_path / "out"), *MPI,
+                  PYTHONPATH=f"{shadow.parent}:{ROOT}")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "pip install 'distkit[mpi]'" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_mpi_engine_needs_an_mpi_launcher(tmp_path: Path) -> None:
+    # distkit's own spawner starts ranks MPI does not know about: a clear error, not a hang
+    res = distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(tmp_path), *SHORT, *MPI,
+                  timeout=120)
+    assert res.returncode != 0
+    assert "mpirun -np 2" in res.stderr
