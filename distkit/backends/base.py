@@ -7,6 +7,8 @@ Collectives must be called by every rank, in the same order.
 from __future__ import annotations
 
 import contextlib
+import sys
+import traceback
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Iterator
 
@@ -15,7 +17,7 @@ from torch import nn
 
 from distkit.config import RunConfig
 from distkit.env import ClusterEnv
-from distkit.errors import UnsupportedCombination
+from distkit.errors import DistkitError, UnsupportedCombination
 
 
 class Strategy(ABC):
@@ -160,6 +162,21 @@ class Strategy(ABC):
                 n = p.numel()
                 p.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
+
+
+def report_failure(rank: int, world_size: int, engine: str) -> int:
+    """Print which rank failed and why (traceback for bugs, one line for DistkitErrors).
+
+    Called from a Strategy's ``abort`` inside an ``except`` block; returns the exit status
+    to abort the job with (the error's own for DistkitError, else 1).
+    """
+    exc = sys.exc_info()[1]
+    if exc is not None and not isinstance(exc, DistkitError):
+        traceback.print_exc()
+    what = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
+    print(f"distkit: rank {rank} failed: {what} (aborting all {world_size} {engine} ranks)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    return exc.exit_code if isinstance(exc, DistkitError) else 1
 
 
 def parameters_and_float_buffers(module: nn.Module) -> Iterator[torch.Tensor]:

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import traceback
 from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
 from distkit.averaging import ParamAverager
-from distkit.errors import BackendUnavailable, DistkitError, UnsupportedCombination
+from distkit.errors import BackendUnavailable, UnsupportedCombination
 
-from .base import Strategy, parameters_and_float_buffers
+from .base import Strategy, parameters_and_float_buffers, report_failure
 from .mpi import MPIStrategy, mpi_impl
 
 INSTALL_HINT = "build and install it with `make horovod` (runs scripts/build_horovod.sh .venv, ~3 min once, then cached)"
@@ -84,14 +82,7 @@ class HorovodEngine(Strategy):
         """Print which rank failed and why, then end this process so the launcher ends the others."""
         if not getattr(self, "_initialized", False) or self.world_size == 1:
             return
-        exc = sys.exc_info()[1]
-        if exc is not None and not isinstance(exc, DistkitError):
-            traceback.print_exc()
-        what = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
-        print(f"distkit: rank {self.rank} failed: {what} (aborting all {self.world_size} Horovod ranks)",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        code = exc.exit_code if isinstance(exc, DistkitError) else 1
+        code = report_failure(self.rank, self.world_size, "Horovod")
         if self.hvd.mpi_enabled():
             with contextlib.suppress(ImportError):
                 from mpi4py import MPI  # MPI is initialised (by Horovod): this only binds it

@@ -23,16 +23,15 @@ import contextlib
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from distkit.averaging import ParamAverager
-from distkit.errors import BackendUnavailable, DistkitError, UnsupportedCombination
+from distkit.errors import BackendUnavailable, UnsupportedCombination
 
-from .base import Strategy, parameters_and_float_buffers
+from .base import Strategy, parameters_and_float_buffers, report_failure
 
 INSTALL_HINT = "pip install 'distkit[mpi]' (mpi4py + the Open MPI wheel), then launch with mpirun -np N"
 
@@ -233,14 +232,7 @@ class MPIStrategy(Strategy):
         """Print which rank failed and why, then MPI_Abort: every rank of the job ends now."""
         if getattr(self, "comm", None) is None or self.world_size == 1:
             return  # single process: the exception propagates as usual
-        exc = sys.exc_info()[1]
-        if exc is not None and not isinstance(exc, DistkitError):
-            traceback.print_exc()
-        what = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
-        print(f"distkit: rank {self.rank} failed: {what} (aborting all {self.world_size} MPI ranks)",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        code = exc.exit_code if isinstance(exc, DistkitError) else 1
+        code = report_failure(self.rank, self.world_size, "MPI")
         self.MPI.COMM_WORLD.Abort(code)
 
     def backend_impl(self) -> str:
