@@ -75,6 +75,12 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def seconds_since_last_metrics(out_dir: Path) -> float:
+    """Seconds since rank 0 last wrote metrics.jsonl: with a fault a step or two after a log
+    step, the time from the fault to now (start-up time on a busy machine excluded)."""
+    return time.time() - (out_dir / "metrics.jsonl").stat().st_mtime
+
+
 def _marked_pids() -> list[int]:
     pids = []
     for d in os.listdir("/proc"):

