@@ -37,3 +37,19 @@ def test_charlm_json_spawns_from_nprocs_key(tmp_path: Path) -> None:
     assert 0 < s["eval_loss"] < 5.0 and s["eval_accuracy"] is not None
     evals = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
     assert len(evals) == 2
+
+
+def test_mpi_engine_config_under_mpirun(tmp_path: Path) -> None:
+    ok(run([str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", str(BIN / "python"), "-m",
+            "distkit", "train", "configs/mpi_engine.py", "++output_dir", str(tmp_path), *QUICK]))
+    s = summary(tmp_path)
+    assert (s["backend"], s["launcher"], s["world_size"], s["ranks_in_sync"]) == ("mpi", "openmpi", 2, True)
+    assert s["backend_impl"].startswith("mpi4py")
+
+
+def test_deepspeed_digits_config_with_zero2_json(tmp_path: Path) -> None:
+    ok(distkit("train", "configs/deepspeed_digits.py", "--nprocs", "2", "--deepspeed", "--deepspeed_config",
+               "configs/ds_zero2.json", "++output_dir", str(tmp_path), *QUICK, timeout=300))
+    s = summary(tmp_path)
+    assert (s["backend"], s["zero_stage"], s["world_size"], s["steps"]) == ("deepspeed", 2, 2, 12)
+    assert (tmp_path / "deepspeed_config.resolved.json").exists()
