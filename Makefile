@@ -31,7 +31,7 @@ horovod: $(STAMP)
 
 # pytest exit 5 (no tests collected) is a failure here, never a silent pass.
 test: $(STAMP) horovod
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests; rc=$$?; \
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
