@@ -1,6 +1,7 @@
 """distkit's per-step overhead against a hand-written engine script, interleaved A/B runs.
 
-    python benchmarks/overhead.py [--backend ddp] [--repeats 5] [--steps 100] [--size small|medium]
+    python benchmarks/overhead.py [--backend ddp|horovod|mpi|deepspeed] [--repeats 5] [--steps 100] [--size small|medium]
+    python benchmarks/overhead.py --compare mpi-vs-ddp [--size medium]
 
 For each repeat it runs the hand-written baseline (A, ``benchmarks/raw_ddp.py`` for ddp) and
 distkit (B, ``python -m distkit train`` on a generated config) under the same launcher, the
@@ -28,9 +29,13 @@ listed and the ``quiet`` section repeats the comparison without them. ``same_wor
 false when the final parameters differ between runs (sha256, as ``summary.json``'s
 ``param_checksum``): then the two sides did not run the same work.
 
-Writes ``benchmarks/results/overhead_<backend>.json`` (+ a PNG when matplotlib is there).
-Adding horovod / mpi / deepspeed = one more entry in ``BACKENDS`` with its baseline script,
-launcher and distkit ``distributed`` section.
+Backends: ddp (``raw_ddp.py``, torchrun), horovod (``raw_horovod.py``, mpirun), mpi (``raw_mpi.py``,
+mpirun), deepspeed (``raw_deepspeed.py``, torchrun, ``--zero-stage``). ``--compare mpi-vs-ddp`` runs
+two distkit engines against each other instead (A = ddp over gloo, B = mpi, both under mpirun).
+
+Writes ``benchmarks/results/overhead_<backend>.json`` (``mpi_vs_ddp.json`` for the comparison;
++ a PNG when matplotlib is there). Another backend = one more entry in ``BACKENDS`` with its
+baseline script, launcher and distkit ``distributed`` section.
 """
 from __future__ import annotations
 
@@ -116,6 +121,8 @@ def _env(args: argparse.Namespace) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(args.threads)
     env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed on a CPU-only machine (distkit sets it itself; the raw script too)
     env.pop("DISTKIT_FAULT", None)
+    if getattr(args, "what_if", None):
+        env["DISTKIT_BENCH_WHAT_IF"] = args.what_if
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without these
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -180,6 +187,31 @@ def run_distkit(be: Backend, args: argparse.Namespace, work: str, tag: str,
     return rec
 
 
+def _what_if_persistent_buffers() -> None:
+    """``--what-if persistent-buffers`` (benchmark only, distkit's files are untouched): after the mpi /
+    horovod engine's setup, sync only persistent buffers before each forward (the proposed fix), so a
+    constant buffer such as charlm's causal mask is no longer broadcast every step."""
+    from distkit.backends import horovod, mpi
+
+    def persistent(model: Any) -> list[Any]:
+        return [b for mod in model.modules() for n, b in mod._buffers.items()
+                if b is not None and n not in mod._non_persistent_buffers_set]
+
+    classes: list[Any] = list({mpi.MPIStrategy, horovod.HorovodStrategy})  # the same class twice under the fallback
+    for cls in classes:
+        inner = cls.setup
+
+        def setup(self: Any, model: Any, optimizer: Any, _inner: Any = inner) -> Any:
+            out = _inner(self, model, optimizer)
+            self._buffers = persistent(model)
+            if not self._buffers and getattr(self, "_buffer_hook", None) is not None:
+                self._buffer_hook.remove()
+                self._buffer_hook = None
+            return out
+
+        cls.setup = setup
+
+
 def distkit_worker(times_path: str, argv: list[str]) -> int:
     """Per rank, under the launcher: time every ``_Run.train_step`` call, then run the real CLI."""
     from time import perf_counter, process_time
@@ -204,6 +236,8 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
         return out
 
     trainer._Run.train_step = timed  # type: ignore[method-assign]
+    if os.environ.get("DISTKIT_BENCH_WHAT_IF") == "persistent-buffers":
+        _what_if_persistent_buffers()
     rc = cli.main(argv)
     # torchrun sets RANK; mpirun sets OMPI_COMM_WORLD_RANK (PMIX_RANK for other MPIs) and no RANK.
     rank = next((int(os.environ[k]) for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -345,6 +379,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="--backend deepspeed: ZeRO stage")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--what-if", default=None, choices=["persistent-buffers"],
+                    help="run distkit with a proposed fix patched in by the timing wrapper (distkit's files are "
+                         "untouched): persistent-buffers = mpi/horovod sync only persistent buffers before each "
+                         "forward (no per-step broadcast of charlm's constant causal mask)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default cores // nprocs)")
     ap.add_argument("--quiet-wait", type=float, default=3.0, metavar="S",
                     help="before each run wait up to S seconds for other processes to go quiet (0: don't)")
@@ -384,7 +422,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         sides = ("raw", "distkit")
         runners = {"raw": lambda tag: run_raw(be, args, work, tag), "distkit": lambda tag: run_distkit(be, args, work, tag)}
         title, launcher_name, baseline = args.backend, be.launcher_name, f"benchmarks/{be.baseline}"
-        out = args.out or os.path.join(HERE, "results", f"overhead_{args.backend}.json")
+        suffix = f"_whatif_{args.what_if.replace('-', '_')}" if args.what_if else ""
+        out = args.out or os.path.join(HERE, "results", f"overhead_{args.backend}{suffix}.json")
         side_desc = {"raw": f"{baseline} ({be.transport})", "distkit": f"distkit {be.name} grad ({be.transport})"}
         dk_configs = {"distkit": distkit_config(be, args, "<tmp>")}
     a_side, b_side = sides
@@ -455,6 +494,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "batch_size_per_rank": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                    "repeats": args.repeats, "bucket_cap_mb": args.bucket_cap_mb, "optimizer": "sgd", "lr": args.lr,
                    "seed": args.seed, "omp_num_threads": args.threads, "transport": be.transport,
+                   "what_if": args.what_if,
                    **({"zero_stage": args.zero_stage} if be.name == "deepspeed" else {}),
                    "launcher": launcher_name, "baseline": baseline,
                    "quiet_wait_s": args.quiet_wait, "noisy_load_cpus": args.noisy_load,
@@ -472,8 +512,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "cpu_ratio_p50": every["cpu"]["ratio"]["p50"],
         "cpu_ratio_p95": every["cpu"]["ratio"]["p95"],
         "foreign_load_cpus": {"mean": statistics.fmean(loads), "max": max(loads)},
-        **({"target": "mpi engine faster than DDP over gloo: ratio_p50 < 1",
-            "meets_target": every["iter"]["ratio"]["p50"] < 1.0} if args.compare else
+        # Faster = the pooled p50 AND the median of the per-pair p50 ratios below 1 (one lucky pair cannot decide it).
+        **({"target": "mpi engine faster than DDP over gloo: ratio_p50 < 1 and median per-pair p50 ratio < 1",
+            "meets_target": every["iter"]["ratio"]["p50"] < 1.0 and every["pair_ratio_iter_p50_median"] < 1.0}
+           if args.compare else
            {"target_ratio_p50": TARGET_P50_RATIO, "meets_target": every["iter"]["ratio"]["p50"] <= TARGET_P50_RATIO}),
         "noisy_pairs": [p for p in all_pairs if p not in quiet_pairs],
         "same_work": len(checksums) == 1,
@@ -495,7 +537,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"ratio p50 {it['ratio']['p50']:.4f}, p95 {it['ratio']['p95']:.4f}; "
                 f"per-pair p50 ratios {', '.join(f'{x:.3f}' for x in c['pair_ratios_iter_p50'])}; "
                 f"cpu-time ratio p50 {cpu['ratio']['p50']:.4f}, p95 {cpu['ratio']['p95']:.4f}")
-    target = ("ratio p50 < 1 (mpi faster)" if args.compare else f"ratio p50 <= {TARGET_P50_RATIO}")
+    target = ("ratio p50 < 1 and median pair ratio < 1 (mpi faster)" if args.compare else f"ratio p50 <= {TARGET_P50_RATIO}")
     print("\n" + line("all pairs", every) + "\n" + line("quiet pairs", quiet) +
           f"\nforeign load: mean {result['foreign_load_cpus']['mean']:.2f}, max {result['foreign_load_cpus']['max']:.2f} cpus"
           f"\ntarget: {target} -> {'met' if result['meets_target'] else 'NOT met'}"

@@ -179,6 +179,20 @@ def report_failure(rank: int, world_size: int, engine: str) -> int:
     return exc.exit_code if isinstance(exc, DistkitError) else 1
 
 
+def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """Buffers that are part of the model's state (``state_dict``): BatchNorm statistics, counters.
+    Non-persistent buffers (``register_buffer(..., persistent=False)``: causal masks, rotary caches)
+    are derived constants; rank 0's copy is broadcast once at setup and never again."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for mod in module.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+    return out
+
+
 def parameters_and_float_buffers(module: nn.Module) -> Iterator[torch.Tensor]:
     """What parameter averaging averages: every parameter and every floating-point buffer."""
     yield from module.parameters()

@@ -26,7 +26,7 @@ from torch import nn
 from distkit.averaging import ParamAverager
 from distkit.errors import BackendUnavailable, UnsupportedCombination
 
-from .base import Strategy, parameters_and_float_buffers, report_failure
+from .base import Strategy, parameters_and_float_buffers, persistent_buffers, report_failure
 from .mpi import MPIStrategy, mpi_impl
 
 INSTALL_HINT = "build and install it with `make horovod` (runs scripts/build_horovod.sh .venv, ~3 min once, then cached)"
@@ -105,7 +105,9 @@ class HorovodEngine(Strategy):
         model.to(self.device)
         self.broadcast_tensors([*model.parameters(), *model.buffers()])
         # DDP semantics for buffers (BatchNorm statistics) in both engines: rank 0's before each training forward.
-        self._buffers = list(model.buffers())
+        # Only buffers that are model state: a constant (non-persistent) buffer such as a causal mask would
+        # cost one Horovod broadcast (a negotiation round with the background thread) per step for nothing.
+        self._buffers = persistent_buffers(model)
         if self.reduce_type == "param":
             self.averager = ParamAverager(self, list(parameters_and_float_buffers(model)), d.param_sync_step,
                                           d.param_sync_time_diff, d.outer_optimizer)

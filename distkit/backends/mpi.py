@@ -31,7 +31,7 @@ from torch import nn
 from distkit.averaging import ParamAverager
 from distkit.errors import BackendUnavailable, UnsupportedCombination
 
-from .base import Strategy, parameters_and_float_buffers, report_failure
+from .base import Strategy, parameters_and_float_buffers, persistent_buffers, report_failure
 
 INSTALL_HINT = "pip install 'distkit[mpi]' (mpi4py + the Open MPI wheel), then launch with mpirun -np N"
 
@@ -52,6 +52,10 @@ def mpi_impl() -> str:
     MPI = import_mpi()
     lib = MPI.Get_library_version().strip().split(",")[0].splitlines()[0]
     return f"mpi4py {mpi4py.__version__} ({lib})"
+
+
+#: size cap of the first gradient bucket (torch DDP's _DEFAULT_FIRST_BUCKET_BYTES)
+FIRST_BUCKET_BYTES = 2 ** 20
 
 
 def _np(t: torch.Tensor) -> Any:
@@ -104,8 +108,11 @@ class GradReducer:
         self.buckets: list[_Bucket] = []
         group: list[nn.Parameter] = []
         for p in reversed(params):
+            # As DDP: the first bucket (the last layers, ready first) is at most 1 MiB, so its all-reduce
+            # starts early in backward even when the whole model would fit into one bucket_cap_mb bucket.
+            limit = min(cap, FIRST_BUCKET_BYTES) if not self.buckets else cap
             if group and (p.dtype != group[0].dtype or
-                          sum(q.numel() * q.element_size() for q in group) + p.numel() * p.element_size() > cap):
+                          sum(q.numel() * q.element_size() for q in group) + p.numel() * p.element_size() > limit):
                 self.buckets.append(_Bucket(group, strategy.device))
                 group = []
             group.append(p)
@@ -129,6 +136,10 @@ class GradReducer:
     def _hook(self, p: torch.Tensor) -> None:
         if not self.enabled:
             return
+        if 0 < self._next and self.s.world_size > 1:
+            # Open MPI has no progress thread: a started Iallreduce only advances inside MPI calls.
+            # A non-blocking Testall per gradient lets the buckets already sent progress during backward.
+            self.s.MPI.Request.Testall([b.request for b in self.buckets[:self._next] if b.request is not None])
         b = self._where[id(p)]
         b.ready += 1
         if b.ready == len(b.params):
@@ -272,7 +283,9 @@ class MPIStrategy(Strategy):
                                              "parameters: keep fp32 master parameters (autocast) or use ddp")
             self.reducer = GradReducer(self, params, d.bucket_cap_mb, bool(d.avg_grad))
             # DDP semantics for buffers (BatchNorm statistics): rank 0's, before every training forward.
-            self._buffers = list(model.buffers())
+            # Only buffers that are model state: a constant (non-persistent) buffer such as a causal mask
+            # would cost one Bcast per step for nothing (it was broadcast once above).
+            self._buffers = persistent_buffers(model)
             if self._buffers and self.world_size > 1:
                 self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)
             return model, optimizer
