@@ -7,12 +7,11 @@ optimizer, then loop over this rank's batches (:mod:`distkit.data`). Rank 0 writ
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -22,35 +21,12 @@ from distkit import checkpoint, faults
 from distkit.backends import strategy_class
 from distkit.backends.base import Strategy
 from distkit.config import RunConfig, resolve
-from distkit.data import BatchPlan, eval_slices, fetch, to_device
+from distkit.components import build_optimizer, pick_device
+from distkit.data import BatchPlan, fetch, to_device
 from distkit.env import ClusterEnv, detect
+from distkit.evaluation import evaluate, param_checksum
 from distkit.main_process import set_current_strategy
 from distkit.tasks import Task, make_task
-
-_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
-
-def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1) -> torch.optim.Optimizer:
-    """The configured optimizer; ``distributed.scale_lr`` multiplies the learning rate by the world size."""
-    kwargs = {k: v for k, v in cfg.optimizer.items() if k != "class"}
-    lr = cfg.learning_rate * (world_size if cfg.distributed.scale_lr else 1)
-    return _OPTIMIZERS[str(cfg.optimizer["class"]).lower()](params, lr=lr, **kwargs)
-
-
-def param_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over every parameter in ``named_parameters`` order, as fp32 bytes."""
-    h = hashlib.sha256()
-    for _, p in named:
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def pick_device(name: str, local_rank: int) -> torch.device:
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)  # before any collective: DDP/NCCL use the current device
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
 
 class Trainer:
     """Train ``config`` on this process's rank. Under a launcher, every rank calls ``fit()``.
@@ -143,33 +119,8 @@ class _Run:
             self.out.flush()
 
     def evaluate(self) -> tuple[Optional[float], Optional[float]]:
-        """Collective: loss and accuracy over the whole eval set, every rank a disjoint slice."""
-        if self.task.eval is None:
-            return None, None
-        self.bare.eval()
-        totals = torch.zeros(3, dtype=torch.float64)  # loss * n, correct, n
-        slices = list(eval_slices(len(self.task.eval),  # type: ignore[arg-type]
-                                  self.cfg.batch_size, self.s.rank, self.s.world_size))
-        n_forward = len(slices)
-        if self.s.forward_is_collective(self.model):  # every rank runs as many forwards as the busiest one
-            n_forward = int(self.s.all_reduce(torch.tensor([n_forward]), op="max").item())
-        with torch.no_grad():
-            for k in range(n_forward):
-                if k >= len(slices):  # padding forward on a repeated batch; its output is not counted
-                    pad = slices[0] if slices else torch.arange(1)
-                    self.bare(to_device(fetch(self.task.eval, pad), self.s.device)[0])
-                    continue
-                idx = slices[k]
-                x, y = to_device(fetch(self.task.eval, idx), self.s.device)
-                out = self.bare(x)
-                totals[0] += float(self.task.loss(out, y)) * len(idx)
-                if self.task.classification:
-                    totals[1] += float((out.argmax(-1) == y).float().mean()) * len(idx)
-                totals[2] += len(idx)
-        self.bare.train()
-        self.s.all_reduce(totals, op="sum")
-        n = max(float(totals[2]), 1.0)
-        return float(totals[0]) / n, (float(totals[1]) / n if self.task.classification else None)
+        """Collective: eval loss and accuracy (see :func:`distkit.evaluation.evaluate`)."""
+        return evaluate(self.s, self.model, self.task, self.cfg.batch_size)
 
     def train_step(self, epoch: int, step_in_epoch: int) -> torch.Tensor:
         """One optimizer step of ``accum_grad_multiple_step`` micro-steps; returns the mean loss (detached)."""

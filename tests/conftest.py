@@ -72,7 +72,7 @@ def final_params(out_dir: Path, rank: int = 0) -> dict[str, torch.Tensor]:
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    return max(float((a[k].detach().float() - b[k].detach().float()).abs().max()) for k in a)
 
 
 def seconds_since_last_metrics(out_dir: Path) -> float:
