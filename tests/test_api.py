@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import distkit
@@ -27,8 +26,10 @@ seen = []
 result = distkit.run_on_main(prepare, post_func=lambda: seen.append(os.path.exists(marker)))
 summary = distkit.Trainer({"task": "digits", "torch_distributed": {}, "max_steps": 3, "output_dir": out,
                            "progress_bar": False}).fit()
-print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), "result": result, "seen": seen,
-                              "main": distkit.is_main_process(), "in_sync": summary["ranks_in_sync"]}))
+# one file per rank: lines that two ranks print to a shared stdout can interleave
+with open(os.path.join(out, "result-" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({"rank": int(os.environ["RANK"]), "result": result, "seen": seen,
+               "main": distkit.is_main_process(), "in_sync": summary["ranks_in_sync"]}, f)
 '''
 
 
@@ -44,10 +45,9 @@ def test_trainer_python_api_single_process(tmp_path: Path) -> None:
 def test_run_on_main_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "user_script.py"
     script.write_text(SCRIPT)
-    res = ok(run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "0", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", "localhost:0", str(script), str(tmp_path / "out")], timeout=120))
-    rows = sorted((json.loads(line[7:]) for line in res.stdout.splitlines() if line.startswith("RESULT ")),
-                  key=lambda r: r["rank"])
+    ok(run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "0", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "localhost:0", str(script), str(tmp_path / "out")], timeout=120))
+    rows = [json.loads((tmp_path / "out" / f"result-{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in rows] == [0, 1]
     assert (tmp_path / "out" / "prepared.txt").read_text() == "0\n"  # ran once, on rank 0
     assert all(r["result"] == {"vocab": 42} for r in rows)  # result shared with every rank
