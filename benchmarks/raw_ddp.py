@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import time
@@ -30,15 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
 
 
-def param_checksum(model: torch.nn.Module) -> str:
-    """sha256 over named_parameters as fp32 bytes (the same definition as distkit's summary)."""
-    h = hashlib.sha256()
-    for _, p in model.named_parameters():
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:
@@ -85,7 +79,7 @@ def main() -> None:
         starts.append(t0)
         cpu_starts.append(c0)
 
-    checksum = param_checksum(model.module)
+    checksum = param_checksum(model.module.named_parameters())
     if rank == 0:
         with open(args.times, "w") as f:
             json.dump({"impl": "raw_ddp", "rank": rank, "world_size": world, "starts": starts, "ends": ends,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import time
@@ -32,14 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
 
 
-def param_checksum(named) -> str:  # type: ignore[no-untyped-def]
-    h = hashlib.sha256()
-    for _, p in named:
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ Rank 0 records ``perf_counter`` / ``process_time`` before fetching each step's b
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 
@@ -27,15 +26,10 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
+from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
 
 
-def param_checksum(model: torch.nn.Module) -> str:
-    """sha256 over named_parameters as fp32 bytes (the same definition as distkit's summary)."""
-    h = hashlib.sha256()
-    for _, p in model.named_parameters():
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:
@@ -84,7 +78,7 @@ def main() -> None:
         starts.append(t0)
         cpu_starts.append(c0)
 
-    checksum = param_checksum(model)
+    checksum = param_checksum(model.named_parameters())
     if rank == 0:
         with open(args.times, "w") as f:
             json.dump({"impl": "raw_horovod", "rank": rank, "world_size": world, "starts": starts, "ends": ends,
