@@ -5,9 +5,10 @@ Layout under ``output_dir/checkpoints/``::
     step-0000040/rank-00000.pt ... rank-NNNNN.pt, manifest.json   (manifest written last)
     latest                                                         (text: "step-0000040")
 
-Protocol (collective, every rank): rank 0 makes a hidden temporary directory; every rank
-writes its own file (``.part`` then rename); barrier; rank 0 writes the manifest, renames
-the directory to its final name, then replaces ``latest`` by rename; barrier. A kill at
+Protocol (collective, every rank, :func:`write`): rank 0 makes a hidden temporary directory;
+every rank writes its own file (``.part`` then rename); barrier; rank 0 writes the manifest,
+renames the directory to its final name; barrier; then rank 0 replaces ``latest`` by rename
+(:func:`mark_latest`). A kill at
 any instant leaves ``latest`` pointing at the previous complete checkpoint. Each rank
 saves its own state (in param mode ranks differ between syncs, and RNG states always do).
 Assumes ``output_dir`` is on a filesystem every rank sees (one node, or a shared FS).
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from distkit import faults
-from distkit.errors import ConfigError
+from distkit.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
@@ -35,19 +36,37 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def save(strategy: "Strategy", root: str, step: int, state: dict[str, Any], model: Any = None) -> str:
-    """Collective: write this rank's ``state`` into checkpoint ``step``; returns its directory.
+def _agree_on_error(strategy: "Strategy", error: Optional[str]) -> None:
+    """Collective: rank 0's error (or None) becomes every rank's, so all ranks raise together (no hang)."""
+    error = strategy.broadcast_object(error, 0)
+    if error:
+        raise CheckpointError(error)
 
-    Engines with their own format (DeepSpeed) write it into the same temporary directory
-    through ``strategy.save_engine_files`` first, so it is covered by the same manifest.
+
+def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = None, step: int = -1) -> str:
+    """Collective: write this rank's ``state`` as the complete checkpoint directory ``final``, atomically.
+
+    Every rank writes its own file into a hidden temporary sibling (``.part`` then rename); after a
+    barrier rank 0 writes the manifest and moves the directory into place. An existing ``final`` is
+    moved aside first and deleted only after the new one is in place, so a kill at any instant leaves
+    a complete checkpoint under ``final`` or its predecessor intact. Engines with their own format
+    (DeepSpeed) write it through ``strategy.save_engine_files`` into the same directory, covered by
+    the same manifest. An unwritable location raises :class:`CheckpointError` on every rank before
+    anything is written.
     """
-    name = f"step-{step:07d}"
-    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
+    final = os.path.abspath(final)
+    parent, name = os.path.split(final)
+    tmp = os.path.join(parent, f".{name}.tmp")
+    error = None
     if strategy.is_main:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    strategy.barrier()
+        try:
+            os.makedirs(parent, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = (f"cannot write checkpoint '{final}': {e.strerror or e}: choose a writable directory "
+                     "(the previous checkpoint is intact)")
+    _agree_on_error(strategy, error)
     strategy.save_engine_files(tmp, model)
     path = os.path.join(tmp, _rank_file(strategy.rank))
     torch.save(state, path + ".part")
@@ -60,14 +79,27 @@ def save(strategy: "Strategy", root: str, step: int, state: dict[str, Any], mode
         manifest = {"step": step, "world_size": strategy.world_size, "files": dict(sorted(files.items()))}
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f)
-        shutil.rmtree(final, ignore_errors=True)
+        old = os.path.join(parent, f".{name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(final):
+            os.replace(final, old)
         os.replace(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(name)
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        _prune(root)
+        shutil.rmtree(old, ignore_errors=True)
     strategy.barrier()
     return final
+
+
+def mark_latest(root: str, name: str) -> None:
+    """Point ``root/latest`` at checkpoint ``name`` (by rename: atomic) and keep the newest :data:`KEEP`.
+    Not collective: rank 0 calls it after :func:`write` returned."""
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(name)
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    _prune(root)
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:07d}"
 
 
 def _prune(root: str) -> None:

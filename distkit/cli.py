@@ -34,13 +34,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="distkit", description="Data-parallel PyTorch training on DDP, DeepSpeed, Horovod or MPI.",
-                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG, allow_abbrev=False)
     # torch.distributed.launch and the deepspeed launcher put --local-rank=N before the module's
     # own arguments, i.e. before "train": accept it at the top level too.
     parser.add_argument("--local_rank", "--local-rank", dest="top_local_rank", type=int, default=None,
                         help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    t = sub.add_parser("train", help="train from config files", epilog=EPILOG,
+    # allow_abbrev=False: "--nproc 2" must be an error, not silently --nprocs
+    t = sub.add_parser("train", help="train from config files", epilog=EPILOG, allow_abbrev=False,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Train from one or more config files (.py, .yaml, .json); later files and "
                                    "++key value overrides win.")
@@ -78,16 +79,22 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
                         find_unused_parameters=args.find_unused_parameters, deepspeed=args.deepspeed,
                         deepspeed_config=args.deepspeed_config, nprocs=args.nprocs)
     cfg: RunConfig = load_config(args.configs, overrides, flags)
+    from distkit.backends import check_backend, strategy_class
     from distkit.env import detect
+    from distkit.tasks import check_task
+
+    check_task(cfg)
+    check_backend(cfg)  # bad input fails here, before any rank starts or anything is written
 
     environ = dict(os.environ)
     if args.local_rank is not None:  # old torch.distributed.launch passes it only as an argument
         environ.setdefault("LOCAL_RANK", str(args.local_rank))
     env = detect(environ)
     if env.launcher == "single" and cfg.nprocs > 1:
-        from distkit.launch import spawn
+        from distkit.launch import run_local
 
-        return spawn(argv, cfg.nprocs)
+        return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs,
+                         strategy_class(cfg.distributed.backend).local_launcher)
     from distkit.trainer import Trainer
 
     try:

@@ -11,10 +11,12 @@ in its own order, seeded with seed + epoch + rank offset.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 #: RETURNN's per-rank seed offset for random_seed_offset.
 RANK_SEED_OFFSET = 16127
@@ -27,14 +29,19 @@ class BatchPlan:
     is restored exactly by starting at the saved step.
     """
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, mode: str, seed: int) -> None:
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, mode: str, seed: int,
+                 shuffle: bool = True) -> None:
         self.n, self.b, self.rank, self.world, self.mode, self.seed = num_samples, batch_size, rank, world_size, mode, seed
+        self.shuffle = shuffle
         per_step = batch_size * world_size if mode == "shard" else batch_size
         self.steps_per_epoch = num_samples // per_step
         self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, permutation): one randperm per epoch
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        if not self.shuffle:  # dataset order; random_seed_offset still gives each rank the whole set
+            self._cache = (epoch, torch.arange(self.n))
             return self._cache[1]
         seed = self.seed * 1_000_003 + epoch
         if self.mode == "random_seed_offset":
@@ -73,5 +80,91 @@ def eval_slices(num_samples: int, batch_size: int, rank: int, world_size: int) -
         yield torch.arange(s, min(s + batch_size, hi))
 
 
-def to_device(batch: Sequence[Any], device: torch.device) -> list[Any]:
-    return [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in batch]
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it moved to ``device``: tensors, tuples (named too), lists, dicts,
+    dataclasses, and objects with a ``.to(device)`` of their own (Hugging Face ``BatchEncoding``)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    if isinstance(batch, Mapping) and not hasattr(batch, "to"):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
+    if hasattr(batch, "to") and callable(batch.to):
+        return batch.to(device)
+    return batch
+
+
+class PlanSampler(Sampler[list[int]]):
+    """A batch sampler over a :class:`BatchPlan`: this rank's batches of one epoch, from ``start``.
+
+    ``steps`` batches per epoch on every rank (agreed by the caller), so no rank waits for another.
+    """
+
+    def __init__(self, plan: BatchPlan, steps: int) -> None:
+        self.plan, self.steps = plan, steps
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for idx in self.plan.indices(self.epoch, self.start, self.steps):
+            yield idx.tolist()
+
+    def __len__(self) -> int:
+        return max(0, self.steps - self.start)
+
+
+class _TensorRows(Dataset[Any]):
+    """A TensorDataset read a batch at a time (one index per tensor, no per-item Python or collate)."""
+
+    def __init__(self, ds: TensorDataset) -> None:
+        self.tensors = ds.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, ...]:
+        rows = torch.as_tensor(idx)
+        return tuple(t[rows] for t in self.tensors)
+
+
+def _batch_as_is(batch: Any) -> Any:
+    return batch
+
+
+class ShardedLoader(DataLoader[Any]):
+    """A real ``torch.utils.data.DataLoader`` whose batch sampler is a :class:`PlanSampler`.
+
+    Yields this rank's batches, moved to ``device``. Call ``set_epoch(epoch)`` before each epoch
+    (``set_epoch(epoch, start=k)`` resumes at batch ``k``); without it every epoch repeats epoch 0's
+    order. ``on_batch(n)`` is told the number of samples of every batch handed out.
+    """
+
+    def __init__(self, dataset: "Dataset[Any]", sampler: PlanSampler, device: torch.device,
+                 collate_fn: Optional[Callable[[list[Any]], Any]] = None, num_workers: int = 0,
+                 pin_memory: bool = False, on_batch: Optional[Callable[[int], None]] = None, **kwargs: Any) -> None:
+        if collate_fn is None and isinstance(dataset, TensorDataset):
+            dataset, collate_fn = _TensorRows(dataset), _batch_as_is
+        super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_fn or default_collate,
+                         num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+        self.plan_sampler, self.device, self._on_batch = sampler, device, on_batch
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Use ``epoch``'s order (the same on every rank and at any world size), from batch ``start``."""
+        self.plan_sampler.set_epoch(epoch, start)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        move, size = self.device.type != "cpu", self.plan_sampler.plan.b  # every batch is full (last one dropped)
+        for batch in super().__iter__():
+            if self._on_batch is not None:
+                self._on_batch(size)
+            yield to_device(batch, self.device) if move else batch

@@ -34,3 +34,13 @@ class CollectiveTimeout(DistkitError):
     """A collective did not complete within ``distributed.timeout_s`` seconds."""
 
     exit_code = 1
+
+
+class UsageError(DistkitError):
+    """The distkit API was called in a way that cannot work (e.g. ``dk.step()`` before ``dk.setup()``);
+    the text says which call to make instead."""
+
+
+class CheckpointError(DistkitError):
+    """A checkpoint cannot be written or read (unwritable directory, missing or damaged files). The
+    previous checkpoint is intact; the text names the path and the fix."""

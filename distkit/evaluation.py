@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 from torch import nn
 
-from distkit.backends.base import Strategy
 from distkit.data import eval_slices, fetch, to_device
 from distkit.tasks import Task
+
+if TYPE_CHECKING:
+    from distkit.session import Session
 
 
 def param_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -20,7 +22,7 @@ def param_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def evaluate(s: Strategy, model: nn.Module, task: Task, batch_size: int) -> tuple[Optional[float], Optional[float]]:
+def evaluate(s: "Session", model: nn.Module, task: Task, batch_size: int) -> tuple[Optional[float], Optional[float]]:
     """Collective: loss and accuracy over the whole eval set, every rank a disjoint slice.
 
     Returns (mean loss, accuracy or None for non-classification tasks), identical on every rank;
@@ -33,7 +35,7 @@ def evaluate(s: Strategy, model: nn.Module, task: Task, batch_size: int) -> tupl
     totals = torch.zeros(3, dtype=torch.float64)  # loss * n, correct, n
     slices = list(eval_slices(len(task.eval), batch_size, s.rank, s.world_size))  # type: ignore[arg-type]
     n_forward = len(slices)
-    if s.forward_is_collective(model):  # every rank runs as many forwards as the busiest one
+    if s.forward_is_collective:  # every rank runs as many forwards as the busiest one
         n_forward = int(s.all_reduce(torch.tensor([n_forward]), op="max").item())
     with torch.no_grad():
         for k in range(n_forward):

@@ -1,13 +1,17 @@
 """``--nprocs N``: distkit starts N local ranks itself (perceptrain's ``nprocs``).
 
-Each rank is a fresh ``python -m distkit`` process with torchrun's environment
-variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus ``DISTKIT_SPAWN_ID``.
-The parent watches them: when one exits non-zero or is killed, it names that rank,
-stops the others (SIGTERM, then SIGKILL after a grace period) and returns non-zero.
+Each rank is a fresh copy of the command (``python -m distkit ...`` for the CLI, the user's
+``python train.py ...`` for a script calling :func:`distkit.init`) with torchrun's
+environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus
+``DISTKIT_SPAWN_ID``. The parent watches them: when one exits non-zero or is killed, it
+names that rank, stops the others (SIGTERM, then SIGKILL after a grace period) and returns
+non-zero. Engines that need an MPI launcher (mpi, horovod) are started under ``mpirun``
+instead (:func:`mpirun`), which does the same watching.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,8 +52,49 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def spawn(argv: list[str], nprocs: int) -> int:
-    """Run ``python -m distkit *argv`` as ``nprocs`` ranks; returns the exit status for the CLI."""
+def relaunch_command() -> list[str]:
+    """The command line that started this Python process (script or ``-m module``), to start it again."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        name = spec.name[:-len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return [sys.executable, "-m", name, *sys.argv[1:]]
+    return [sys.executable, *sys.argv]
+
+
+def run_local(cmd: list[str], nprocs: int, launcher: str) -> int:
+    """Run ``cmd`` as ``nprocs`` local ranks with ``launcher`` ("spawn" or "mpirun"); returns the exit status."""
+    return mpirun(cmd, nprocs) if launcher == "mpirun" else spawn(cmd, nprocs)
+
+
+def mpirun(cmd: list[str], nprocs: int) -> int:
+    """``mpirun -np N --bind-to none CMD``: Open MPI starts the ranks and ends the job when one fails.
+
+    ``--bind-to none``: Open MPI would pin every rank to one core of its own, or all to core 0 when
+    it miscounts; the ranks here share the machine's cores like torchrun's.
+    """
+    exe = shutil.which("mpirun", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    if exe is None:
+        from distkit.errors import BackendUnavailable
+
+        raise BackendUnavailable("--nprocs with an MPI engine needs Open MPI's mpirun: pip install 'distkit[mpi]' "
+                                 "(or launch the ranks yourself with mpirun -np N)")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without both
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    proc = subprocess.Popen([exe, "-np", str(nprocs), "--bind-to", "none", *cmd], env=env)
+    old = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def spawn(cmd: list[str], nprocs: int) -> int:
+    """Run ``cmd`` as ``nprocs`` ranks (torchrun's environment variables); returns the exit status."""
     port, spawn_id = free_port(), uuid.uuid4().hex[:12]
     threads = str(max(1, (os.cpu_count() or 1) // nprocs))
     procs: list[subprocess.Popen[bytes]] = []
@@ -58,7 +103,7 @@ def spawn(argv: list[str], nprocs: int) -> int:
                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DISTKIT_SPAWN_ID=spawn_id)
         env.setdefault("OMP_NUM_THREADS", threads)  # as torchrun: no oversubscription of the cores
-        procs.append(subprocess.Popen([sys.executable, "-m", "distkit", *argv], env=env))
+        procs.append(subprocess.Popen(cmd, env=env))
 
     stopping: dict[str, Optional[int]] = {"signal": None}
 

@@ -25,6 +25,11 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     supported_modes: ClassVar[frozenset[str]] = frozenset({"grad", "param"})
+    #: how ``--nprocs N`` starts local ranks for this engine: "spawn" (distkit's spawner, torchrun's
+    #: variables) or "mpirun" (engines whose ranks must be MPI processes)
+    local_launcher: ClassVar[str] = "spawn"
+    #: True where the engine steps the LR scheduler itself inside ``step`` (DeepSpeed)
+    steps_scheduler: ClassVar[bool] = False
 
     def __init__(self, cfg: RunConfig, env: ClusterEnv, device: torch.device) -> None:
         self.cfg = cfg
@@ -54,8 +59,18 @@ class Strategy(ABC):
         """Collective: join the process group (every rank)."""
 
     @abstractmethod
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Collective: broadcast rank 0's initial state and wrap model/optimizer for the mode."""
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              lr_scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Collective: broadcast rank 0's initial state and wrap model/optimizer for the mode.
+
+        ``lr_scheduler`` is handed to engines that step it themselves (:attr:`steps_scheduler`);
+        the others ignore it (the caller steps it after :meth:`step`).
+        """
+
+    def engine_defines_optimizer(self) -> bool:
+        """True where the engine's own config builds the optimizer (DeepSpeed's ``optimizer`` block):
+        ``setup`` then takes ``optimizer=None``."""
+        return False
 
     def teardown(self) -> None:
         """Leave the process group; idempotent."""
@@ -106,8 +121,11 @@ class Strategy(ABC):
         return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        self.unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        """Restore what :meth:`state_dict` returned; a None entry is left as it is."""
+        if state.get("model") is not None:
+            self.unwrap(model).load_state_dict(state["model"])
+        if state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
 
     def save_engine_files(self, directory: str, model: nn.Module) -> None:
         """Collective: engines with their own checkpoint format write it into ``directory`` (default: nothing)."""

@@ -50,7 +50,8 @@ class DDPStrategy(Strategy):
     def backend_impl(self) -> str:
         return f"torch {torch.__version__} DDP ({getattr(self, 'pg_backend', 'gloo')})"
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              lr_scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
         model.to(self.device)
         d = self.cfg.distributed
         if self.reduce_type == "grad":

@@ -163,6 +163,7 @@ class DeepSpeedStrategy(DDPStrategy):
     """deepspeed.initialize / DeepSpeedEngine, on torch.distributed (gloo on CPU, nccl on CUDA)."""
 
     name = "deepspeed"
+    steps_scheduler = True
 
     # -- before any process group ------------------------------------------------------------
     @classmethod
@@ -315,12 +316,19 @@ class DeepSpeedStrategy(DDPStrategy):
         return (f"deepspeed {deepspeed.__version__} ZeRO-{self.zero_stage} "
                 f"(torch {torch.__version__}, {getattr(self, 'pg_backend', 'gloo')})")
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              lr_scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
         import deepspeed  # type: ignore[import-untyped]
 
         cfg, ds = self.cfg, self.cfg.distributed.deepspeed_config or {}
         model.to(self.device)
-        client = "optimizer" not in ds
+        client = not self.engine_defines_optimizer()
+        if client and optimizer is None:
+            raise ConfigError("no optimizer: pass one to dk.setup(model, optimizer) or add an 'optimizer' block to "
+                              "the DeepSpeed config")
+        if not client and optimizer is not None:
+            raise ConfigError("the DeepSpeed config's 'optimizer' block and the optimizer passed to dk.setup both "
+                              "choose the optimizer: pass None to dk.setup or remove the block")
         # payload per step in grad mode: one gradient reduction (all-reduce or reduce-scatter) of every parameter
         self._grad_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
         conf = self.resolved_deepspeed_config(client)
@@ -330,12 +338,12 @@ class DeepSpeedStrategy(DDPStrategy):
                 json.dump(conf, f, indent=2)
         if self.mpu is not None:  # groups would each broadcast from their own first rank: use rank 0's state
             self.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
-        kwargs: dict[str, Any] = {"model": model, "config": conf, "mpu": self.mpu}
+        kwargs: dict[str, Any] = {"model": model, "config": conf, "mpu": self.mpu, "lr_scheduler": lr_scheduler}
         if client:
             kwargs["optimizer"] = optimizer
         else:
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
-        engine, ds_opt, _, _ = deepspeed.initialize(**kwargs)
+        engine, ds_opt, _, self.lr_scheduler = deepspeed.initialize(**kwargs)
         self.engine = engine
         dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
         if dtype is not None:  # the data loader yields fp32 features; the engine's weights are 16-bit
@@ -349,6 +357,9 @@ class DeepSpeedStrategy(DDPStrategy):
             self.averager = _MasterAverager(self, masters, buffers, refresh, sync_step=d.param_sync_step,
                                             sync_time_diff=d.param_sync_time_diff, outer_optimizer=d.outer_optimizer)
         return engine, ds_opt
+
+    def engine_defines_optimizer(self) -> bool:
+        return "optimizer" in (self.cfg.distributed.deepspeed_config or {})
 
     def _masters(self, engine: Any) -> tuple[list[torch.Tensor], Any]:
         """The optimizer's fp32 master tensors (this rank's partitions) and how to rewrite the weights from them."""
@@ -403,7 +414,12 @@ class DeepSpeedStrategy(DDPStrategy):
             engine.step()  # a micro-step: only advances the engine's counter (no optimizer step)
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        """No-op: the engine clips inside ``engine.step`` (``gradient_clipping`` in the resolved config)."""
+        """The engine clips inside ``engine.step`` to ``gradient_clipping`` of the resolved config; a
+        different ``max_norm`` cannot be applied here. Returns NaN (the norm is the engine's)."""
+        if self.cfg.gradient_clip is None or abs(float(max_norm) - self.cfg.gradient_clip) > 1e-12:
+            raise UnsupportedCombination(
+                f"under DeepSpeed the engine clips gradients inside step(): set gradient_clip = {max_norm:g} (or "
+                f"'gradient_clipping' in the DeepSpeed config) instead of calling clip_grad_norm({max_norm:g})")
         return float("nan")
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -45,6 +45,7 @@ class HorovodEngine(Strategy):
     """The real Horovod. Every rank runs under ``mpirun -np N`` or ``horovodrun -np N``."""
 
     name = "horovod"
+    local_launcher = "mpirun"
 
     def init(self) -> None:
         hvd, why = _import_horovod()
@@ -100,7 +101,8 @@ class HorovodEngine(Strategy):
         return f"horovod {horovod.__version__} ({ctrl}{comp})"
 
     # -- setup -------------------------------------------------------------------------
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              lr_scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
         hvd, d = self.hvd, self.cfg.distributed
         model.to(self.device)
         self.broadcast_tensors([*model.parameters(), *model.buffers()])

@@ -20,6 +20,7 @@ other ranks blocked in a collective forever); a rank stuck in one collective lon
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import threading
 import time
@@ -190,11 +191,15 @@ class MPIStrategy(Strategy):
     """Data parallelism over MPI with mpi4py (``mpirun -np N``)."""
 
     name = "mpi"
+    local_launcher = "mpirun"
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         super().check_config(cfg)
-        import_mpi()
+        # find_spec, not import: importing mpi4py initialises MPI, which a process that is about to
+        # start the ranks under mpirun (--nprocs) must not do.
+        if importlib.util.find_spec("mpi4py") is None:
+            raise BackendUnavailable(f"the mpi engine needs mpi4py: {INSTALL_HINT}")
         if cfg.distributed.compression != "none":
             raise UnsupportedCombination(
                 f"compression '{cfg.distributed.compression}' is not implemented by the mpi engine: "
@@ -270,7 +275,8 @@ class MPIStrategy(Strategy):
                 self.MPI.COMM_WORLD.Abort(1)
 
     # -- setup -------------------------------------------------------------------------
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              lr_scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
         model.to(self.device)
         d = self.cfg.distributed
         # rank 0's initial parameters and buffers everywhere (as DDP's constructor does).

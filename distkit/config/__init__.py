@@ -11,7 +11,8 @@ from .schema import DistributedConfig, RunConfig
 def load_config(paths: list[str], overrides: list[tuple[str, Any]] | None = None,
                 flags: LaunchFlags | None = None) -> RunConfig:
     """Defaults < files (in order) < overrides: one validated RunConfig."""
-    return resolve(load_raw(paths, overrides or []), flags)
+    overrides = overrides or []
+    return resolve(load_raw(paths, overrides), flags, cli_keys=frozenset(k for k, _ in overrides))
 
 
 __all__ = ["DistributedConfig", "LaunchFlags", "RunConfig", "load_config", "load_file", "parse_value",

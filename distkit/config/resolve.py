@@ -59,6 +59,53 @@ def _load_deepspeed_config(value: Any) -> dict[str, Any]:
     return data
 
 
+#: Top-level spellings that pick an engine, and the engine each picks (``distributed`` picks its "backend").
+_SELECTOR_KEYS = {"torch_distributed": "ddp", "use_horovod": "horovod", "deepspeed_config": "deepspeed",
+                  "distributed": None}
+
+
+def _selected_by(key: str, raw: dict[str, Any]) -> Optional[str]:
+    """The engine the spelling ``key`` of ``raw`` picks, or None when it picks none."""
+    value = raw.get(key)
+    if key == "distributed":
+        return value.get("backend") if isinstance(value, dict) else None
+    if key == "use_horovod":
+        return "horovod" if value else None
+    return _SELECTOR_KEYS[key] if value is not None else None
+
+
+def _drop_replaced_selectors(raw: dict[str, Any], flags: LaunchFlags, cli_keys: frozenset[str],
+                             notes: list[str]) -> None:
+    """Defaults < files < command line, for the engine as for every key: when the command line picks an
+    engine, a file's spelling that picks another one is dropped (with its engine-specific keys) and a
+    note says so. Spellings on the same level are left for the conflict check."""
+    on_cli: dict[str, str] = {}
+    for key in _SELECTOR_KEYS:
+        chosen = _selected_by(key, raw)
+        from_cli = key in cli_keys or (key == "distributed" and "distributed.backend" in cli_keys)
+        if chosen is not None and from_cli:
+            on_cli[f"++{key}"] = chosen
+    if flags.deepspeed or flags.deepspeed_config is not None:
+        on_cli["--deepspeed_config" if flags.deepspeed_config is not None else "--deepspeed"] = "deepspeed"
+    if not on_cli or len(set(on_cli.values())) > 1:
+        return  # nothing on the command line, or a same-level conflict (reported later)
+    engine = next(iter(on_cli.values()))
+    for key in _SELECTOR_KEYS:
+        chosen = _selected_by(key, raw)
+        from_cli = f"++{key}" in on_cli or (key == "deepspeed_config" and engine == "deepspeed")
+        if chosen is None or chosen == engine or from_cli:
+            continue
+        if key == "distributed":
+            raw["distributed"] = {k: v for k, v in raw["distributed"].items() if k != "backend"}
+        else:
+            del raw[key]
+            if key == "use_horovod":
+                for h in [k for k in raw if k.startswith("horovod_")]:
+                    del raw[h]
+        notes.append(f"the command line ({', '.join(on_cli)}) selects {engine}; it replaces {key} ({chosen}) "
+                     f"from the config file" + ("" if key == "distributed" else ", whose settings are ignored"))
+
+
 @dataclass
 class LaunchFlags:
     """Launcher/seed flags from the command line (DESIGN.md section 4)."""
@@ -71,13 +118,21 @@ class LaunchFlags:
     nprocs: Optional[int] = None
 
 
-def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None) -> RunConfig:
-    """Validate ``raw`` (files + overrides) and the launcher flags into a RunConfig."""
+def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None, cli_keys: frozenset[str] = frozenset()) -> RunConfig:
+    """Validate ``raw`` (files + overrides) and the launcher flags into a RunConfig.
+
+    ``cli_keys``: the (dotted) keys of ``raw`` that came from the command line (``++key value``).
+    The command line beats the files for the engine too: an engine spelling on the command line
+    (``--deepspeed``, ``++use_horovod``, ``++distributed ...``) replaces one in a file, and the
+    config's ``notes`` say so; two spellings on the same level that pick different engines conflict.
+    """
     flags = flags or LaunchFlags()
     raw = copy.copy(raw)
     for key in raw:
         if key not in ALL_KEYS:
             raise unknown_key_error(key)
+    notes: list[str] = []
+    _drop_replaced_selectors(raw, flags, cli_keys, notes)
     selectors: dict[str, str] = {}  # spelling -> backend it selects
     dist_raw = raw.pop("distributed", None)
     dist = DistributedConfig()
@@ -111,8 +166,10 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None) -> RunConfig:
         ds = flags.deepspeed_config
     if ds is not None or flags.deepspeed:
         selectors["deepspeed"] = "deepspeed"
-        if ds is not None:
-            dist.deepspeed_config = _load_deepspeed_config(ds)
+        if ds is None:
+            raise ConfigError("--deepspeed needs a DeepSpeed config: add --deepspeed_config ds.json "
+                              "(or deepspeed_config = 'ds.json' / a dict in the config file)")
+        dist.deepspeed_config = _load_deepspeed_config(ds)
     if len(set(selectors.values())) > 1:
         desc = ", ".join(f"{k} -> {v}" for k, v in selectors.items())
         raise ConfigError(f"two backends selected at once ({desc}): keep only one of these spellings")
@@ -139,6 +196,7 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None) -> RunConfig:
     # the same thing (DeepSpeed's batch size, clipping, optimizer) tells "left at the default" from
     # "set to the default value".
     cfg.explicit_keys = frozenset(raw)
+    cfg.notes = tuple(notes)
     if flags.nprocs is not None:
         cfg.nprocs = flags.nprocs
     _validate(cfg)
@@ -173,7 +231,7 @@ def _int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
         raise ConfigError(f"'{name}' must be an integer >= {minimum}, got {value!r}")
 
 
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         near = nearest_key(str(value), allowed)
         hint = f" (did you mean '{near}'?)" if near else ""
@@ -182,8 +240,8 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 
 def _validate(cfg: RunConfig) -> None:
     d = cfg.distributed
-    _choice("distributed.backend", d.backend, KNOWN_BACKENDS)
-    _choice("distributed.reduce_type", d.reduce_type, REDUCE_TYPES)
+    choice("distributed.backend", d.backend, KNOWN_BACKENDS)
+    choice("distributed.reduce_type", d.reduce_type, REDUCE_TYPES)
     _int("distributed.param_sync_step", d.param_sync_step, 1)
     if d.param_sync_time_diff is not None and (
         isinstance(d.param_sync_time_diff, bool) or not isinstance(d.param_sync_time_diff, (int, float))
@@ -199,8 +257,8 @@ def _validate(cfg: RunConfig) -> None:
             raise BackendUnavailable(
                 "torch.distributed's 'mpi' backend is not built into the PyTorch wheels: "
                 "use backend 'gloo' (or distributed = {'backend': 'mpi'} for distkit's MPI engine)")
-        _choice("distributed.pg_backend", d.pg_backend, PG_BACKENDS)
-    _choice("distributed.compression", d.compression, ("none", "fp16"))
+        choice("distributed.pg_backend", d.pg_backend, PG_BACKENDS)
+    choice("distributed.compression", d.compression, ("none", "fp16"))
     if not isinstance(d.bucket_cap_mb, (int, float)) or isinstance(d.bucket_cap_mb, bool) or d.bucket_cap_mb <= 0:
         raise ConfigError(f"'distributed.bucket_cap_mb' must be a positive number of MiB, got {d.bucket_cap_mb!r}")
     _int("distributed.param_sync_group_size", d.param_sync_group_size, 1)
@@ -223,15 +281,15 @@ def _validate(cfg: RunConfig) -> None:
     _int("checkpoint_every", cfg.checkpoint_every, 1, optional=True)
     _int("nprocs", cfg.nprocs, 1)
     _int("charlm_seq_len", cfg.charlm_seq_len, 2)
-    _choice("device", cfg.device, DEVICES)
-    _choice("data_distribution", cfg.data_distribution, DATA_DISTRIBUTIONS)
+    choice("device", cfg.device, DEVICES)
+    choice("data_distribution", cfg.data_distribution, DATA_DISTRIBUTIONS)
     if not isinstance(cfg.learning_rate, (int, float)) or isinstance(cfg.learning_rate, bool) or cfg.learning_rate <= 0:
         raise ConfigError(f"'learning_rate' must be a positive number, got {cfg.learning_rate!r}")
     if cfg.gradient_clip is not None and (not isinstance(cfg.gradient_clip, (int, float)) or cfg.gradient_clip <= 0):
         raise ConfigError(f"'gradient_clip' must be a positive number (max gradient norm) or None, got {cfg.gradient_clip!r}")
     if not isinstance(cfg.optimizer, dict) or "class" not in cfg.optimizer:
         raise ConfigError(f"'optimizer' must be a dict like {{'class': 'adam', 'betas': (0.9, 0.99)}}, got {cfg.optimizer!r}")
-    _choice("optimizer.class", str(cfg.optimizer["class"]).lower(), OPTIMIZERS)
+    choice("optimizer.class", str(cfg.optimizer["class"]).lower(), OPTIMIZERS)
     if not isinstance(cfg.output_dir, str) or not cfg.output_dir:
         raise ConfigError(f"'output_dir' must be a non-empty path, got {cfg.output_dir!r}")
     if cfg.resume not in (None, "auto") and not (isinstance(cfg.resume, str) and os.path.isdir(cfg.resume)):
@@ -244,18 +302,8 @@ def _validate(cfg: RunConfig) -> None:
                               "use device = 'auto' or 'cpu'")
     for key in ("model", "dataset", "loss"):
         setattr(cfg, key, _callable(key, getattr(cfg, key)))
-    if cfg.model is None or cfg.dataset is None:
-        from distkit.tasks import TASKS
-
-        if cfg.task is None:
-            raise ConfigError("no task: set task = 'digits' (or 'charlm'), or give both 'model' and 'dataset'")
-        _choice("task", cfg.task, tuple(TASKS))
-        from distkit.tasks.charlm import SIZES
-
-        _choice("charlm_size", cfg.charlm_size, tuple(SIZES))
-    from distkit.backends import check_backend
-
-    check_backend(cfg)
+    # Whether the task and the engine can run is checked where they are built (distkit.tasks.check_task,
+    # distkit.backends.check_backend): config is data and imports neither (DESIGN.md 2a).
 
 
 def _callable(key: str, value: Any) -> Optional[Callable[..., Any]]:

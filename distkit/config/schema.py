@@ -90,6 +90,8 @@ class RunConfig:
     charlm_seq_len: int = 64
     #: set by the resolver: the top-level keys the user wrote (not a config key)
     explicit_keys: Optional[frozenset[str]] = field(default=None, metadata={"internal": True})
+    #: set by the resolver: one-line notes for rank 0 to print at start (e.g. an engine spelling replaced)
+    notes: tuple[str, ...] = field(default=(), metadata={"internal": True})
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict; callables become "module:qualname" strings."""

@@ -50,6 +50,21 @@ def _charlm(cfg: "RunConfig") -> Task:
 TASKS: dict[str, Callable[["RunConfig"], Task]] = {"digits": _digits, "charlm": _charlm}
 
 
+def check_task(cfg: "RunConfig") -> None:
+    """Before anything starts: the built-in task named by ``cfg`` exists (unless ``model`` and ``dataset`` are given)."""
+    from distkit.config.resolve import choice
+    from distkit.errors import ConfigError
+
+    if cfg.model is not None and cfg.dataset is not None:
+        return
+    if cfg.task is None:
+        raise ConfigError("no task: set task = 'digits' (or 'charlm'), or give both 'model' and 'dataset'")
+    choice("task", cfg.task, tuple(TASKS))
+    from .charlm import SIZES
+
+    choice("charlm_size", cfg.charlm_size, tuple(SIZES))
+
+
 def make_task(cfg: "RunConfig") -> Task:
     """The built-in task, or the user's ``model``/``dataset``/``loss`` callables.
 

@@ -1,0 +1,564 @@
+"""The public library API: ``distkit.init()`` and the :class:`Session` it returns.
+
+One object holds the engine (a Strategy, internal), the wrapped model/optimizer/scheduler
+and the loop state; a user's own training loop and ``distkit train`` (the Trainer is
+built on this class) take the same path. The engine and the mode come from configuration
+only, so the same script runs on ddp, deepspeed, horovod and mpi, in grad and param mode::
+
+    import argparse, distkit
+    parser = argparse.ArgumentParser()
+    distkit.add_arguments(parser)
+    dk = distkit.init(parser.parse_args())
+    model, optimizer = dk.setup(model, optimizer)
+    loader = dk.dataloader(dataset, batch_size=16)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            dk.backward(loss_fn(model(x), y))
+            dk.step()
+    dk.finish()
+    dk.save("ckpt", {"model": model, "optimizer": optimizer, "epoch": epoch})
+
+Cross-rank contract: methods documented as "Collective" must be called by every rank, in
+the same order (``setup``, ``dataloader``, ``step``, ``finish``, ``save``, ``load``,
+``summary``, ``all_reduce``, ``barrier``); ``backward`` is collective on engines that
+reduce during backward (grad mode). A collective some rank never joins fails after
+``distributed.timeout_s`` seconds with :class:`~distkit.errors.CollectiveTimeout` naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import os
+import random
+import sys
+import time
+import warnings
+from types import TracebackType
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+
+from distkit import checkpoint
+from distkit.backends import check_backend, strategy_class
+from distkit.backends.base import Strategy
+from distkit.components import pick_device
+from distkit.config import LaunchFlags, RunConfig, load_config, resolve, split_overrides
+from distkit.data import BatchPlan, PlanSampler, ShardedLoader
+from distkit.env import ClusterEnv, detect
+from distkit.errors import CollectiveTimeout, DistkitError, UsageError
+from distkit.evaluation import param_checksum
+from distkit.main_process import set_current_strategy
+
+Source = Union[argparse.Namespace, dict, RunConfig, str, Sequence[str], None]
+
+#: ``dest`` of the ``++key value`` pairs and ``--config`` files on a namespace from :func:`add_arguments`
+OVERRIDES_DEST, CONFIGS_DEST = "distkit_overrides", "distkit_configs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add distkit's command-line flags to a user's ``parser`` (and return it).
+
+    ``--config FILE...`` (config files, later wins), ``++key value`` (any config key; parsed
+    by ``parse_args`` too), ``--nprocs N``, ``--deepspeed``, ``--deepspeed_config JSON``,
+    ``--local_rank/--local-rank N`` (DeepSpeed's launcher, torch.distributed.launch),
+    ``--distributed_backend gloo|nccl`` (SpeechBrain). A flag the parser already has (e.g.
+    from ``deepspeed.add_config_arguments`` or the LUMI script's own ``--local-rank``) is kept
+    as the user defined it and read from the namespace under its usual name.
+    """
+    group = parser.add_argument_group("distkit")
+
+    def add(*flags: str, **kwargs: Any) -> None:
+        if not any(f in parser._option_string_actions for f in flags):  # the user's own flag wins
+            group.add_argument(*flags, **kwargs)
+
+    add("--config", dest=CONFIGS_DEST, nargs="+", action="extend", default=[], metavar="FILE",
+        help="distkit config files (.py, .yaml, .json); ++key value overrides them")
+    add("--nprocs", type=int, default=None, metavar="N", help="start N local ranks (ignored under a launcher)")
+    add("--deepspeed", action="store_true", help="use the DeepSpeed engine")
+    add("--deepspeed_config", default=None, metavar="JSON", help="DeepSpeed config file (implies --deepspeed)")
+    add("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    add("--distributed_backend", choices=["gloo", "nccl"], default=None,
+        help="torch.distributed backend (SpeechBrain's flag)")
+    original = parser.parse_known_args
+
+    def parse_known_args(args: Optional[Sequence[str]] = None, namespace: Any = None) -> Any:
+        rest, pairs = split_overrides(list(sys.argv[1:] if args is None else args))
+        ns, extra = original(rest, namespace)
+        setattr(ns, OVERRIDES_DEST, getattr(ns, OVERRIDES_DEST, []) + pairs)
+        return ns, extra
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]  # ++key value next to argparse's own
+    return parser
+
+
+def _from_namespace(args: argparse.Namespace, keys: dict[str, Any]) -> tuple[RunConfig, Optional[int]]:
+    local_rank = getattr(args, "local_rank", None)
+    local_rank = None if local_rank is None or local_rank < 0 else int(local_rank)  # LUMI's default is -1
+    flags = LaunchFlags(local_rank=local_rank, distributed_backend=getattr(args, "distributed_backend", None),
+                        deepspeed=bool(getattr(args, "deepspeed", False)),
+                        deepspeed_config=getattr(args, "deepspeed_config", None), nprocs=getattr(args, "nprocs", None))
+    overrides = list(getattr(args, OVERRIDES_DEST, [])) + list(keys.items())
+    return load_config(list(getattr(args, CONFIGS_DEST, []) or []), overrides, flags), local_rank
+
+
+def config_from(source: Source, **keys: Any) -> tuple[RunConfig, Optional[int]]:
+    """One validated RunConfig from any accepted source (see :func:`init`), and a ``--local_rank`` if given."""
+    if isinstance(source, argparse.Namespace):
+        return _from_namespace(source, keys)
+    if isinstance(source, RunConfig):
+        if keys:
+            raise UsageError("distkit.init(RunConfig, **keys): put the keys into the RunConfig, or pass a dict")
+        return source, None
+    if isinstance(source, str):
+        return load_config([source], list(keys.items())), None
+    if isinstance(source, (list, tuple)):
+        return load_config([str(p) for p in source], list(keys.items())), None
+    if source is None or isinstance(source, dict):
+        return resolve({**(source or {}), **keys}), None
+    raise UsageError(f"distkit.init() takes an argparse.Namespace, a dict, a config file path or a RunConfig, "
+                     f"got {type(source).__name__}")
+
+
+def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -> "Session":
+    """Join the job and return the :class:`Session` (collective: every rank calls it once).
+
+    ``source``: an ``argparse.Namespace`` from a parser given to :func:`add_arguments`, a config
+    dict, a config file path (or a list of them), or a RunConfig; ``keys`` override it
+    (``distkit.init("cfg.py", batch_size=16)``). Under plain ``python`` with ``nprocs > 1``
+    (``--nprocs N``), this process does not return: it starts the script again as N ranks
+    (under ``mpirun`` for the mpi and horovod engines), waits and exits with their status.
+
+    Seeds torch, random and numpy with ``seed`` (the same on every rank), so a model built
+    after ``init`` starts identical everywhere (``setup`` broadcasts rank 0's anyway).
+    Bad configuration raises :class:`~distkit.errors.ConfigError`; uncaught, any DistkitError
+    prints one line ``distkit: error: ...`` and exits with its status (2 for bad input).
+    """
+    _install_excepthook()
+    cfg, local_rank = config_from(source, **keys)
+    check_backend(cfg)
+    environ = dict(os.environ)
+    if local_rank is not None:  # the old torch.distributed.launch passes it only as an argument
+        environ.setdefault("LOCAL_RANK", str(local_rank))
+    env = env or detect(environ)
+    if env.launcher == "single" and cfg.nprocs > 1:
+        from distkit.launch import relaunch_command, run_local
+
+        code = run_local(relaunch_command(), cfg.nprocs, strategy_class(cfg.distributed.backend).local_launcher)
+        sys.stdout.flush()
+        sys.exit(code)
+    return Session(cfg, env)
+
+
+_HOOKED = False
+
+
+def _install_excepthook() -> None:
+    """Uncaught DistkitErrors print one line (no traceback) and exit with their status; an uncaught
+    error of any kind first lets the engine stop the other ranks (MPI_Abort) so none waits forever."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    _HOOKED = True
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+        session = Session.current
+        if session is not None and session.world_size > 1:
+            with contextlib.suppress(BaseException):
+                try:
+                    raise exc
+                except BaseException:
+                    session._strategy.abort()  # prints "rank r failed: ..." and ends the job (MPI engines)
+        if isinstance(exc, DistkitError):
+            where = f" (rank {session.rank})" if session is not None and session.world_size > 1 else ""
+            print(f"distkit: error{where}: {exc}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(exc.exit_code)
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
+
+
+class Session:
+    """This rank's view of the job: topology, the wrapped model/optimizer, the loop's counters.
+
+    Made by :func:`distkit.init`. Read-only topology: ``rank``, ``world_size``, ``local_rank``,
+    ``device``, ``is_main``. ``num_steps`` (optimizer steps taken) and ``num_samples`` (global
+    training samples, all ranks) count what :meth:`step` saw and are restored by :meth:`load`.
+    """
+
+    #: the session of this process, if any (used by run_on_main and the exception hook)
+    current: Optional["Session"] = None
+
+    def __init__(self, cfg: RunConfig, env: ClusterEnv) -> None:
+        self.cfg, self.env = cfg, env
+        device = pick_device(cfg.device, env.local_rank)
+        self._strategy: Strategy = strategy_class(cfg.distributed.backend)(cfg, env, device)
+        self._strategy.init()
+        Session.current = self
+        set_current_strategy(self._strategy)
+        atexit.register(self.close)
+        if self.is_main:
+            for note in cfg.notes:
+                print(f"distkit: {note}", flush=True)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        self._model: Optional[nn.Module] = None
+        self._optimizer: Any = None
+        self._scheduler: Any = None
+        self._finished = False
+        self.num_steps, self.num_samples = 0, 0
+        self._pending_samples = 0  # local samples handed out since the last step
+        self._t_batch: Optional[float] = None  # when this step's first batch was handed out
+        self.compute_time_s = 0.0
+        self._t_start = time.perf_counter()
+        self._last_loss: Optional[torch.Tensor] = None
+
+    # -- topology -----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._strategy.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._strategy.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._strategy.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self._strategy.device
+
+    @property
+    def is_main(self) -> bool:
+        return self._strategy.is_main
+
+    @property
+    def backend(self) -> str:
+        """The engine's name: ddp, deepspeed, horovod or mpi."""
+        return self._strategy.name
+
+    @property
+    def forward_is_collective(self) -> bool:
+        """True where a forward pass communicates (ZeRO-3 gathers parameters in it): an evaluation
+        loop must then run the same number of forward passes on every rank."""
+        return self._model is not None and self._strategy.forward_is_collective(self._model)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (flushed)."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    # -- setup ----------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None) -> Any:
+        """Collective: rank 0's initial state everywhere, model and optimizer wrapped for the engine and mode.
+
+        ``optimizer``: a torch optimizer over ``model``'s parameters, a factory ``params -> Optimizer``
+        (called only when the engine's config does not define one), or None where the DeepSpeed config
+        has an ``optimizer`` block. ``lr_scheduler`` (optional) is stepped once per :meth:`step`.
+        Returns ``(model, optimizer)``, or ``(model, optimizer, lr_scheduler)`` when one was given;
+        use the returned objects from here on. One model per session.
+        """
+        if self._model is not None:
+            raise UsageError("dk.setup() was already called: one model and optimizer per distkit session "
+                             "(wrap several modules in one nn.Module)")
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"dk.setup(model, ...) needs a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise UsageError(f"dk.setup(model, optimizer): optimizer must be a torch.optim.Optimizer, a "
+                                 f"factory params -> Optimizer, or None; got {type(optimizer).__name__}")
+            optimizer = None if self._strategy.engine_defines_optimizer() else optimizer(model.parameters())
+        if optimizer is None and not self._strategy.engine_defines_optimizer():
+            raise UsageError("dk.setup(model, None): no optimizer; pass one (only a DeepSpeed config with an "
+                             "'optimizer' block may leave it out)")
+        given = optimizer
+        self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler)
+        self._scheduler = getattr(self._strategy, "lr_scheduler", None) or lr_scheduler
+        if self._scheduler is not None and self._optimizer is not given:
+            # The engine returned its own optimizer object over the same param_groups (Horovod): the
+            # scheduler still sets the right learning rates but cannot see that step() ran.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        self._t_start = time.perf_counter()
+        if lr_scheduler is not None:
+            return self._model, self._optimizer, self._scheduler
+        return self._model, self._optimizer
+
+    def _require_setup(self, call: str) -> None:
+        if self._model is None:
+            raise UsageError(f"dk.{call} before dk.setup(model, optimizer): call setup first")
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped model :meth:`setup` returned."""
+        self._require_setup("model")
+        assert self._model is not None
+        return self._model
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer :meth:`setup` returned."""
+        self._require_setup("optimizer")
+        return self._optimizer
+
+    def unwrap(self, model: Optional[nn.Module] = None) -> nn.Module:
+        """The bare ``nn.Module`` inside the engine's wrapper (DDP, DeepSpeedEngine); not collective."""
+        return self._strategy.unwrap(model if model is not None else self.model)
+
+    # -- data -------------------------------------------------------------------------------
+    def dataloader(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True,
+                   collate_fn: Optional[Callable[[list[Any]], Any]] = None, num_workers: int = 0,
+                   pin_memory: bool = False, **kwargs: Any) -> ShardedLoader:
+        """Collective: a ``DataLoader`` over this rank's part of ``dataset`` (``data_distribution``).
+
+        ``shard``: one global order per epoch (seed + epoch), cut into global batches of
+        ``world_size * batch_size``; this rank takes its slice, so N ranks x B see what 1 rank x N*B
+        sees. ``random_seed_offset``: the whole set, in this rank's own order. The incomplete last
+        global batch is dropped and every rank gets the same number of batches (the minimum over
+        ranks, agreed here), so none waits for another. ``batch_size`` is per rank (default: the
+        config's). Batches of any structure come out on :attr:`device`. Passing a ``DataLoader``
+        re-shards it with its dataset, batch size, collate_fn, workers and pin_memory.
+        """
+        if isinstance(dataset, DataLoader):
+            loader = dataset
+            dataset = loader.dataset
+            if batch_size is None:
+                batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+            shuffle = isinstance(loader.sampler, RandomSampler)
+            collate_fn = collate_fn or loader.collate_fn
+            num_workers, pin_memory = loader.num_workers, loader.pin_memory
+        batch_size = self.cfg.batch_size if batch_size is None else batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise UsageError(f"dk.dataloader: batch_size must be an integer >= 1, got {batch_size!r}")
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise UsageError("dk.dataloader needs a map-style dataset (with __len__ and __getitem__), got "
+                             f"{type(dataset).__name__}")
+        plan = BatchPlan(len(dataset), batch_size, self.rank, self.world_size, self.cfg.data_distribution,
+                         self.cfg.seed, shuffle=shuffle)
+        # Ranks may hold different data (per-rank datasets): the minimum never hangs.
+        steps = int(self.all_reduce(torch.tensor([plan.steps_per_epoch]), op="min").item())
+        if steps == 0:
+            raise UsageError(f"dk.dataloader: {len(dataset)} samples make no full global batch of "
+                             f"{batch_size} x {self.world_size} ranks: use a smaller batch_size")
+        return ShardedLoader(dataset, PlanSampler(plan, steps), self.device, collate_fn=collate_fn,
+                             num_workers=num_workers, pin_memory=pin_memory, on_batch=self._batch_handed_out,
+                             **kwargs)
+
+    def _batch_handed_out(self, n: int) -> None:
+        self._pending_samples += n
+        if self._t_batch is None:
+            self._t_batch = time.perf_counter()
+
+    # -- per step ---------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` the engine's way (DeepSpeed: ``engine.backward``). In grad mode the
+        gradient all-reduce starts during it (collective), except inside :meth:`no_sync`."""
+        self._require_setup("backward()")
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UsageError(f"dk.backward(loss) needs a scalar tensor, got {shape}: reduce it first, e.g. loss.mean()")
+        if self._t_batch is None:
+            self._t_batch = time.perf_counter()
+        self._last_loss = loss.detach()
+        self._strategy.backward(loss, self._model)  # type: ignore[arg-type]
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for gradient-accumulation micro-steps: backward inside it does not communicate;
+        the next backward outside it reduces the accumulated gradients."""
+        self._require_setup("no_sync()")
+        return self._strategy.no_sync(self._model)  # type: ignore[arg-type]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the reduced gradients to global L2 norm ``max_norm``; returns the norm before (NaN on
+        DeepSpeed, which clips inside step to ``gradient_clip``). Call between backward and step."""
+        self._require_setup("clip_grad_norm()")
+        return self._strategy.clip_grad_norm(self._model, self._optimizer, float(max_norm))  # type: ignore[arg-type]
+
+    def step(self) -> None:
+        """Collective: optimizer step and zero_grad, clipping to ``gradient_clip`` if set, the LR
+        scheduler, and in param mode the parameter averaging when due."""
+        self._require_setup("step()")
+        s, model = self._strategy, self._model
+        if self.cfg.gradient_clip is not None:
+            s.clip_grad_norm(model, self._optimizer, self.cfg.gradient_clip)  # type: ignore[arg-type]
+        s.step(model, self._optimizer)  # type: ignore[arg-type]
+        if self._scheduler is not None and not s.steps_scheduler:
+            self._scheduler.step()
+        self.num_steps += 1
+        self.num_samples += self._pending_samples * self.world_size
+        self._pending_samples = 0
+        if self._t_batch is not None:
+            self.compute_time_s += time.perf_counter() - self._t_batch
+            self._t_batch = None
+
+    def finish(self) -> None:
+        """Collective: end of training. In param mode the final sync, after which every rank holds the
+        average. Idempotent until the next :meth:`step`."""
+        self._require_setup("finish()")
+        self._strategy.finish(self._model)  # type: ignore[arg-type]
+
+    # -- collectives ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Name the collective in a timeout (gloo reports only "timed out")."""
+        try:
+            yield
+        except RuntimeError as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise CollectiveTimeout(
+                    f"rank {self.rank}: {what} did not complete within distributed.timeout_s = "
+                    f"{self.cfg.distributed.timeout_s:g} s: a rank did not call it (every rank must call collectives "
+                    "in the same order) or hung or died") from e
+            raise
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Collective: ``tensor`` reduced over ranks in place (and returned); op is mean|sum|max|min."""
+        if op not in ("mean", "sum", "max", "min"):
+            raise UsageError(f"dk.all_reduce: op must be mean, sum, max or min, got {op!r}")
+        with self._collective(f"dk.all_reduce(op={op!r})"):
+            return self._strategy.all_reduce(tensor, op=op)
+
+    def barrier(self) -> None:
+        """Collective: returns when every rank has called it."""
+        with self._collective("dk.barrier()"):
+            self._strategy.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective: ``src``'s picklable ``obj`` on every rank."""
+        with self._collective("dk.broadcast_object()"):
+            return self._strategy.broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Collective: every rank's picklable ``obj``, in rank order."""
+        with self._collective("dk.all_gather_object()"):
+            return self._strategy.all_gather_object(obj)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _engine_state(self) -> dict[str, Any]:
+        return self._strategy.state_dict(self._model, self._optimizer)  # type: ignore[arg-type]
+
+    def _internal_state(self) -> dict[str, Any]:
+        averager = self._strategy.averager
+        return {"averager": averager.state_dict() if averager is not None else None,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+                "progress": {"step": self.num_steps, "samples": self.num_samples}}
+
+    def save(self, path: str, state: dict[str, Any]) -> str:
+        """Collective: write ``state`` as checkpoint directory ``path``, atomically (see
+        :func:`distkit.checkpoint.write`); returns its absolute path.
+
+        Values that are the set-up model, optimizer or scheduler are saved the engine's way (the
+        whole bare model, the optimizer state; DeepSpeed's own checkpoint files); other values with
+        a ``state_dict()`` are saved through it; anything else is pickled as is. distkit adds its own
+        counters, the averager and the RNG states, which :meth:`load` restores. Each rank writes its
+        own file (ranks differ in param mode and in RNG state).
+        """
+        if not isinstance(state, dict):
+            raise UsageError(f"dk.save(path, state): state must be a dict, got {type(state).__name__}")
+        engine = self._engine_state() if self._model is not None else {}
+        out: dict[str, Any] = {}
+        for key, value in state.items():
+            if self._model is not None and value is self._model:
+                out[key] = engine["model"]
+            elif self._model is not None and value is self._optimizer:
+                out[key] = engine["optimizer"]
+            elif hasattr(value, "state_dict") and callable(value.state_dict):
+                out[key] = value.state_dict()
+            else:
+                out[key] = value
+        out["distkit"] = self._internal_state()
+        return checkpoint.write(self._strategy, path, out, self._model, step=self.num_steps)
+
+    def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
+        """Collective: restore ``state``'s objects in place from checkpoint ``path`` (the set-up model,
+        optimizer and scheduler, and anything with ``load_state_dict``), plus distkit's counters,
+        averager and RNG states. Returns the checkpoint's other entries (e.g. ``{"epoch": 3}``)."""
+        if not isinstance(state, dict):
+            raise UsageError(f"dk.load(path, state): state must be a dict, got {type(state).__name__}")
+        saved = checkpoint.load(path, self.rank, self.world_size)
+        if "distkit" not in saved and "progress" in saved:  # written before the Session existed (0.1.0)
+            saved["distkit"] = {k: saved.pop(k) for k in ("averager", "rng", "progress")}
+        model_key = next((k for k, v in state.items() if v is self._model and v is not None), None)
+        opt_key = next((k for k, v in state.items() if v is self._optimizer and v is not None), None)
+        if model_key is not None:
+            self._strategy.load_engine_files(path, self._model)  # type: ignore[arg-type]
+            engine = {"model": saved.get(model_key), "optimizer": saved.get(opt_key) if opt_key else None}
+            self._strategy.load_state_dict(self._model, self._optimizer, engine)  # type: ignore[arg-type]
+        rest = {}
+        for key, value in saved.items():
+            if key in (model_key, opt_key, "distkit"):
+                continue
+            target = state.get(key)
+            if target is not None and hasattr(target, "load_state_dict") and callable(target.load_state_dict):
+                target.load_state_dict(value)
+            else:
+                rest[key] = value
+        internal = saved["distkit"]
+        if self._strategy.averager is not None and internal.get("averager") is not None:
+            self._strategy.averager.load_state_dict(internal["averager"])
+        torch.set_rng_state(internal["rng"]["torch"])
+        random.setstate(internal["rng"]["python"])
+        np.random.set_state(internal["rng"]["numpy"])
+        self.num_steps, self.num_samples = internal["progress"]["step"], internal["progress"]["samples"]
+        return rest
+
+    # -- report -------------------------------------------------------------------------------------
+    def summary(self, **extra: Any) -> dict[str, Any]:
+        """Collective: the run's summary (the keys of ``summary.json``), identical on every rank.
+
+        ``param_checksum``: sha256 of rank 0's parameters (fp32, ``named_parameters`` order);
+        ``ranks_in_sync``: every rank's checksum equals it; ``comm_bytes``: payload bytes this rank
+        handed to collectives; ``compute_fraction``: time from a step's first batch to the end of its
+        step, over wall time since setup. ``extra`` keys are added (the Trainer's eval results).
+        """
+        self._require_setup("summary()")
+        s, d = self._strategy, self.cfg.distributed
+        wall = time.perf_counter() - self._t_start
+        loss = None
+        if self._last_loss is not None:
+            loss = float(self.all_reduce(self._last_loss.float().reshape(1).cpu().clone(), op="mean"))
+        checksum = param_checksum(s.full_named_parameters(self._model))  # type: ignore[arg-type]
+        with self._collective("the checksum exchange of dk.summary()"):
+            in_sync = all(c == checksum for c in s.all_gather_object(checksum))
+        out = {
+            "backend": d.backend, "backend_impl": s.backend_impl(), "reduce_type": d.reduce_type,
+            "param_sync_step": d.param_sync_step if d.reduce_type == "param" else None,
+            "world_size": self.world_size, "launcher": self.env.launcher, "zero_stage": getattr(s, "zero_stage", None),
+            "steps": self.num_steps, "samples": self.num_samples, "final_train_loss": loss,
+            "eval_loss": None, "eval_accuracy": None, "param_checksum": checksum, "ranks_in_sync": in_sync,
+            "wall_time_s": wall, "samples_per_s": self.num_samples / max(wall, 1e-9),
+            "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_bytes": s.comm_bytes,
+        }
+        out.update(extra)
+        return out
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """This rank failed: make sure no other rank waits for it (MPI engines end the job). Not collective;
+        call it from an ``except`` block."""
+        self._strategy.abort()
+
+    def close(self) -> None:
+        """Leave the process group; idempotent (also runs at interpreter exit)."""
+        atexit.unregister(self.close)
+        if Session.current is self:
+            Session.current = None
+            set_current_strategy(None)
+        self._strategy.teardown()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Any) -> None:
+        if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            self.abort()
+        self.close()
+
