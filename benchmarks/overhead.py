@@ -1,6 +1,7 @@
 """distkit's per-step overhead against a hand-written engine script, interleaved A/B runs.
 
     python benchmarks/overhead.py [--backend ddp|horovod|mpi|deepspeed] [--repeats 5] [--steps 100] [--size small|medium]
+    python benchmarks/overhead.py --backend ddp|horovod|mpi|deepspeed --path byo [--repeats 5] [--steps 100]
     python benchmarks/overhead.py --compare mpi-vs-ddp [--size medium]
 
 For each repeat it runs the hand-written baseline (A, ``benchmarks/raw_ddp.py`` for ddp) and
@@ -28,6 +29,13 @@ ratio. Each run's foreign load (CPUs busy with processes that are not ours, from
 listed and the ``quiet`` section repeats the comparison without them. ``same_work`` is
 false when the final parameters differ between runs (sha256, as ``summary.json``'s
 ``param_checksum``): then the two sides did not run the same work.
+
+``--path byo``: B is ``benchmarks/byo_charlm.py`` instead, the same workload written as a user's
+own loop on distkit's public API (``distkit.init``, ``dk.setup``, ``dk.dataloader``, ``dk.backward``,
+``dk.step``), the engine chosen only by distkit's command line (``++distributed`` = the same
+section as the CLI path's config). It times itself inline exactly as the raw scripts do (before
+pulling the step's batch from the loader's iterator, after ``dk.step()``); ``same_work`` compares
+its final parameters with the raw script's. Writes ``overhead_byo_<backend>.json``.
 
 Backends: ddp (``raw_ddp.py``, torchrun), horovod (``raw_horovod.py``, mpirun), mpi (``raw_mpi.py``,
 mpirun), deepspeed (``raw_deepspeed.py``, torchrun, ``--zero-stage``). ``--compare mpi-vs-ddp`` runs
@@ -187,6 +195,27 @@ def run_distkit(be: Backend, args: argparse.Namespace, work: str, tag: str,
     return rec
 
 
+def byo_overrides(be: Backend, args: argparse.Namespace) -> list[str]:
+    """distkit's command line for ``byo_charlm.py``: the same ``distributed`` section (and seed, device)
+    as the CLI path's config, as ``++key value`` pairs (Python literals, which is what ``++`` parses)."""
+    return ["++seed", str(args.seed), "++device", "cpu", "++distributed", repr(be.distributed(args))]
+
+
+def run_byo(be: Backend, args: argparse.Namespace, work: str, tag: str) -> dict[str, Any]:
+    """One run of ``byo_charlm.py`` (distkit's bring-your-own-loop API) under the baseline's launcher."""
+    times = os.path.join(work, f"{tag}.times.json")
+    cmd = be.launcher(args.nprocs) + [
+        os.path.join(HERE, "byo_charlm.py"), "--size", args.size, "--seq-len", str(args.seq_len),
+        "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
+        "--times", times, *byo_overrides(be, args)]
+    t0 = time.perf_counter()
+    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"))
+    with open(times) as f:
+        rec = json.load(f)
+    rec["process_wall_s"] = time.perf_counter() - t0
+    return rec
+
+
 def _what_if_persistent_buffers() -> None:
     """``--what-if persistent-buffers`` (benchmark only, distkit's files are untouched): after the mpi /
     horovod engine's setup, sync only persistent buffers before each forward (the proposed fix), so a
@@ -226,9 +255,9 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
     cpu_ends: list[float] = []
     inner = trainer._Run.train_step
 
-    def timed(self: Any, epoch: int, step_in_epoch: int) -> Any:
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:  # train_step(self, batches): the batch fetch is inside
         t0, c0 = perf_counter(), process_time()
-        out = inner(self, epoch, step_in_epoch)
+        out = inner(self, *args, **kwargs)
         ends.append(perf_counter())
         cpu_ends.append(process_time())
         starts.append(t0)
@@ -364,6 +393,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return distkit_worker(argv[1], rest)
     ap = argparse.ArgumentParser(description="distkit vs hand-written engine script: per-step time, interleaved A/B.")
     ap.add_argument("--backend", default="ddp", choices=sorted(BACKENDS))
+    ap.add_argument("--path", default="cli", choices=["cli", "byo"],
+                    help="which distkit side B is: cli = `distkit train` on a generated config (the Trainer); "
+                         "byo = benchmarks/byo_charlm.py, the same workload through the bring-your-own-loop API "
+                         "(distkit.init / dk.setup / dk.dataloader / dk.backward / dk.step)")
     ap.add_argument("--compare", default=None, choices=sorted(COMPARES),
                     help="instead of distkit vs a hand-written script: two distkit engines against each other "
                          "(mpi-vs-ddp: A = distkit ddp over gloo, B = distkit mpi; both under mpirun); "
@@ -393,11 +426,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="scheduling priority for this benchmark and its ranks (e.g. -10 as root on a shared "
                          "machine, so other processes disturb the timings less); 0 leaves it unchanged")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/overhead_<backend>.json, "
+                                                "overhead_byo_<backend>.json with --path byo, "
                                                 "or <compare with _>.json, e.g. mpi_vs_ddp.json)")
     ap.add_argument("--keep", action="store_true", help="keep the per-run work directory (logs, configs, times)")
     args = ap.parse_args(argv)
     if args.steps < args.warmup + 10:
         ap.error("--steps must exceed --warmup by at least 10")
+    if args.path == "byo" and args.compare:
+        ap.error("--path byo compares against a hand-written script: it does not combine with --compare")
+    if args.path == "byo" and args.what_if:
+        ap.error("--what-if patches the CLI path's worker: use it with --path cli")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.nprocs)
     if args.nice:
         try:  # the ranks inherit it
@@ -417,6 +455,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         baseline = None
         side_desc = {sides[0]: f"distkit {a_name} grad ({be_a.transport})", sides[1]: f"distkit {b_name} grad ({be_b.transport})"}
         dk_configs = {sides[0]: distkit_config(be_a, args, "<tmp>"), sides[1]: distkit_config(be_b, args, "<tmp>")}
+    elif args.path == "byo":
+        be = BACKENDS[args.backend]
+        sides = ("raw", "byo")
+        runners = {"raw": lambda tag: run_raw(be, args, work, tag), "byo": lambda tag: run_byo(be, args, work, tag)}
+        title, launcher_name, baseline = args.backend, be.launcher_name, f"benchmarks/{be.baseline}"
+        out = args.out or os.path.join(HERE, "results", f"overhead_byo_{args.backend}.json")
+        side_desc = {"raw": f"{baseline} ({be.transport})",
+                     "byo": f"benchmarks/byo_charlm.py: distkit {be.name} grad through distkit.init/dk.step "
+                            f"({be.transport})"}
+        dk_configs = {"byo": {"command_line": byo_overrides(be, args), "batch_size": args.batch_size,
+                              "size": args.size, "seq_len": args.seq_len, "lr": args.lr, "steps": args.steps}}
     else:
         be = BACKENDS[args.backend]
         sides = ("raw", "distkit")
@@ -485,6 +534,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     loads = [r["foreign_load_cpus"] for r in runs]
     result = {
         "benchmark": "compare" if args.compare else "overhead", "backend": title, "mode": "grad",
+        **({} if args.compare else {"path": args.path}),
         "sides": list(sides), "side_descriptions": side_desc,
         "ratio_definition": f"{b_side} / {a_side}",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -500,9 +550,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "quiet_wait_s": args.quiet_wait, "noisy_load_cpus": args.noisy_load,
                    "nice": os.getpriority(os.PRIO_PROCESS, 0),
                    "distkit_config": dk_configs},
-        "method": ("rank 0 perf_counter/process_time at start and end of every optimizer step, taken outside the "
-                   "step function on both sides (distkit: a wrapper around _Run.train_step, the real CLI run "
-                   "in-process); first `warmup` steps dropped; 'iter' = start to next start (headline), 'step' = "
+        "method": (("rank 0 perf_counter/process_time at start and end of every optimizer step, inline in both "
+                    "scripts (raw and byo_charlm.py: before pulling the step's batch, after the optimizer step "
+                    "and zero_grad)" if args.path == "byo" else
+                    "rank 0 perf_counter/process_time at start and end of every optimizer step, taken outside the "
+                    "step function on both sides (distkit: a wrapper around _Run.train_step, the real CLI run "
+                    "in-process)") + "; first `warmup` steps dropped; 'iter' = start to next start (headline), 'step' = "
                    "inside the step, 'cpu' = rank 0's CPU seconds in the step (insensitive to other processes); "
                    "p50/p95 over the pooled steps of all runs of a side; runs interleaved A B, B A, ...; "
                    "foreign_load_cpus = CPUs busy with processes not ours during the run (/proc/stat minus rusage)"),

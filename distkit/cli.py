@@ -99,8 +99,11 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
 
     try:
         summary = Trainer(cfg, env).fit()
-    except DistkitError:
-        raise
+    except DistkitError as e:
+        if e.exit_code == 2:  # bad input found at start: main prints the one line
+            raise
+        print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
         traceback.print_exc()
         if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():

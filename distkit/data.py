@@ -12,6 +12,7 @@ in its own order, seeded with seed + epoch + rank offset.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional
 
@@ -146,12 +147,14 @@ class ShardedLoader(DataLoader[Any]):
 
     Yields this rank's batches, moved to ``device``. Call ``set_epoch(epoch)`` before each epoch
     (``set_epoch(epoch, start=k)`` resumes at batch ``k``); without it every epoch repeats epoch 0's
-    order. ``on_batch(n)`` is told the number of samples of every batch handed out.
+    order. ``on_batch(n, t)`` is told the number of samples of every batch handed out and the
+    ``time.perf_counter()`` at which fetching it began.
     """
 
     def __init__(self, dataset: "Dataset[Any]", sampler: PlanSampler, device: torch.device,
                  collate_fn: Optional[Callable[[list[Any]], Any]] = None, num_workers: int = 0,
-                 pin_memory: bool = False, on_batch: Optional[Callable[[int], None]] = None, **kwargs: Any) -> None:
+                 pin_memory: bool = False, on_batch: Optional[Callable[[int, float], None]] = None,
+                 **kwargs: Any) -> None:
         if collate_fn is None and isinstance(dataset, TensorDataset):
             dataset, collate_fn = _TensorRows(dataset), _batch_as_is
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_fn or default_collate,
@@ -164,7 +167,13 @@ class ShardedLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         move, size = self.device.type != "cpu", self.plan_sampler.plan.b  # every batch is full (last one dropped)
-        for batch in super().__iter__():
+        it = super().__iter__()
+        while True:
+            t_fetch = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
             if self._on_batch is not None:
-                self._on_batch(size)
+                self._on_batch(size, t_fetch)
             yield to_device(batch, self.device) if move else batch

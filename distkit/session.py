@@ -175,8 +175,10 @@ def _install_excepthook() -> None:
                 except BaseException:
                     session._strategy.abort()  # prints "rank r failed: ..." and ends the job (MPI engines)
         if isinstance(exc, DistkitError):
-            where = f" (rank {session.rank})" if session is not None and session.world_size > 1 else ""
-            print(f"distkit: error{where}: {exc}", file=sys.stderr, flush=True)
+            named = session is None or session.world_size == 1 or f"rank {session.rank}" in str(exc)
+            where = "" if named else f" (rank {session.rank})"
+            # sys.__stderr__: torch.distributed's own excepthook calls this one with sys.stderr swapped for a buffer
+            print(f"distkit: error{where}: {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(exc.exit_code)
         previous(kind, exc, tb)
@@ -214,8 +216,9 @@ class Session:
         self._scheduler: Any = None
         self._finished = False
         self.num_steps, self.num_samples = 0, 0
-        self._pending_samples = 0  # local samples handed out since the last step
-        self._t_batch: Optional[float] = None  # when this step's first batch was handed out
+        self._pending_samples = 0  # local samples of this step's micro-batches (those a backward used)
+        self._last_batch: Optional[tuple[int, float]] = None  # (samples, fetch start) of the newest batch
+        self._t_batch: Optional[float] = None  # when fetching this step's first micro-batch began
         self.compute_time_s = 0.0
         self._t_start = time.perf_counter()
         self._last_loss: Optional[torch.Tensor] = None
@@ -352,21 +355,27 @@ class Session:
                              num_workers=num_workers, pin_memory=pin_memory, on_batch=self._batch_handed_out,
                              **kwargs)
 
-    def _batch_handed_out(self, n: int) -> None:
-        self._pending_samples += n
-        if self._t_batch is None:
-            self._t_batch = time.perf_counter()
+    def _batch_handed_out(self, n: int, t_fetch: float) -> None:
+        # Counted only when a backward uses it (see backward): batches of an evaluation loader are not training.
+        self._last_batch = (n, t_fetch)
 
     # -- per step ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` the engine's way (DeepSpeed: ``engine.backward``). In grad mode the
-        gradient all-reduce starts during it (collective), except inside :meth:`no_sync`."""
+        gradient all-reduce starts during it (collective), except inside :meth:`no_sync`.
+
+        The newest batch a :meth:`dataloader` handed out counts as this micro-step's: its samples go
+        into ``num_samples`` and the time since its fetch began into ``compute_time_s`` (so batches
+        of an evaluation loader count for neither)."""
         self._require_setup("backward()")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise UsageError(f"dk.backward(loss) needs a scalar tensor, got {shape}: reduce it first, e.g. loss.mean()")
+        n, t_fetch = self._last_batch if self._last_batch is not None else (0, time.perf_counter())
+        self._last_batch = None
+        self._pending_samples += n
         if self._t_batch is None:
-            self._t_batch = time.perf_counter()
+            self._t_batch = t_fetch
         self._last_loss = loss.detach()
         self._strategy.backward(loss, self._model)  # type: ignore[arg-type]
 
@@ -414,9 +423,8 @@ class Session:
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise CollectiveTimeout(
-                    f"rank {self.rank}: {what} did not complete within distributed.timeout_s = "
-                    f"{self.cfg.distributed.timeout_s:g} s: a rank did not call it (every rank must call collectives "
-                    "in the same order) or hung or died") from e
+                    f"{what} timed out after distributed.timeout_s = {self.cfg.distributed.timeout_s:g} s: a rank "
+                    "did not call it (every rank must call collectives in the same order) or hung or died") from e
             raise
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -512,12 +520,14 @@ class Session:
 
     # -- report -------------------------------------------------------------------------------------
     def summary(self, **extra: Any) -> dict[str, Any]:
-        """Collective: the run's summary (the keys of ``summary.json``), identical on every rank.
+        """Collective: the run's summary (the keys of ``summary.json``, which rank 0 writes).
 
-        ``param_checksum``: sha256 of rank 0's parameters (fp32, ``named_parameters`` order);
-        ``ranks_in_sync``: every rank's checksum equals it; ``comm_bytes``: payload bytes this rank
-        handed to collectives; ``compute_fraction``: time from a step's first batch to the end of its
-        step, over wall time since setup. ``extra`` keys are added (the Trainer's eval results).
+        ``param_checksum``: sha256 of this rank's parameters (fp32, ``named_parameters`` order; rank
+        0's in summary.json); ``ranks_in_sync``: every rank's checksum equals rank 0's (the same on
+        every rank); ``final_train_loss``: the last backward's loss, mean over ranks; ``comm_bytes``:
+        payload bytes this rank handed to collectives; ``compute_fraction``: time from the fetch of a
+        step's first micro-batch to the end of its step, summed, over wall time since setup (this
+        process's clock). ``extra`` keys are added (the Trainer's eval results).
         """
         self._require_setup("summary()")
         s, d = self._strategy, self.cfg.distributed

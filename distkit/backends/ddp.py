@@ -82,6 +82,11 @@ class DDPStrategy(Strategy):
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.world_size == 1:
             return tensor
+        if getattr(self, "pg_backend", "gloo") == "nccl" and tensor.device.type != "cuda":
+            # NCCL reduces CUDA tensors only; counters and losses the loop keeps on the CPU go via the device.
+            with torch.no_grad():
+                tensor.copy_(self.all_reduce(tensor.to(self.device), op).cpu())
+            return tensor
         self.comm_bytes += tensor.numel() * tensor.element_size()
         if op == "mean":
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

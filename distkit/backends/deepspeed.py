@@ -467,6 +467,8 @@ class DeepSpeedStrategy(DDPStrategy):
     def save_engine_files(self, directory: str, model: nn.Module) -> None:
         """Collective: ``engine.save_checkpoint`` into distkit's temporary checkpoint directory, without
         DeepSpeed's ``latest`` file (distkit's manifest + ``latest`` are what a resume trusts)."""
+        if model is None:  # dk.save before dk.setup: no engine yet
+            return
         path = self._engine_dir(directory)
         os.makedirs(os.path.join(path, TAG), exist_ok=True)  # DeepSpeed creates it on global rank 0 only
         engine: Any = model

@@ -105,10 +105,15 @@ def _mapping_or_error(data: Any, path: str) -> dict[str, Any]:
 
 
 def parse_value(text: str) -> Any:
-    """RETURNN's rule for ``++key value``: a Python literal if it parses as one, else the string."""
+    """RETURNN's rule for ``++key value``: a Python literal if it parses as one, else JSON (``true``,
+    ``null``: what a shell user writes for ``'{"require_horovod": true}'``), else the string."""
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
+        pass
+    try:
+        return json.loads(text)
+    except ValueError:
         return text
 
 

@@ -166,13 +166,14 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None, cli_keys: fro
         ds = flags.deepspeed_config
     if ds is not None or flags.deepspeed:
         selectors["deepspeed"] = "deepspeed"
-        if ds is None:
-            raise ConfigError("--deepspeed needs a DeepSpeed config: add --deepspeed_config ds.json "
-                              "(or deepspeed_config = 'ds.json' / a dict in the config file)")
-        dist.deepspeed_config = _load_deepspeed_config(ds)
     if len(set(selectors.values())) > 1:
         desc = ", ".join(f"{k} -> {v}" for k, v in selectors.items())
         raise ConfigError(f"two backends selected at once ({desc}): keep only one of these spellings")
+    if flags.deepspeed and ds is None:
+        raise ConfigError("--deepspeed needs a DeepSpeed config: add --deepspeed_config ds.json "
+                          "(or deepspeed_config = 'ds.json' / a dict in the config file)")
+    if ds is not None:
+        dist.deepspeed_config = _load_deepspeed_config(ds)
     if selectors:
         dist.backend = next(iter(selectors.values()))
     if "param_outer_optimizer" in raw:

@@ -1,0 +1,268 @@
+"""The bring-your-own-loop API (``distkit.init`` / Session): one user script on every engine and
+mode, parity with ``distkit train``, the data loader's contract, checkpoints, and errors for bad use."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import distkit
+from distkit.env import detect
+from distkit.errors import CheckpointError, ConfigError, UsageError
+
+from conftest import BIN, ROOT, distkit as distkit_cli, final_params, max_abs_diff, ok, run, run_ranks, summary
+
+BYO = str(ROOT / "examples" / "byo_loop.py")
+PY = str(BIN / "python")
+
+
+# -- one script, every engine and mode, parity with `distkit train` --------------------------------
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`distkit train` with the byo script's model, data, seed and batch: digits MLP, SGD lr 0.1, 16/rank, 1 epoch."""
+    out = tmp_path_factory.mktemp("ref")
+    ok(distkit_cli("train", "--nprocs", "2", "configs/returnn_ddp.py", "++num_epochs", "1", "++output_dir", str(out),
+                   "++progress_bar", "False"))
+    return out
+
+
+# (id, command prefix, script arguments): the issue's own commands, one engine and mode each
+MATRIX: list[tuple[str, list[str], list[str]]] = [
+    ("ddp-grad", [PY, BYO], ["--nprocs", "2"]),
+    ("ddp-param-outer", [PY, BYO], ["--nprocs", "2", "++torch_distributed", "{'reduce_type': 'param', 'param_sync_step': 5}",
+                                    "++param_outer_optimizer", "{'class': 'nesterov', 'lr': 0.7, 'momentum': 0.9}"]),
+    # the file says ddp (torch_distributed = {}); the command line's engine wins, with one line saying so
+    ("mpi-grad", [PY, BYO], ["--config", "configs/returnn_ddp.py", "--nprocs", "2", "++distributed", "{'backend': 'mpi'}"]),
+    ("mpi-param-time", [PY, BYO], ["--nprocs", "2", "++distributed",
+                                   "{'backend': 'mpi', 'reduce_type': 'param', 'param_sync_time_diff': 0.05}"]),
+    ("horovod-grad", [str(BIN / "mpirun"), "-np", "2", "--bind-to", "none", PY, BYO], ["++use_horovod", "True"]),
+    ("horovod-param", [PY, BYO], ["--nprocs", "2", "++use_horovod", "True", "++horovod_reduce_type", "param",
+                                  "++horovod_param_sync_step", "10"]),
+    ("deepspeed-grad", [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        "localhost:0", BYO], ["--deepspeed", "--deepspeed_config", "configs/ds_byo.json"]),
+    ("deepspeed-param", [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "0", BYO],
+     ["--deepspeed_config", "configs/ds_byo.json", "++distributed.reduce_type", "param", "++distributed.param_sync_step", "8"]),
+]
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=[m[0] for m in MATRIX])
+def test_byo_script_on_every_engine_and_mode(case: tuple[str, list[str], list[str]], reference: Path,
+                                             tmp_path: Path) -> None:
+    name, prefix, args = case
+    engine, mode = name.split("-")[:2]
+    res = ok(run([*prefix, "--epochs", "1", "--out", str(tmp_path), *args], timeout=300))
+    s = summary(tmp_path)
+    assert (s["backend"], s["reduce_type"], s["world_size"], s["steps"], s["samples"]) == (engine, mode, 2, 44, 44 * 32)
+    assert s["ranks_in_sync"] is True
+    ref = summary(reference)
+    assert ref["steps"] == 44 and set(s) == set(ref)  # dk.summary() has summary.json's keys
+    ckpt = torch.load(tmp_path / "ckpt" / "rank-00000.pt", weights_only=False)
+    assert ckpt["epoch"] == 1 and ckpt["distkit"]["progress"] == {"step": 44, "samples": 44 * 32}
+    if mode == "grad" and engine != "deepspeed":
+        assert s["param_checksum"] == ref["param_checksum"]  # bit-identical to `distkit train`
+    elif mode == "grad":
+        assert max_abs_diff(ckpt["model"], final_params(reference)) <= 1e-5
+    else:  # param mode really is local steps + averaging: not the grad-mode result
+        assert s["param_checksum"] != ref["param_checksum"]
+        assert max_abs_diff(ckpt["model"], final_params(reference)) > 1e-4
+    if name == "mpi-grad":
+        assert "it replaces torch_distributed (ddp) from the config file" in res.stdout
+
+
+def test_lumi_script_runs_on_deepspeed_with_its_config_optimizer(tmp_path: Path) -> None:
+    res = ok(run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                  "localhost:0", str(ROOT / "examples" / "lumi_deepspeed.py"), "--epochs", "1", "--deepspeed",
+                  "--deepspeed_config", "configs/ds_zero2.json"], timeout=300))
+    assert "finished on deepspeed" in res.stdout and "ZeRO-2" in res.stdout and "ranks in sync: True" in res.stdout
+    assert "[1,  40] loss:" in res.stdout
+
+
+# -- in-process: the API's contract on one rank -----------------------------------------------------
+@pytest.fixture
+def dk(tmp_path: Path) -> Any:
+    session = distkit.init({"output_dir": str(tmp_path), "seed": 3})
+    yield session
+    session.close()
+
+
+def test_bad_use_is_a_clear_error(dk: Any) -> None:
+    with pytest.raises(UsageError, match=r"dk.step\(\) before dk.setup"):
+        dk.step()
+    model = torch.nn.Linear(4, 2)
+    dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(UsageError, match=r"needs a scalar tensor, got \(3, 2\).*loss.mean\(\)"):
+        dk.backward(model(torch.ones(3, 4)))
+    with pytest.raises(UsageError, match="already called"):
+        dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(UsageError, match="op must be"):
+        dk.all_reduce(torch.ones(1), op="avg")
+
+
+def test_step_scheduler_clip_and_counters(dk: Any) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = dk.setup(model, opt, sched)
+    bare = dk.unwrap(model)
+    loader = dk.dataloader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+    w0 = bare.weight.detach().clone()
+    for x, y in loader:
+        loss = ((model(x) - y) ** 2).mean() * 1000  # a huge gradient
+        dk.backward(loss)
+        assert dk.clip_grad_norm(0.5) > 0.5
+        dk.step()
+    assert [dk.num_steps, dk.num_samples] == [2, 8]
+    assert opt.param_groups[0]["lr"] == 0.25  # two scheduler steps
+    assert bare.weight.grad is None  # zero_grad(set_to_none)
+    # clipped to norm 0.5: step 1 at lr 1.0, step 2 at lr 0.5 -> the weights moved at most 0.75
+    assert float((bare.weight - w0).norm()) <= 0.75 + 1e-6
+
+
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def test_dataloader_any_structure_and_existing_loader(dk: Any) -> None:
+    items = [{"ids": torch.full((3,), i), "label": i} for i in range(10)]
+    batches = list(dk.dataloader(items, batch_size=4, shuffle=False))
+    assert len(batches) == 2 and batches[0]["ids"].shape == (4, 3) and batches[1]["label"].tolist() == [4, 5, 6, 7]
+
+    def to_pair(rows: list[dict[str, Any]]) -> Pair:
+        return Pair(torch.stack([r["ids"] for r in rows]), torch.tensor([r["label"] for r in rows]))
+
+    pairs = list(dk.dataloader(items, batch_size=5, collate_fn=to_pair))
+    workers = list(dk.dataloader(items, batch_size=5, collate_fn=to_pair, num_workers=2))  # same order with workers
+    assert [p.y.tolist() for p in workers] == [p.y.tolist() for p in pairs]
+    assert isinstance(pairs[0], Pair) and sorted(pairs[0].y.tolist() + pairs[1].y.tolist()) == list(range(10))
+    user = DataLoader(TensorDataset(torch.arange(12.0)), batch_size=3, shuffle=False, collate_fn=lambda r: r)
+    resharded = dk.dataloader(user)
+    assert isinstance(resharded, DataLoader) and len(resharded) == 4
+    assert [b[0][0].item() for b in resharded] == [0.0, 3.0, 6.0, 9.0]  # its batch size, order and collate_fn
+    loader = dk.dataloader(TensorDataset(torch.arange(20)), batch_size=5)
+    loader.set_epoch(0)
+    e0 = [b[0].tolist() for b in loader]
+    loader.set_epoch(1)
+    e1 = [b[0].tolist() for b in loader]
+    loader.set_epoch(0, start=2)
+    assert e0 != e1 and [b[0].tolist() for b in loader] == e0[2:]
+    assert sorted(sum(e0, [])) == list(range(20))
+
+
+def test_save_load_roundtrip_and_unwritable_dir(dk: Any, tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, opt = dk.setup(model, opt)
+    bare = dk.unwrap(model)
+    dk.backward(model(torch.ones(2, 3)).sum())
+    dk.step()
+    path = dk.save(str(tmp_path / "ck"), {"model": model, "optimizer": opt, "epoch": 7})
+    saved = {k: v.clone() for k, v in bare.state_dict().items()}
+    exp_avg = opt.state[bare.weight]["exp_avg"].clone()
+    with torch.no_grad():
+        bare.weight.add_(1.0)
+    opt.state[bare.weight]["exp_avg"].zero_()
+    dk.backward(model(torch.ones(2, 3)).sum())
+    dk.step()
+    rest = dk.load(path, {"model": model, "optimizer": opt})
+    assert rest == {"epoch": 7} and dk.num_steps == 1
+    assert all(saved[k].equal(v) for k, v in bare.state_dict().items())
+    assert opt.state[bare.weight]["exp_avg"].equal(exp_avg)
+    # a path below a regular file cannot be created, even as root: one clear error, the old checkpoint intact
+    (tmp_path / "plain_file").write_text("x")
+    with pytest.raises(CheckpointError, match="cannot write checkpoint .*choose a writable directory"):
+        dk.save(str(tmp_path / "plain_file" / "ck"), {"model": model})
+    assert (Path(path) / "manifest.json").exists()
+    # re-saving over an existing checkpoint replaces it whole
+    dk.save(path, {"model": model, "epoch": 8})
+    assert torch.load(Path(path) / "rank-00000.pt", weights_only=False)["epoch"] == 8
+    assert not list(tmp_path.glob(".ck.*"))
+
+
+# -- the data loader across ranks (gloo group from run_ranks; distkit reuses it) ---------------------
+def _loader_rank(rank: int, world: int, batch: int, sizes: list[int]) -> tuple[list[list[int]], int]:
+    env = detect({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    dk = distkit.init({"seed": 5}, env=env)
+    same = dk.dataloader(TensorDataset(torch.arange(40)), batch_size=batch)
+    same.set_epoch(3)
+    order = [b[0].tolist() for b in same]
+    uneven = dk.dataloader(TensorDataset(torch.arange(sizes[rank])), batch_size=4)  # per-rank data of other sizes
+    return order, len(uneven)
+
+
+def test_dataloader_same_global_order_at_any_world_size_and_equal_lengths(tmp_path: Path) -> None:
+    (one, _), = run_ranks(_loader_rank, 1, tmp_path, 8, [40])
+    two = run_ranks(_loader_rank, 2, tmp_path, 4, [40, 24])
+    # rank r's k-th batch of 4 is the r-th half of the single rank's k-th batch of 8
+    assert [two[0][0][k] + two[1][0][k] for k in range(5)] == one
+    assert two[0][1] == two[1][1] == 3  # min(40 // 8, 24 // 8): neither rank waits for a batch the other lacks
+
+
+# -- failures and configuration -------------------------------------------------------------------
+ONE_SIDED_BARRIER = '''
+import sys, time, distkit
+dk = distkit.init({"distributed": {"timeout_s": 3}, "nprocs": 2})  # plain python: init starts the 2 ranks
+if dk.rank == 0:
+    dk.barrier()
+else:
+    time.sleep(20)
+'''
+
+
+def test_barrier_on_one_rank_only_times_out_naming_it(tmp_path: Path) -> None:
+    script = tmp_path / "one_sided.py"
+    script.write_text(ONE_SIDED_BARRIER)
+    t0 = time.monotonic()
+    res = run([PY, str(script)], timeout=120)
+    assert res.returncode != 0
+    assert "distkit: error (rank 0): dk.barrier() timed out after distributed.timeout_s = 3 s" in res.stderr, \
+        res.stderr[-2000:]
+    assert time.monotonic() - t0 < 19  # ended by the timeout, not by rank 1 finishing its sleep
+
+
+def test_deepspeed_flag_without_config_is_one_line_exit_2(tmp_path: Path) -> None:
+    res = run([PY, BYO, "--deepspeed", "--out", str(tmp_path / "o")])
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+    assert "--deepspeed needs a DeepSpeed config" in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_command_line_engine_replaces_the_file_s(tmp_path: Path) -> None:
+    from distkit.config import LaunchFlags, load_config
+
+    cfg = tmp_path / "c.py"
+    cfg.write_text("torch_distributed = {'reduce_type': 'param'}\nuse_horovod = False\n")
+    ds = load_config([str(cfg)], [], LaunchFlags(deepspeed=True, deepspeed_config="configs/ds_byo.json"))
+    assert ds.distributed.backend == "deepspeed" and ds.distributed.reduce_type == "grad"
+    assert ds.notes and "replaces torch_distributed (ddp)" in ds.notes[0]
+    mpi = load_config([str(cfg)], [("distributed", {"backend": "mpi"})])
+    assert mpi.distributed.backend == "mpi" and "replaces torch_distributed" in mpi.notes[0]
+    with pytest.raises(ConfigError, match="two backends"):  # two engines on the command line: a conflict
+        load_config([str(cfg)], [("use_horovod", True)], LaunchFlags(deepspeed_config="configs/ds_byo.json"))
+
+
+def _distkit_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return {m for m in names if m.startswith("distkit")}
+
+
+def test_layers_import_downward_only() -> None:
+    """config <- backends, tasks <- session <- trainer <- cli (DESIGN.md 2a): config is data."""
+    for path in (ROOT / "distkit" / "config").glob("*.py"):
+        bad = {m for m in _distkit_imports(path) if m.startswith(("distkit.backends", "distkit.tasks", "distkit.session",
+                                                                   "distkit.trainer", "distkit.cli"))}
+        assert not bad, f"{path.name} imports {bad}"
+    assert not {m for m in _distkit_imports(ROOT / "distkit" / "trainer.py") if m.startswith("distkit.backends")}
