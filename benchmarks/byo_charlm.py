@@ -9,8 +9,6 @@ mpi) comes only from distkit's command line or config files, never from this scr
     mpirun -np 2 python benchmarks/byo_charlm.py --steps 100 --times out.json \\
         ++device cpu ++distributed "{'backend': 'mpi', 'reduce_type': 'grad'}"
 
-(``++key value`` values are Python literals: ``True``/``None``, not JSON's ``true``/``null``.)
-
 The workload is exactly the hand-written baselines' (``raw_ddp.py``, ``raw_horovod.py``,
 ``raw_mpi.py``, ``raw_deepspeed.py``): distkit's ``charlm`` model and data, torch seeded with
 distkit's ``seed`` (``++seed``, default 42; ``distkit.init`` seeds before the model is built, as
@@ -35,30 +33,13 @@ import torch
 import torch.nn.functional as F
 
 import distkit
-from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-
-
-def bare_checksum(dk: distkit.Session, model: torch.nn.Module) -> str:
-    """sha256 of the bare model's parameters (``dk.unwrap``), gathered first under DeepSpeed ZeRO-3."""
-    module = dk.unwrap(model)
-    params = list(module.parameters())
-    if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 partitions the parameters: gather (collective)
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return param_checksum(module.named_parameters())
-    return param_checksum(module.named_parameters())
+from workload import add_workload_arguments
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="small", choices=sorted(SIZES))
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
-    ap.add_argument("--steps", type=int, default=100, help="optimizer steps in total (warm-up included)")
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--times", required=True, help="JSON file rank 0 writes the step timestamps to")
+    add_workload_arguments(ap, seed=False)  # the seed is distkit's own (++seed)
     distkit.add_arguments(ap)  # --config, ++key value, --nprocs, --deepspeed, --deepspeed_config, --local_rank
     args = ap.parse_args()
 
@@ -91,8 +72,8 @@ def main() -> None:
         cpu_starts.append(c0)
 
     dk.finish()
-    checksum = bare_checksum(dk, model)
-    summary = dk.summary()
+    summary = dk.summary()  # param_checksum: the bare model's parameters, gathered under ZeRO-3
+    checksum = summary["param_checksum"]
     if dk.is_main:
         with open(args.times, "w") as f:
             json.dump({"impl": "distkit_byo", "rank": dk.rank, "world_size": dk.world_size, "starts": starts,

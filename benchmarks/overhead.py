@@ -147,11 +147,19 @@ def _run(cmd: list[str], env: dict[str, str], log: str) -> None:
 
 
 def run_raw(be: Backend, args: argparse.Namespace, work: str, tag: str) -> dict[str, Any]:
+    return _run_script(be, args, work, tag, be.baseline,
+                       ["--seed", str(args.seed), "--bucket-cap-mb", str(args.bucket_cap_mb), *be.baseline_args(args)])
+
+
+def _run_script(be: Backend, args: argparse.Namespace, work: str, tag: str, script: str,
+                extra: list[str]) -> dict[str, Any]:
+    """Run a benchmark script (``workload.add_workload_arguments`` flags + ``extra``) under the backend's
+    launcher; returns the times record rank 0 wrote, plus the process's wall time."""
     times = os.path.join(work, f"{tag}.times.json")
     cmd = be.launcher(args.nprocs) + [
-        os.path.join(HERE, be.baseline), "--size", args.size, "--seq-len", str(args.seq_len),
+        os.path.join(HERE, script), "--size", args.size, "--seq-len", str(args.seq_len),
         "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
-        "--seed", str(args.seed), "--bucket-cap-mb", str(args.bucket_cap_mb), "--times", times, *be.baseline_args(args)]
+        "--times", times, *extra]
     t0 = time.perf_counter()
     _run(cmd, _env(args), os.path.join(work, f"{tag}.log"))
     with open(times) as f:
@@ -203,17 +211,7 @@ def byo_overrides(be: Backend, args: argparse.Namespace) -> list[str]:
 
 def run_byo(be: Backend, args: argparse.Namespace, work: str, tag: str) -> dict[str, Any]:
     """One run of ``byo_charlm.py`` (distkit's bring-your-own-loop API) under the baseline's launcher."""
-    times = os.path.join(work, f"{tag}.times.json")
-    cmd = be.launcher(args.nprocs) + [
-        os.path.join(HERE, "byo_charlm.py"), "--size", args.size, "--seq-len", str(args.seq_len),
-        "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
-        "--times", times, *byo_overrides(be, args)]
-    t0 = time.perf_counter()
-    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"))
-    with open(times) as f:
-        rec = json.load(f)
-    rec["process_wall_s"] = time.perf_counter() - t0
-    return rec
+    return _run_script(be, args, work, tag, "byo_charlm.py", byo_overrides(be, args))
 
 
 def _what_if_persistent_buffers() -> None:

@@ -33,23 +33,18 @@ import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
+from workload import add_workload_arguments
 
 
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="small", choices=sorted(SIZES))
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=32, help="per rank (train_micro_batch_size_per_gpu)")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=42)
+    add_workload_arguments(ap)
     ap.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="accepted for overhead.py's common command line; DeepSpeed's buckets keep their defaults "
                          "on both sides")
-    ap.add_argument("--times", required=True)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help="passed by the deepspeed launcher")
     args = ap.parse_args()
 

@@ -28,20 +28,15 @@ import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
+from workload import add_workload_arguments
 
 
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="small", choices=sorted(SIZES))
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
-    ap.add_argument("--steps", type=int, default=100, help="optimizer steps in total (warm-up included)")
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=42)
+    add_workload_arguments(ap)
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="accepted for overhead.py's command line; unused")
-    ap.add_argument("--times", required=True, help="JSON file rank 0 writes the step timestamps to")
     args = ap.parse_args()
 
     hvd.init()

@@ -113,8 +113,12 @@ class PlanSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
+    def index_tensors(self) -> Iterator[torch.Tensor]:
+        """This epoch's batches as index tensors (the loader's fast path uses them as they are)."""
+        return self.plan.indices(self.epoch, self.start, self.steps)
+
     def __iter__(self) -> Iterator[list[int]]:
-        for idx in self.plan.indices(self.epoch, self.start, self.steps):
+        for idx in self.index_tensors():
             yield idx.tolist()
 
     def __len__(self) -> int:
@@ -155,6 +159,10 @@ class ShardedLoader(DataLoader[Any]):
                  collate_fn: Optional[Callable[[list[Any]], Any]] = None, num_workers: int = 0,
                  pin_memory: bool = False, on_batch: Optional[Callable[[int, float], None]] = None,
                  **kwargs: Any) -> None:
+        # In-memory tensors in this process: index them a batch at a time and skip the DataLoader's
+        # per-batch machinery (profiler ranges, fetcher, collate), ~0.1 ms a step of pure overhead.
+        self._tensors = dataset.tensors if (collate_fn is None and isinstance(dataset, TensorDataset)
+                                            and num_workers == 0 and not pin_memory) else None
         if collate_fn is None and isinstance(dataset, TensorDataset):
             dataset, collate_fn = _TensorRows(dataset), _batch_as_is
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_fn or default_collate,
@@ -167,7 +175,9 @@ class ShardedLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         move, size = self.device.type != "cpu", self.plan_sampler.plan.b  # every batch is full (last one dropped)
-        it = super().__iter__()
+        tensors = self._tensors
+        it = (tuple(t[idx] for t in tensors) for idx in self.plan_sampler.index_tensors()) if tensors is not None \
+            else super().__iter__()
         while True:
             t_fetch = time.perf_counter()
             try:
