@@ -173,7 +173,7 @@ def _install_excepthook() -> None:
                 try:
                     raise exc
                 except BaseException:
-                    session._strategy.abort()  # prints "rank r failed: ..." and ends the job (MPI engines)
+                    session.abort()  # prints "rank r failed: ..." and ends the job (MPI engines)
         if isinstance(exc, DistkitError):
             named = session is None or session.world_size == 1 or f"rank {session.rank}" in str(exc)
             where = "" if named else f" (rank {session.rank})"
@@ -214,7 +214,7 @@ class Session:
         self._model: Optional[nn.Module] = None
         self._optimizer: Any = None
         self._scheduler: Any = None
-        self._finished = False
+        self._failed = self._closed = False
         self.num_steps, self.num_samples = 0, 0
         self._pending_samples = 0  # local samples of this step's micro-batches (those a backward used)
         self._last_batch: Optional[tuple[int, float]] = None  # (samples, fetch start) of the newest batch
@@ -553,22 +553,33 @@ class Session:
     # -- lifecycle ------------------------------------------------------------------------------------
     def abort(self) -> None:
         """This rank failed: make sure no other rank waits for it (MPI engines end the job). Not collective;
-        call it from an ``except`` block."""
+        call it from an ``except`` block. A later :meth:`close` then leaves without waiting for the others."""
+        self._failed = True
         self._strategy.abort()
 
     def close(self) -> None:
-        """Leave the process group; idempotent (also runs at interpreter exit)."""
+        """Leave the process group; idempotent (also runs at interpreter exit).
+
+        Collective after a normal run: the ranks leave together (a barrier, bounded by
+        ``distributed.timeout_s``), since a rank that tears gloo down while a peer still finishes the
+        last exchange has been seen to end that peer with "terminate called" (SIGABRT). After
+        :meth:`abort` (an exception) it leaves at once.
+        """
         atexit.unregister(self.close)
         if Session.current is self:
             Session.current = None
             set_current_strategy(None)
+        if not self._failed and not self._closed and self.world_size > 1:
+            with contextlib.suppress(Exception):
+                self._strategy.barrier()
+        self._closed = True
         self._strategy.teardown()
 
     def __enter__(self) -> "Session":
         return self
 
     def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Any) -> None:
-        if exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if exc is not None:
             self.abort()
         self.close()
 

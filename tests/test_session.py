@@ -50,6 +50,8 @@ MATRIX: list[tuple[str, list[str], list[str]]] = [
                                   "++horovod_param_sync_step", "10"]),
     ("deepspeed-grad", [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                         "localhost:0", BYO], ["--deepspeed", "--deepspeed_config", "configs/ds_byo.json"]),
+    ("deepspeed-grad-zero3", [PY, BYO], ["--nprocs", "2", "++distributed", "{'backend': 'deepspeed', 'deepspeed_config': "
+                                          "{'train_micro_batch_size_per_gpu': 16, 'zero_optimization': {'stage': 3}}}"]),
     ("deepspeed-param", [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), BYO],
      ["--deepspeed_config", "configs/ds_byo.json", "++distributed.reduce_type", "param", "++distributed.param_sync_step", "8"]),
 ]
@@ -75,6 +77,8 @@ def test_byo_script_on_every_engine_and_mode(case: tuple[str, list[str], list[st
     else:  # param mode really is local steps + averaging: not the grad-mode result
         assert s["param_checksum"] != ref["param_checksum"]
         assert max_abs_diff(ckpt["model"], final_params(reference)) > 1e-4
+    if name.endswith("zero3"):
+        assert s["zero_stage"] == 3
     if name == "mpi-grad":
         assert "it replaces torch_distributed (ddp) from the config file" in res.stdout
 
