@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from distkit import checkpoint
 from distkit.backends import check_backend, strategy_class
-from distkit.backends.base import Strategy
+from distkit.backends.base import Strategy, persistent_buffers
 from distkit.components import pick_device
 from distkit.config import LaunchFlags, RunConfig, load_config, resolve, split_overrides
 from distkit.data import BatchPlan, PlanSampler, ShardedLoader
@@ -409,8 +409,9 @@ class Session:
             self._t_batch = None
 
     def finish(self) -> None:
-        """Collective: end of training. In param mode the final sync, after which every rank holds the
-        average. Idempotent until the next :meth:`step`."""
+        """Collective: end of training, after which every rank holds the same model state: in param mode
+        the final sync (the average), in grad mode rank 0's persistent buffers (BatchNorm statistics,
+        which each rank's last forward updated on its own data)."""
         self._require_setup("finish()")
         self._strategy.finish(self._model)  # type: ignore[arg-type]
 
@@ -523,8 +524,8 @@ class Session:
         """Collective: the run's summary (the keys of ``summary.json``, which rank 0 writes).
 
         ``param_checksum``: sha256 of this rank's parameters (fp32, ``named_parameters`` order; rank
-        0's in summary.json); ``ranks_in_sync``: every rank's checksum equals rank 0's (the same on
-        every rank); ``final_train_loss``: the last backward's loss, mean over ranks; ``comm_bytes``:
+        0's in summary.json); ``ranks_in_sync``: every rank holds rank 0's parameters *and* persistent
+        buffers (BatchNorm statistics), bit for bit (the same answer on every rank); ``final_train_loss``: the last backward's loss, mean over ranks; ``comm_bytes``:
         payload bytes this rank handed to collectives; ``compute_fraction``: time from the fetch of a
         step's first micro-batch to the end of its step, summed, over wall time since setup (this
         process's clock). ``extra`` keys are added (the Trainer's eval results).
@@ -535,9 +536,13 @@ class Session:
         loss = None
         if self._last_loss is not None:
             loss = float(self.all_reduce(self._last_loss.float().reshape(1).cpu().clone(), op="mean"))
-        checksum = param_checksum(s.full_named_parameters(self._model))  # type: ignore[arg-type]
+        params = list(s.full_named_parameters(self._model))  # type: ignore[arg-type]
+        checksum = param_checksum(params)
+        # In sync means the whole model state: parameters and persistent buffers (BatchNorm statistics).
+        buffers = [(f"buffer.{i}", b) for i, b in enumerate(persistent_buffers(self.unwrap()))]
+        state = param_checksum(params + buffers) if buffers else checksum
         with self._collective("the checksum exchange of dk.summary()"):
-            in_sync = all(c == checksum for c in s.all_gather_object(checksum))
+            in_sync = all(c == state for c in s.all_gather_object(state))
         out = {
             "backend": d.backend, "backend_impl": s.backend_impl(), "reduce_type": d.reduce_type,
             "param_sync_step": d.param_sync_step if d.reduce_type == "param" else None,

@@ -111,9 +111,16 @@ class Strategy(ABC):
             self.averager.after_step()
 
     def finish(self, model: nn.Module) -> None:
-        """Collective: end of training; param mode does its final sync so all ranks hold the average."""
+        """Collective: end of training, after which every rank holds the same model state. param mode:
+        the final sync (parameters and floating buffers averaged). grad mode: parameters are equal
+        already; persistent buffers (BatchNorm statistics) were last updated by each rank's own forward
+        pass, so rank 0's are broadcast (the values DDP would broadcast before the next forward)."""
         if self.averager is not None:
             self.averager.final_sync()
+            return
+        buffers = persistent_buffers(self.unwrap(model))
+        if buffers and self.world_size > 1:
+            self.broadcast_tensors(buffers)
 
     # -- state (checkpoints, checksums) ------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
