@@ -60,9 +60,8 @@ class _Run:
         self.model, self.opt = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size))
         self.loader = dk.dataloader(self.task.train, batch_size=cfg.batch_size)
         self.steps_per_epoch = len(self.loader) // cfg.accum_grad_multiple_step
-        self.total_steps = self.steps_per_epoch * cfg.num_epochs
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
+        # max_steps, when set, is the run length (epochs repeat the data), as in HF's Trainer
+        self.total_steps = cfg.max_steps if cfg.max_steps is not None else self.steps_per_epoch * cfg.num_epochs
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         self.out = None
         if dk.is_main:
@@ -123,13 +122,14 @@ class _Run:
         t_start, window, window_n, train_loss = time.perf_counter(), torch.zeros(()), 0, float("nan")
         while dk.num_steps < self.total_steps:
             epoch, in_epoch = divmod(dk.num_steps, self.steps_per_epoch)
-            t_epoch, c_epoch, n_epoch = time.perf_counter(), dk.compute_time_s, 0
+            t_epoch, c_epoch, n_epoch, epoch_sum = time.perf_counter(), dk.compute_time_s, 0, torch.zeros(())
             self.loader.set_epoch(epoch, start=in_epoch * cfg.accum_grad_multiple_step)
             batches = iter(self.loader)
             for _ in range(in_epoch, self.steps_per_epoch):
                 if dk.num_steps >= self.total_steps:
                     break
-                window += self.train_step(batches)
+                loss = self.train_step(batches)
+                window, epoch_sum = window + loss, epoch_sum + loss
                 window_n, n_epoch = window_n + 1, n_epoch + 1
                 step = dk.num_steps
                 bar.update(1)
@@ -147,8 +147,10 @@ class _Run:
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.total_steps:
                     self._save()
             wall = time.perf_counter() - t_epoch
+            # this epoch's own mean loss over ranks (one all-reduce per epoch; every rank ran n_epoch steps)
+            epoch_loss = float(dk.all_reduce(epoch_sum / max(n_epoch, 1), op="mean"))
             if dk.is_main:
-                bar.write(f"epoch {epoch + 1}: {n_epoch} steps, train loss {train_loss:.4f}, {wall:.2f}s, "
+                bar.write(f"epoch {epoch + 1}: {n_epoch} steps, train loss {epoch_loss:.4f}, {wall:.2f}s, "
                           f"computing time {(dk.compute_time_s - c_epoch) / max(wall, 1e-9):.1%}")
         bar.close()
         dk.finish()

@@ -84,3 +84,24 @@ def test_resolved_config_written_by_rank0(tmp_path: Path) -> None:
     assert resolved["loss"] == "distkit.tasks:cross_entropy" and resolved["world_size"] == 1
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 2 and lines[-1]["samples"] == 32 and lines[-1]["loss"] > 0
+
+
+def test_imported_names_in_a_python_config_are_not_keys(tmp_path: Path) -> None:
+    text = ("import torch\nfrom torch.utils.data import Dataset\nfrom torch.optim import Optimizer\n"
+            "from json import loads as dataset_loader\nbatch_size = 4\n")
+    assert load_config([_py(tmp_path, text)]).batch_size == 4
+    with pytest.raises(ConfigError, match="unknown config key 'Datasett'"):  # a plain value under an unknown name
+        load_config([_py(tmp_path, "Datasett = 3\n", "d.py")])
+    with pytest.raises(ConfigError, match="did you mean 'dataset'"):  # a function defined here, named like a key
+        load_config([_py(tmp_path, "def datset():\n    return None\n", "e.py")])
+
+
+def test_deepspeed_config_read_as_deepspeed_reads_it(tmp_path: Path) -> None:
+    ds = tmp_path / "ds_config.json"  # the LUMI guide's file has a trailing comma; comments too
+    ds.write_text('{\n  // ZeRO stage 1\n  "zero_optimization": {"stage": 1},\n  "fp16": {"enabled": false,},\n}\n')
+    cfg = load_config([], [], LaunchFlags(deepspeed=True, deepspeed_config=str(ds)))
+    assert cfg.distributed.deepspeed_config == {"zero_optimization": {"stage": 1}, "fp16": {"enabled": False}}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 1}\n')
+    with pytest.raises(ConfigError, match="bad.json:.*invalid DeepSpeed config"):
+        load_config([], [], LaunchFlags(deepspeed_config=str(bad)))

@@ -2,8 +2,9 @@
 
 Precedence: defaults < files (in the order given; a later file wins) < command line.
 A Python config is executed like RETURNN's: its top-level globals are the keys; names
-starting with "_", imported modules, and functions/classes that are not keys are helpers
-and are ignored (unless a helper's name is a near-miss of a key, which is an error).
+starting with "_", imported modules, imported classes and functions, and functions/classes
+defined in the config that are not keys are helpers and are ignored (unless a helper defined
+in the config has a near-miss of a key as its name, which is an error).
 """
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def _load_python(path: str) -> dict[str, Any]:
         if name.startswith("_") or isinstance(value, types.ModuleType):
             continue
         if name not in ALL_KEYS and (isinstance(value, type) or callable(value)):
+            if getattr(value, "__module__", None) != namespace["__name__"]:
+                continue  # imported (from torch.utils.data import Dataset): a name, not a key
             # A helper function/class of the config. A near-miss of a key is almost surely a typo.
             near = nearest_key(name)
             if near is not None and difflib.SequenceMatcher(None, name, near).ratio() >= 0.8:

@@ -47,13 +47,18 @@ def _load_deepspeed_config(value: Any) -> dict[str, Any]:
         raise ConfigError(f"'deepspeed_config' must be a JSON file path or a dict, got {value!r}")
     if not os.path.isfile(value):
         raise ConfigError(f"DeepSpeed config file '{value}' does not exist: check the --deepspeed_config path")
-    import json
-
+    # DeepSpeed reads its config with hjson (comments, trailing commas: the LUMI guide's ds_config.json
+    # has one); read it the same way, so whatever DeepSpeed accepts is accepted here.
+    try:
+        import hjson as parser  # type: ignore[import-untyped]
+    except ImportError:  # DeepSpeed not installed: check_backend says so; plain JSON until then
+        import json as parser  # type: ignore[no-redef]
     try:
         with open(value, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{value}:{e.lineno}: invalid JSON in DeepSpeed config: {e.msg}") from None
+            data = parser.load(f)
+    except ValueError as e:  # json.JSONDecodeError and hjson.HjsonDecodeError both are
+        line = getattr(e, "lineno", "?")
+        raise ConfigError(f"{value}:{line}: invalid DeepSpeed config: {getattr(e, 'msg', e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{value}: a DeepSpeed config must be a JSON object")
     return data
