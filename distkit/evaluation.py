@@ -1,17 +1,23 @@
-"""Evaluation and parameter checksums, collective over all ranks."""
+"""The loss (and metrics) of one batch, evaluation over ranks, and parameter checksums."""
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Iterable, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
 from distkit.data import eval_slices, fetch, to_device
+from distkit.errors import UsageError
 from distkit.tasks import Task
 
 if TYPE_CHECKING:
     from distkit.session import Session
+
+#: a batch's loss (a scalar tensor) and its metrics by name (floats or scalar tensors)
+StepResult = tuple[torch.Tensor, dict[str, Any]]
 
 
 def param_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -22,35 +28,80 @@ def param_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def evaluate(s: "Session", model: nn.Module, task: Task, batch_size: int) -> tuple[Optional[float], Optional[float]]:
-    """Collective: loss and accuracy over the whole eval set, every rank a disjoint slice.
+def batch_loss(task: Task, model: nn.Module, batch: Any, train: bool) -> StepResult:
+    """The loss of ``batch`` and its metrics, in this order of precedence: the task's ``train_step``
+    (``eval_step`` when not ``train``) returning ``loss`` or ``(loss, metrics)``; for a dict batch with
+    no ``loss`` configured, the Hugging Face convention ``model(**batch).loss``; else
+    ``loss(model(inputs), targets)``, with the task's metrics on the outputs when not ``train``."""
+    step = task.train_step if train else task.eval_step
+    if step is not None:
+        out = step(model, batch)
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(metrics, Mapping):
+            raise UsageError(f"train_step/eval_step must return loss or (loss, metrics dict); the second item is a "
+                             f"{type(metrics).__name__}")
+        return loss, dict(metrics)
+    if isinstance(batch, Mapping) and task.hf_loss:
+        out = model(**batch)
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if loss is None:
+            raise UsageError("a dict batch with no 'loss' configured uses the Hugging Face convention "
+                             "model(**batch).loss, but the model returned no loss: include 'labels' in the batch, "
+                             "or set loss = ... or train_step = ...")
+        return loss, {}
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise UsageError(f"a batch of type {type(batch).__name__} is not (inputs, targets): set train_step = "
+                         "f(model, batch) -> loss, or make dataset items (inputs, targets)")
+    x, y = batch
+    out = model(x)
+    loss = task.loss(out, y)  # type: ignore[misc]
+    metrics = {} if train else {name: fn(out, y) for name, fn in task.metrics.items()}
+    return loss, metrics
 
-    Returns (mean loss, accuracy or None for non-classification tasks), identical on every rank;
-    (None, None) without an eval set. Per-batch work is local; the totals are all-reduced once.
-    """
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in ``batch``: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else \
+        [getattr(batch, k) for k in getattr(batch, "__dataclass_fields__", {})]
+    for v in values:
+        n = batch_size_of(v) if isinstance(v, (torch.Tensor, Mapping, tuple, list)) else 0
+        if n:
+            return n
+    return 1
+
+
+def evaluate(s: "Session", model: nn.Module, task: Task, batch_size: int) -> dict[str, float]:
+    """Collective: ``{"eval_loss": ..., "eval_<metric>": ...}`` over the whole eval set, every rank a
+    disjoint slice, each value the mean over samples; identical on every rank; {} without an eval set.
+    Per-batch work is local; the totals are all-reduced once (metric names must agree across ranks)."""
     if task.eval is None:
-        return None, None
+        return {}
     bare = s.unwrap(model)
     bare.eval()
-    totals = torch.zeros(3, dtype=torch.float64)  # loss * n, correct, n
+    collate: Callable[[list[Any]], Any] = task.collate_fn or default_collate  # fetch: tensor indexing when it can
     slices = list(eval_slices(len(task.eval), batch_size, s.rank, s.world_size))  # type: ignore[arg-type]
     n_forward = len(slices)
     if s.forward_is_collective:  # every rank runs as many forwards as the busiest one
         n_forward = int(s.all_reduce(torch.tensor([n_forward]), op="max").item())
+    sums: dict[str, float] = {}
+    count = 0
     with torch.no_grad():
         for k in range(n_forward):
-            if k >= len(slices):  # padding forward on a repeated batch; its output is not counted
-                pad = slices[0] if slices else torch.arange(1)
-                bare(to_device(fetch(task.eval, pad), s.device)[0])
+            idx = slices[k] if k < len(slices) else (slices[0] if slices else torch.arange(1))
+            items = fetch(task.eval, idx) if task.collate_fn is None else collate([task.eval[int(i)] for i in idx])
+            batch = to_device(items, s.device)
+            loss, metrics = batch_loss(task, bare, batch, train=False)
+            if k >= len(slices):  # padding forward on a repeated batch; not counted
                 continue
-            idx = slices[k]
-            x, y = to_device(fetch(task.eval, idx), s.device)
-            out = bare(x)
-            totals[0] += float(task.loss(out, y)) * len(idx)
-            if task.classification:
-                totals[1] += float((out.argmax(-1) == y).float().mean()) * len(idx)
-            totals[2] += len(idx)
+            n = batch_size_of(batch)
+            for name, value in {"loss": loss, **metrics}.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * n
+            count += n
     bare.train()
+    names = sorted(sums) or ["loss", *sorted(task.metrics)]
+    totals = torch.tensor([sums.get(name, 0.0) for name in names] + [float(count)], dtype=torch.float64)
     s.all_reduce(totals, op="sum")
-    n = max(float(totals[2]), 1.0)
-    return float(totals[0]) / n, (float(totals[1]) / n if task.classification else None)
+    n_total = max(float(totals[-1]), 1.0)
+    return {f"eval_{name}": float(totals[i]) / n_total for i, name in enumerate(names)}

@@ -19,7 +19,7 @@ from distkit import checkpoint, faults
 from distkit.components import build_optimizer
 from distkit.config import RunConfig, resolve
 from distkit.env import ClusterEnv
-from distkit.evaluation import evaluate
+from distkit.evaluation import batch_loss, evaluate
 from distkit.session import Session, init
 from distkit.tasks import Task, check_task, make_task
 
@@ -58,7 +58,9 @@ class _Run:
         self.task: Task = make_task(cfg)
         model = self.task.model_fn()
         self.model, self.opt = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size))
-        self.loader = dk.dataloader(self.task.train, batch_size=cfg.batch_size)
+        self.loader = dk.dataloader(self.task.train, batch_size=cfg.batch_size, collate_fn=self.task.collate_fn,
+                                    num_workers=cfg.num_workers)
+        self.best: dict[str, Any] = {}  # the best eval so far (lowest eval_loss) and its step
         self.steps_per_epoch = len(self.loader) // cfg.accum_grad_multiple_step
         # max_steps, when set, is the run length (epochs repeat the data), as in HF's Trainer
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else self.steps_per_epoch * cfg.num_epochs
@@ -97,29 +99,39 @@ class _Run:
             self.out.write(json.dumps(record) + "\n")
             self.out.flush()
 
-    def evaluate(self) -> tuple[Optional[float], Optional[float]]:
-        """Collective: eval loss and accuracy (see :func:`distkit.evaluation.evaluate`)."""
-        return evaluate(self.dk, self.model, self.task, self.cfg.batch_size)
+    def evaluate(self) -> dict[str, float]:
+        """Collective: ``eval_loss`` and the task's ``eval_<metric>``s (see :func:`distkit.evaluation.evaluate`);
+        remembers the best (lowest eval_loss)."""
+        result = evaluate(self.dk, self.model, self.task, self.cfg.batch_size)
+        if result and ("best_eval_loss" not in self.best or result["eval_loss"] < self.best["best_eval_loss"]):
+            self.best = {"best_eval_loss": result["eval_loss"], "best_eval_step": self.dk.num_steps}
+        return result
 
-    def train_step(self, batches: Any) -> torch.Tensor:
-        """One optimizer step of ``accum_grad_multiple_step`` micro-steps; returns the mean loss (detached)."""
+    def train_step(self, batches: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One optimizer step of ``accum_grad_multiple_step`` micro-steps; returns the mean loss and the
+        mean of the metrics a ``train_step`` returned (detached, on the CPU)."""
         accum, dk = self.cfg.accum_grad_multiple_step, self.dk
-        total = torch.zeros(())
+        total, metrics = torch.zeros(()), {}
         for i in range(accum):
-            x, y = next(batches)
+            batch = next(batches)
             # Only the last micro-step communicates; the others accumulate locally.
             with dk.no_sync() if i < accum - 1 else contextlib.nullcontext():
-                loss = self.task.loss(self.model(x), y) / accum
-                dk.backward(loss)
+                loss, step_metrics = batch_loss(self.task, self.model, batch, train=True)
+                if isinstance(loss, torch.Tensor):
+                    loss = loss / accum
+                dk.backward(loss)  # a non-scalar or non-tensor loss: UsageError naming the fix
             total += loss.detach().cpu()
+            for name, value in step_metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + torch.as_tensor(value, dtype=torch.float64).detach().cpu() / accum
         dk.step()
-        return total
+        return total, metrics
 
     def run(self) -> dict[str, Any]:
         cfg, dk = self.cfg, self.dk
         bar = tqdm(total=self.total_steps, initial=dk.num_steps, disable=not (dk.is_main and cfg.progress_bar),
                    desc="train", unit="step", dynamic_ncols=True)
         t_start, window, window_n, train_loss = time.perf_counter(), torch.zeros(()), 0, float("nan")
+        window_metrics: dict[str, torch.Tensor] = {}
         while dk.num_steps < self.total_steps:
             epoch, in_epoch = divmod(dk.num_steps, self.steps_per_epoch)
             t_epoch, c_epoch, n_epoch, epoch_sum = time.perf_counter(), dk.compute_time_s, 0, torch.zeros(())
@@ -128,22 +140,27 @@ class _Run:
             for _ in range(in_epoch, self.steps_per_epoch):
                 if dk.num_steps >= self.total_steps:
                     break
-                loss = self.train_step(batches)
+                loss, step_metrics = self.train_step(batches)
                 window, epoch_sum = window + loss, epoch_sum + loss
+                for name, value in step_metrics.items():
+                    window_metrics[name] = window_metrics.get(name, 0.0) + value
                 window_n, n_epoch = window_n + 1, n_epoch + 1
                 step = dk.num_steps
                 bar.update(1)
                 faults.maybe_fire(dk.rank, step)
                 if step % cfg.log_every == 0 or step == self.total_steps:
-                    train_loss = float(dk.all_reduce(window / window_n, op="mean"))
+                    names = sorted(window_metrics)  # a train_step's metrics: the same names on every rank
+                    means = dk.all_reduce(torch.stack([window.double(), *(window_metrics[n] for n in names)]) / window_n,
+                                          op="mean")
+                    train_loss = float(means[0])
                     elapsed = time.perf_counter() - t_start
                     self._log({"step": step, "epoch": epoch, "samples": dk.num_samples, "loss": train_loss,
+                               **{n: float(v) for n, v in zip(names, means[1:])},
                                "lr": self.opt.param_groups[0]["lr"], "samples_per_s": dk.num_samples / max(elapsed, 1e-9)})
                     bar.set_postfix(loss=f"{train_loss:.4f}")
-                    window, window_n = torch.zeros(()), 0
+                    window, window_n, window_metrics = torch.zeros(()), 0, {}
                 if cfg.eval_every and step % cfg.eval_every == 0:
-                    el, ea = self.evaluate()
-                    self._log({"step": step, "eval_loss": el, "eval_accuracy": ea})
+                    self._log({"step": step, **self.evaluate()})
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.total_steps:
                     self._save()
             wall = time.perf_counter() - t_epoch
@@ -154,9 +171,11 @@ class _Run:
                           f"computing time {(dk.compute_time_s - c_epoch) / max(wall, 1e-9):.1%}")
         bar.close()
         dk.finish()
-        eval_loss, eval_acc = self.evaluate()
+        evaluated = self.evaluate()
         self._save()
-        summary = dk.summary(final_train_loss=train_loss, eval_loss=eval_loss, eval_accuracy=eval_acc)
+        summary = dk.summary(final_train_loss=train_loss, **evaluated, **self.best)
+        if "accuracy" not in self.task.metrics:  # e.g. a regression: an accuracy would mean nothing
+            summary.pop("eval_accuracy", None)
         if dk.is_main:
             with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)

@@ -306,8 +306,18 @@ def _validate(cfg: RunConfig) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("device 'cuda' (compute_setup 'gpu') was asked for but no CUDA device is visible: "
                               "use device = 'auto' or 'cpu'")
-    for key in ("model", "dataset", "loss"):
+    for key in ("model", "dataset", "loss", "collate_fn", "train_step", "eval_step"):
         setattr(cfg, key, _callable(key, getattr(cfg, key)))
+    for key in ("train_dataset", "eval_dataset"):  # a dataset or a factory, possibly as "module:name"
+        value = getattr(cfg, key)
+        if isinstance(value, str):
+            setattr(cfg, key, _import(key, value))
+    _int("num_workers", cfg.num_workers, 0)
+    if cfg.metrics is not None:
+        if not isinstance(cfg.metrics, (list, tuple)):
+            raise ConfigError(f"'metrics' must be a list like ['accuracy'] or of callables (outputs, targets) -> float, "
+                              f"got {cfg.metrics!r}")
+        cfg.metrics = [m if m == "accuracy" else _callable("metrics", m) for m in cfg.metrics]
     # Whether the task and the engine can run is checked where they are built (distkit.tasks.check_task,
     # distkit.backends.check_backend): config is data and imports neither (DESIGN.md 2a).
 
@@ -316,6 +326,14 @@ def _callable(key: str, value: Any) -> Optional[Callable[..., Any]]:
     """Accept a callable or a "module:function" string; import it now so typos fail before start."""
     if value is None or callable(value):
         return value
+    obj = _import(key, value)
+    if not callable(obj):
+        raise ConfigError(f"'{key}' = '{value}' is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def _import(key: str, value: Any) -> Any:
+    """The object a "module:name" string names, imported now so typos fail before start."""
     if not isinstance(value, str) or ":" not in value:
         raise ConfigError(f"'{key}' must be a callable or a 'module:function' string, got {value!r}")
     mod_name, _, attr = value.partition(":")
@@ -328,8 +346,6 @@ def _callable(key: str, value: Any) -> Optional[Callable[..., Any]]:
         if not hasattr(obj, part):
             raise ConfigError(f"'{key}' = '{value}': module '{mod_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"'{key}' = '{value}' is not callable")
     return obj
 
 

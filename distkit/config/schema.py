@@ -64,6 +64,21 @@ class RunConfig:
     model: Optional[Callable[..., Any]] = None
     dataset: Optional[Callable[..., Any]] = None
     loss: Optional[Callable[..., Any]] = None
+    #: datasets, dataset factories, or "module:function" strings (instead of ``dataset``)
+    train_dataset: Any = None
+    eval_dataset: Any = None
+    #: ``collate_fn(list of items) -> batch`` for the DataLoader; None = torch's default_collate
+    collate_fn: Optional[Callable[..., Any]] = None
+    #: DataLoader worker processes (the batch order stays the same)
+    num_workers: int = 0
+    #: ``train_step(model, batch) -> loss | (loss, metrics_dict)``; None = HF ``model(**batch).loss`` for
+    #: dict batches without ``loss``, else ``loss(model(inputs), targets)``
+    train_step: Optional[Callable[..., Any]] = None
+    #: like train_step, for evaluation (under torch.no_grad); None = train_step
+    eval_step: Optional[Callable[..., Any]] = None
+    #: evaluation metrics: "accuracy" or callables ``(outputs, targets) -> float``; None = the task's own
+    #: (accuracy for the built-in tasks, none for a custom one)
+    metrics: Optional[list[Any]] = None
     optimizer: dict[str, Any] = field(default_factory=lambda: {"class": "sgd"})
     learning_rate: float = 0.1
     #: samples per rank per micro-step (like DDP's per-process batch and DeepSpeed's micro batch).
@@ -94,11 +109,14 @@ class RunConfig:
     notes: tuple[str, ...] = field(default=(), metadata={"internal": True})
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-safe dict; callables become "module:qualname" strings."""
-        return _jsonable({k: v for k, v in dataclasses.asdict(self).items() if k in TOP_LEVEL_KEYS})
+        """A JSON-safe dict; callables become "module:qualname" strings, other objects their repr.
+        (Not ``dataclasses.asdict``: it would deep-copy a dataset given as a value.)"""
+        return _jsonable({k: getattr(self, k) for k in TOP_LEVEL_KEYS})
 
 
 def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -5,7 +5,7 @@ pieces through the ``model``, ``dataset`` and ``loss`` keys instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -22,6 +22,11 @@ def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
 
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """Fraction of positions whose argmax over the last output dim equals the integer target."""
+    return float((outputs.argmax(-1) == targets).float().mean())
+
+
 @dataclass
 class Task:
     """What the trainer needs of a task. ``model_fn`` must be deterministic under torch.manual_seed."""
@@ -30,9 +35,16 @@ class Task:
     model_fn: Callable[[], nn.Module]
     train: "Dataset[Any]"
     eval: Optional["Dataset[Any]"]
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-    #: accuracy = argmax of the last output dim against integer targets
-    classification: bool = True
+    #: ``loss(outputs, targets)`` for (inputs, targets) batches; None: dict batches use ``model(**batch).loss``
+    loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = cross_entropy
+    #: evaluation metrics by name: ``(outputs, targets) -> float``, averaged over samples
+    metrics: dict[str, Callable[[Any, Any], float]] = field(default_factory=lambda: {"accuracy": accuracy})
+    #: ``train_step(model, batch) -> loss | (loss, metrics)`` replacing the forward + loss above
+    train_step: Optional[Callable[..., Any]] = None
+    eval_step: Optional[Callable[..., Any]] = None
+    collate_fn: Optional[Callable[..., Any]] = None
+    #: dict batches use the Hugging Face convention ``model(**batch).loss`` (no ``loss`` configured)
+    hf_loss: bool = True
 
 
 def _digits(cfg: "RunConfig") -> Task:
@@ -55,29 +67,46 @@ def check_task(cfg: "RunConfig") -> None:
     from distkit.config.resolve import choice
     from distkit.errors import ConfigError
 
-    if cfg.model is not None and cfg.dataset is not None:
+    if cfg.model is not None and (cfg.dataset is not None or cfg.train_dataset is not None):
         return
     if cfg.task is None:
-        raise ConfigError("no task: set task = 'digits' (or 'charlm'), or give both 'model' and 'dataset'")
+        raise ConfigError("no task: set task = 'digits' (or 'charlm'), or give 'model' and 'dataset' (or 'train_dataset')")
     choice("task", cfg.task, tuple(TASKS))
     from .charlm import SIZES
 
     choice("charlm_size", cfg.charlm_size, tuple(SIZES))
 
 
-def make_task(cfg: "RunConfig") -> Task:
-    """The built-in task, or the user's ``model``/``dataset``/``loss`` callables.
+def _dataset(value: Any) -> Any:
+    """A dataset given as itself or as a factory."""
+    return value() if callable(value) and not hasattr(value, "__getitem__") else value
 
-    ``dataset()`` returns a train dataset or a ``(train, eval)`` pair of map-style
-    datasets whose items are ``(inputs, targets)``.
+
+def make_task(cfg: "RunConfig") -> Task:
+    """The built-in task, or the user's ``model`` with ``dataset`` (or ``train_dataset``/``eval_dataset``).
+
+    ``dataset()`` returns a train dataset or a ``(train, eval)`` pair of map-style datasets. Items
+    may be ``(inputs, targets)`` (with ``loss``, default cross-entropy) or any structure a
+    ``train_step`` or the Hugging Face convention (dict batches, ``model(**batch).loss``) handles.
+    A custom task reports only the metrics it is given (``metrics``): no accuracy for a regression.
     """
-    if cfg.model is not None and cfg.dataset is not None:
-        data = cfg.dataset()
-        train, evl = data if isinstance(data, tuple) else (data, None)
-        return Task("custom", cfg.model, train, evl, cfg.loss or cross_entropy, classification=True)
-    task = TASKS[str(cfg.task)](cfg)
-    if cfg.model is not None:
-        task.model_fn = cfg.model
-    if cfg.loss is not None:
-        task.loss = cfg.loss
+    if cfg.model is not None and (cfg.dataset is not None or cfg.train_dataset is not None):
+        if cfg.train_dataset is not None:
+            train, evl = _dataset(cfg.train_dataset), _dataset(cfg.eval_dataset)
+        else:
+            data = cfg.dataset()
+            train, evl = data if isinstance(data, tuple) else (data, None)
+        task = Task("custom", cfg.model, train, evl, cfg.loss or cross_entropy, metrics={})
+    else:
+        task = TASKS[str(cfg.task)](cfg)
+        if cfg.model is not None:
+            task.model_fn = cfg.model
+        if cfg.loss is not None:
+            task.loss = cfg.loss
+    task.hf_loss = cfg.loss is None  # dict batches without a configured loss: model(**batch).loss
+    if cfg.metrics is not None:
+        task.metrics = {m if isinstance(m, str) else getattr(m, "__name__", f"metric{i}"): accuracy if m == "accuracy" else m
+                        for i, m in enumerate(cfg.metrics)}
+    task.train_step, task.eval_step = cfg.train_step, cfg.eval_step or cfg.train_step
+    task.collate_fn = cfg.collate_fn or task.collate_fn
     return task
