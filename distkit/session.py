@@ -548,7 +548,8 @@ class Session:
             "param_sync_step": d.param_sync_step if d.reduce_type == "param" else None,
             "world_size": self.world_size, "launcher": self.env.launcher, "zero_stage": getattr(s, "zero_stage", None),
             "steps": self.num_steps, "samples": self.num_samples, "final_train_loss": loss,
-            "eval_loss": None, "eval_accuracy": None, "param_checksum": checksum, "ranks_in_sync": in_sync,
+            "eval_loss": None, "eval_accuracy": None, "best_eval_loss": None, "best_eval_step": None,
+            "param_checksum": checksum, "ranks_in_sync": in_sync,
             "wall_time_s": wall, "samples_per_s": self.num_samples / max(wall, 1e-9),
             "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_bytes": s.comm_bytes,
         }

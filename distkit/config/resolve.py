@@ -47,18 +47,23 @@ def _load_deepspeed_config(value: Any) -> dict[str, Any]:
         raise ConfigError(f"'deepspeed_config' must be a JSON file path or a dict, got {value!r}")
     if not os.path.isfile(value):
         raise ConfigError(f"DeepSpeed config file '{value}' does not exist: check the --deepspeed_config path")
-    # DeepSpeed reads its config with hjson (comments, trailing commas: the LUMI guide's ds_config.json
-    # has one); read it the same way, so whatever DeepSpeed accepts is accepted here.
+    import json
+
+    with open(value, encoding="utf-8") as f:
+        text = f.read()
     try:
-        import hjson as parser  # type: ignore[import-untyped]
-    except ImportError:  # DeepSpeed not installed: check_backend says so; plain JSON until then
-        import json as parser  # type: ignore[no-redef]
-    try:
-        with open(value, encoding="utf-8") as f:
-            data = parser.load(f)
-    except ValueError as e:  # json.JSONDecodeError and hjson.HjsonDecodeError both are
-        line = getattr(e, "lineno", "?")
-        raise ConfigError(f"{value}:{line}: invalid DeepSpeed config: {getattr(e, 'msg', e)}") from None
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        # DeepSpeed reads its config with hjson (comments, trailing commas: the LUMI guide's
+        # ds_config.json has one): what DeepSpeed accepts is accepted here too.
+        try:
+            import hjson  # type: ignore[import-untyped]
+
+            data = hjson.loads(text)
+        except ImportError:  # DeepSpeed (which brings hjson) is not installed: check_backend says so
+            raise ConfigError(f"{value}:{e.lineno}: invalid JSON in DeepSpeed config: {e.msg}") from None
+        except ValueError:
+            raise ConfigError(f"{value}:{e.lineno}: invalid DeepSpeed config (JSON or hjson): {e.msg}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{value}: a DeepSpeed config must be a JSON object")
     return data
