@@ -54,7 +54,7 @@ def batch_loss(task: Task, model: nn.Module, batch: Any, train: bool) -> StepRes
                          "f(model, batch) -> loss, or make dataset items (inputs, targets)")
     x, y = batch
     out = model(x)
-    loss = task.loss(out, y)  # type: ignore[misc]
+    loss = task.loss(out, y)
     metrics = {} if train else {name: fn(out, y) for name, fn in task.metrics.items()}
     return loss, metrics
 

@@ -62,6 +62,11 @@ def relaunch_command() -> list[str]:
     return [sys.executable, *sys.argv]
 
 
+def _threads(nprocs: int) -> str:
+    """OMP_NUM_THREADS per rank, as torchrun: the cores shared out, no oversubscription."""
+    return str(max(1, (os.cpu_count() or 1) // nprocs))
+
+
 def run_local(cmd: list[str], nprocs: int, launcher: str) -> int:
     """Run ``cmd`` as ``nprocs`` local ranks with ``launcher`` ("spawn" or "mpirun"); returns the exit status."""
     return mpirun(cmd, nprocs) if launcher == "mpirun" else spawn(cmd, nprocs)
@@ -80,7 +85,7 @@ def mpirun(cmd: list[str], nprocs: int) -> int:
         raise BackendUnavailable("--nprocs with an MPI engine needs Open MPI's mpirun: pip install 'distkit[mpi]' "
                                  "(or launch the ranks yourself with mpirun -np N)")
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    env.setdefault("OMP_NUM_THREADS", _threads(nprocs))
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without both
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -96,7 +101,7 @@ def mpirun(cmd: list[str], nprocs: int) -> int:
 def spawn(cmd: list[str], nprocs: int) -> int:
     """Run ``cmd`` as ``nprocs`` ranks (torchrun's environment variables); returns the exit status."""
     port, spawn_id = free_port(), uuid.uuid4().hex[:12]
-    threads = str(max(1, (os.cpu_count() or 1) // nprocs))
+    threads = _threads(nprocs)
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(nprocs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),

@@ -35,8 +35,8 @@ class Task:
     model_fn: Callable[[], nn.Module]
     train: "Dataset[Any]"
     eval: Optional["Dataset[Any]"]
-    #: ``loss(outputs, targets)`` for (inputs, targets) batches; None: dict batches use ``model(**batch).loss``
-    loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = cross_entropy
+    #: ``loss(outputs, targets)`` for (inputs, targets) batches (dict batches: see ``hf_loss``)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     #: evaluation metrics by name: ``(outputs, targets) -> float``, averaged over samples
     metrics: dict[str, Callable[[Any, Any], float]] = field(default_factory=lambda: {"accuracy": accuracy})
     #: ``train_step(model, batch) -> loss | (loss, metrics)`` replacing the forward + loss above
