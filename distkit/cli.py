@@ -83,8 +83,11 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
     from distkit.env import detect
     from distkit.tasks import check_task
 
+    from distkit.components import check_components
+
     check_task(cfg)
     check_backend(cfg)  # bad input fails here, before any rank starts or anything is written
+    check_components(cfg)
 
     environ = dict(os.environ)
     if args.local_rank is not None:  # old torch.distributed.launch passes it only as an argument

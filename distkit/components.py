@@ -1,20 +1,156 @@
-"""Small factories the training loop uses: the optimizer and the device."""
+"""Small factories the training loop uses: the optimizer, the LR scheduler and the device.
+
+The config layer checks names and shapes of these keys up front (:mod:`distkit.config.resolve`);
+these functions build the objects once the model exists.
+"""
 from __future__ import annotations
 
-from typing import Any
+import inspect
+import math
+from typing import Any, Callable, Optional
 
 import torch
 
 from distkit.config import RunConfig
+from distkit.errors import ConfigError
 
-_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+#: lr_scheduler classes distkit defines itself (HF names); anything else is a torch.optim.lr_scheduler class.
+SCHEDULES = ("constant", "linear", "cosine", "step")
+
+
+def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class ``name`` names, case-insensitively ("adamw", "RMSprop", "sgd"); or ``name``
+    itself when it is an Optimizer subclass. ConfigError naming the nearest classes otherwise."""
+    if isinstance(name, type) and issubclass(name, torch.optim.Optimizer):
+        return name
+    classes = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
+               if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+               and n != "Optimizer"}
+    found = classes.get(str(name).lower())
+    if found is None:
+        raise ConfigError(f"optimizer class {name!r} is not a torch.optim optimizer: use one of "
+                          f"{', '.join(sorted(c.__name__ for c in classes.values()))}, or give optimizer as a "
+                          "factory params -> Optimizer")
+    return found  # type: ignore[no-any-return]
 
 
 def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1) -> torch.optim.Optimizer:
-    """The configured optimizer; ``distributed.scale_lr`` multiplies the learning rate by the world size."""
+    """The configured optimizer: ``optimizer = {"class": <torch.optim name>, **kwargs}`` with ``lr`` =
+    ``learning_rate`` (times the world size with ``distributed.scale_lr``), or a factory ``params -> Optimizer``
+    (which sets its own learning rate)."""
+    if callable(cfg.optimizer):
+        opt = cfg.optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"the 'optimizer' factory returned {type(opt).__name__}, not a torch.optim.Optimizer: "
+                              "return e.g. torch.optim.AdamW(params, lr=1e-3)")
+        return opt
     kwargs = {k: v for k, v in cfg.optimizer.items() if k != "class"}
     lr = cfg.learning_rate * (world_size if cfg.distributed.scale_lr else 1)
-    return _OPTIMIZERS[str(cfg.optimizer["class"]).lower()](params, lr=lr, **kwargs)
+    cls = optimizer_class(cfg.optimizer["class"])
+    if cls is torch.optim.LBFGS:
+        # its step() needs a closure that re-runs forward and backward; the shared loop steps once per batch
+        raise ConfigError("optimizer 'LBFGS' needs a closure, which distkit train's loop does not take: use it in "
+                          "your own loop (dk.step() after a closure-driven optimizer.step(closure)) or "
+                          "distkit.compat.perceptrain's optimize_step")
+    try:
+        return cls(params, lr=lr, **kwargs)
+    except TypeError as e:  # a keyword the class does not take
+        raise ConfigError(f"optimizer = {cfg.optimizer!r}: {cls.__name__} rejected its arguments ({e}): "
+                          f"check the keys against torch.optim.{cls.__name__}") from None
+
+
+def _warmup_then(warmup: int, total: int, decay: Callable[[float], float]) -> Callable[[int], float]:
+    """LR multiplier per optimizer step ``s`` (0-based, the value used by step s+1): linear warm-up from
+    1/warmup to 1 over ``warmup`` steps, then ``decay(progress)`` with progress in [0, 1] over the rest."""
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        return decay(min(1.0, (s - warmup) / max(1, total - warmup)))
+    return factor
+
+
+def build_scheduler(cfg: RunConfig, total_steps: int) -> Optional[Callable[[torch.optim.Optimizer], Any]]:
+    """A factory ``optimizer -> LR scheduler`` for ``lr_scheduler``, or None. Stepped once per optimizer step.
+
+    ``{"class": "constant" | "linear" | "cosine" | "step", "warmup_steps": N, ...}``: linear warm-up over N
+    steps, then constant, linear to ``min_lr_ratio`` (default 0), half-cosine to ``min_lr_ratio``, or
+    ``gamma`` (default 0.1) every ``step_size`` steps. Any other class names a ``torch.optim.lr_scheduler``
+    class, built with the remaining keys (after a LinearLR warm-up when warmup_steps > 0). A callable is a
+    factory ``(optimizer, total_steps) -> scheduler``. The same factory serves every engine (DeepSpeed calls
+    it with its own optimizer), so the schedule is the same everywhere.
+    """
+    spec = cfg.lr_scheduler
+    if spec is None:
+        return None
+    if callable(spec):
+        return lambda opt: spec(opt, total_steps)
+    kwargs = {k: v for k, v in spec.items() if k not in ("class", "warmup_steps")}
+    name, warmup = spec["class"], int(spec.get("warmup_steps", 0))
+    if isinstance(name, str) and name.lower() in SCHEDULES:
+        floor = float(kwargs.pop("min_lr_ratio", 0.0))
+        decay: Callable[[float], float]
+        if name.lower() == "constant":
+            decay = lambda p: 1.0  # noqa: E731
+        elif name.lower() == "linear":
+            decay = lambda p: floor + (1.0 - floor) * (1.0 - p)  # noqa: E731
+        elif name.lower() == "cosine":
+            decay = lambda p: floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * p))  # noqa: E731
+        else:
+            size, gamma = int(kwargs.pop("step_size", max(1, total_steps // 3))), float(kwargs.pop("gamma", 0.1))
+            rest = max(1, total_steps - warmup)
+            decay = lambda p: gamma ** (int(round(p * rest)) // size)  # noqa: E731
+        if kwargs:
+            raise ConfigError(f"lr_scheduler {name!r} does not take {sorted(kwargs)}: it takes warmup_steps"
+                              f"{', min_lr_ratio' if name.lower() in ('linear', 'cosine') else ''}"
+                              f"{', step_size, gamma' if name.lower() == 'step' else ''}")
+        factor = _warmup_then(warmup, total_steps, decay)
+        return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    cls = scheduler_class(name)
+
+    def make(opt: torch.optim.Optimizer) -> Any:
+        try:
+            main = cls(opt, **kwargs)
+            if warmup <= 0:
+                return main
+            ramp = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0 / warmup, total_iters=warmup)
+            return torch.optim.lr_scheduler.SequentialLR(opt, [ramp, main], milestones=[warmup])
+        except TypeError as e:
+            raise ConfigError(f"lr_scheduler = {spec!r}: {cls.__name__} rejected its arguments ({e}): check the keys "
+                              f"against torch.optim.lr_scheduler.{cls.__name__}") from None
+    return make
+
+
+def scheduler_class(name: Any) -> type:
+    """The ``torch.optim.lr_scheduler`` class ``name`` names (exact or case-insensitive)."""
+    sched = torch.optim.lr_scheduler
+    classes = {n.lower(): getattr(sched, n) for n in dir(sched)
+               if inspect.isclass(getattr(sched, n)) and issubclass(getattr(sched, n), sched.LRScheduler)
+               and n not in ("LRScheduler", "_LRScheduler")}
+    found = classes.get(str(name).lower())
+    if found is None:
+        raise ConfigError(f"unknown lr_scheduler class {name!r}: use one of {', '.join(SCHEDULES)} or a "
+                          f"torch.optim.lr_scheduler class ({', '.join(sorted(c.__name__ for c in set(classes.values())))}), "
+                          "or a factory (optimizer, total_steps) -> scheduler")
+    return found  # type: ignore[no-any-return]
+
+
+def check_components(cfg: RunConfig) -> None:
+    """Up-front check (before any rank starts) of the keys whose names only torch knows: the optimizer
+    class and its arguments, the scheduler and its arguments (built once on a throw-away parameter),
+    and ``precision`` against the device. ConfigError (exit status 2) naming the key and the fix."""
+    probe = [torch.nn.Parameter(torch.zeros(1))]
+    if not callable(cfg.optimizer):
+        build_optimizer(cfg, probe)
+    if cfg.lr_scheduler is not None and not callable(cfg.lr_scheduler):
+        factory = build_scheduler(cfg, 10)
+        assert factory is not None
+        sched = factory(torch.optim.SGD(probe, lr=1.0))
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError("lr_scheduler 'ReduceLROnPlateau' steps on a metric, not once per optimizer step: use "
+                              "a step-based schedule, or step it yourself from a callback's on_eval_end")
+    if cfg.precision == "16-mixed" and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError("precision '16-mixed' (float16 with loss scaling) needs a CUDA device; on the CPU use "
+                          "precision = 'bf16-mixed'")
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:

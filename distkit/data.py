@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
+from distkit.errors import UsageError
+
 #: RETURNN's per-rank seed offset for random_seed_offset.
 RANK_SEED_OFFSET = 16127
 
@@ -96,7 +98,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
                                              for f in dataclasses.fields(batch) if f.init})
     if hasattr(batch, "to") and callable(batch.to):
-        return batch.to(device)
+        try:
+            return batch.to(device)
+        except Exception as e:  # e.g. a .to() that takes no device: say which object, not a deep traceback
+            raise UsageError(f"a batch item of type {type(batch).__name__} could not be moved to {device} "
+                             f"({type(e).__name__}: {e}): return tensors (or containers of tensors) from the dataset "
+                             "or collate_fn") from e
     return batch
 
 

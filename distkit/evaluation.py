@@ -55,8 +55,18 @@ def batch_loss(task: Task, model: nn.Module, batch: Any, train: bool) -> StepRes
     x, y = batch
     out = model(x)
     loss = task.loss(out, y)
-    metrics = {} if train else {name: fn(out, y) for name, fn in task.metrics.items()}
+    metrics = {} if train else {name: _metric(name, fn, out, y) for name, fn in task.metrics.items()}
     return loss, metrics
+
+
+def _metric(name: str, fn: Callable[[Any, Any], Any], outputs: Any, targets: Any) -> float:
+    """One metric's value, or a UsageError naming the metric (a rank failure that ends every rank)."""
+    try:
+        value = fn(outputs, targets)
+        return float(value)
+    except Exception as e:
+        raise UsageError(f"metric '{name}' failed on the model's outputs ({type(e).__name__}: {e}): 'metrics' "
+                         "callables take (outputs, targets) and return a float; fix or remove it") from e
 
 
 def batch_size_of(batch: Any) -> int:
@@ -87,7 +97,7 @@ def evaluate(s: "Session", model: nn.Module, task: Task, batch_size: int) -> dic
         n_forward = int(s.all_reduce(torch.tensor([n_forward]), op="max").item())
     sums: dict[str, float] = {}
     count = 0
-    with torch.no_grad():
+    with torch.no_grad(), s.autocast():
         for k in range(n_forward):
             idx = slices[k] if k < len(slices) else (slices[0] if slices else torch.arange(1))
             items = fetch(task.eval, idx) if task.collate_fn is None else collate([task.eval[int(i)] for i in idx])

@@ -220,8 +220,12 @@ class Session:
         self._last_batch: Optional[tuple[int, float]] = None  # (samples, fetch start) of the newest batch
         self._t_batch: Optional[float] = None  # when fetching this step's first micro-batch began
         self.compute_time_s = 0.0
-        self._t_start = time.perf_counter()
+        self._t_created = self._t_start = time.perf_counter()
         self._last_loss: Optional[torch.Tensor] = None
+        # fp16 autocast needs loss scaling; bf16 does not; DeepSpeed does its own (its bf16/fp16 blocks)
+        self._scaler: Optional[torch.amp.GradScaler] = None
+        if cfg.precision == "16-mixed" and not self._strategy.handles_precision:
+            self._scaler = torch.amp.GradScaler(self.device.type)
 
     # -- topology -----------------------------------------------------------------------
     @property
@@ -266,7 +270,9 @@ class Session:
 
         ``optimizer``: a torch optimizer over ``model``'s parameters, a factory ``params -> Optimizer``
         (called only when the engine's config does not define one), or None where the DeepSpeed config
-        has an ``optimizer`` block. ``lr_scheduler`` (optional) is stepped once per :meth:`step`.
+        has an ``optimizer`` block. ``lr_scheduler`` (optional): a scheduler over that optimizer, or a factory
+        ``optimizer -> scheduler`` (called with the engine's optimizer; DeepSpeed calls it itself), stepped
+        once per :meth:`step`.
         Returns ``(model, optimizer)``, or ``(model, optimizer, lr_scheduler)`` when one was given;
         use the returned objects from here on. One model per session.
         """
@@ -285,15 +291,29 @@ class Session:
                              "'optimizer' block may leave it out)")
         given = optimizer
         self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler)
-        self._scheduler = getattr(self._strategy, "lr_scheduler", None) or lr_scheduler
-        if self._scheduler is not None and self._optimizer is not given:
+        self._scheduler = getattr(self._strategy, "lr_scheduler", None)
+        if self._scheduler is None and callable(lr_scheduler):  # a factory: over the optimizer the engine returned
+            self._scheduler = lr_scheduler(self._optimizer)
+        elif self._scheduler is None:
+            self._scheduler = lr_scheduler
+        if self._scheduler is not None and not callable(lr_scheduler) and self._optimizer is not given:
             # The engine returned its own optimizer object over the same param_groups (Horovod): the
             # scheduler still sets the right learning rates but cannot see that step() ran.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         self._t_start = time.perf_counter()
+        self._setup_time_s = self._t_start - self._t_created
         if lr_scheduler is not None:
             return self._model, self._optimizer, self._scheduler
         return self._model, self._optimizer
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for forward passes (and the loss) at the configured ``precision``: ``torch.autocast`` to
+        bfloat16 ("bf16-mixed") or float16 ("16-mixed"); a no-op for "32" and on DeepSpeed, whose engine
+        holds the weights in its bf16/fp16 block's dtype itself. Call ``dk.backward`` outside it."""
+        p = self.cfg.precision
+        if p == "32" or self._strategy.handles_precision:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if p == "bf16-mixed" else torch.float16)
 
     def _require_setup(self, call: str) -> None:
         if self._model is None:
@@ -377,6 +397,8 @@ class Session:
         if self._t_batch is None:
             self._t_batch = t_fetch
         self._last_loss = loss.detach()
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
         self._strategy.backward(loss, self._model)  # type: ignore[arg-type]
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
@@ -389,6 +411,7 @@ class Session:
         """Clip the reduced gradients to global L2 norm ``max_norm``; returns the norm before (NaN on
         DeepSpeed, which clips inside step to ``gradient_clip``). Call between backward and step."""
         self._require_setup("clip_grad_norm()")
+        self._unscale()
         return self._strategy.clip_grad_norm(self._model, self._optimizer, float(max_norm))  # type: ignore[arg-type]
 
     def step(self) -> None:
@@ -397,8 +420,15 @@ class Session:
         self._require_setup("step()")
         s, model = self._strategy, self._model
         if self.cfg.gradient_clip is not None:
+            self._unscale()
             s.clip_grad_norm(model, self._optimizer, self.cfg.gradient_clip)  # type: ignore[arg-type]
-        s.step(model, self._optimizer)  # type: ignore[arg-type]
+        if self._scaler is None:
+            s.step(model, self._optimizer)  # type: ignore[arg-type]
+        else:
+            self._unscale()
+            s.step(model, _ScaledOptimizer(self._optimizer, self._scaler))  # type: ignore[arg-type]
+            self._scaler.update()
+            self._unscaled = False
         if self._scheduler is not None and not s.steps_scheduler:
             self._scheduler.step()
         self.num_steps += 1
@@ -407,6 +437,13 @@ class Session:
         if self._t_batch is not None:
             self.compute_time_s += time.perf_counter() - self._t_batch
             self._t_batch = None
+
+    def _unscale(self) -> None:
+        """fp16: divide the reduced gradients by the loss scale, once per step, before clipping or stepping."""
+        if self._scaler is not None and not getattr(self, "_unscaled", False):
+            self._strategy.wait_for_gradients(self._model, self._optimizer)  # type: ignore[arg-type]
+            self._scaler.unscale_(self._optimizer)
+            self._unscaled = True
 
     def finish(self) -> None:
         """Collective: end of training, after which every rank holds the same model state: in param mode
@@ -528,7 +565,9 @@ class Session:
         buffers (BatchNorm statistics), bit for bit (the same answer on every rank); ``final_train_loss``: the last backward's loss, mean over ranks; ``comm_bytes``:
         payload bytes this rank handed to collectives; ``compute_fraction``: time from the fetch of a
         step's first micro-batch to the end of its step, summed, over wall time since setup (this
-        process's clock). ``extra`` keys are added (the Trainer's eval results).
+        process's clock). ``wall_time_s``: seconds from the end of :meth:`setup` to now (the loop);
+        ``setup_time_s``: from :func:`init` to the end of setup (process group, engine, model wrap);
+        ``total_time_s``: from :func:`init` to now. ``extra`` keys are added (the Trainer's eval results).
         """
         self._require_setup("summary()")
         s, d = self._strategy, self.cfg.distributed
@@ -550,7 +589,8 @@ class Session:
             "steps": self.num_steps, "samples": self.num_samples, "final_train_loss": loss,
             "eval_loss": None, "eval_accuracy": None, "best_eval_loss": None, "best_eval_step": None,
             "param_checksum": checksum, "ranks_in_sync": in_sync,
-            "wall_time_s": wall, "samples_per_s": self.num_samples / max(wall, 1e-9),
+            "wall_time_s": wall, "setup_time_s": getattr(self, "_setup_time_s", 0.0),
+            "total_time_s": time.perf_counter() - self._t_created, "samples_per_s": self.num_samples / max(wall, 1e-9),
             "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_bytes": s.comm_bytes,
         }
         out.update(extra)
@@ -589,3 +629,17 @@ class Session:
             self.abort()
         self.close()
 
+
+
+class _ScaledOptimizer:
+    """The optimizer as the engine sees it under fp16 loss scaling: ``step()`` goes through the GradScaler
+    (skipped when a gradient overflowed), everything else is the optimizer's own."""
+
+    def __init__(self, optimizer: Any, scaler: torch.amp.GradScaler) -> None:
+        self._optimizer, self._scaler = optimizer, scaler
+
+    def step(self, closure: Any = None) -> Any:
+        return self._scaler.step(self._optimizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)

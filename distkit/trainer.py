@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from distkit import checkpoint, faults
-from distkit.components import build_optimizer
+from distkit.components import build_optimizer, build_scheduler, check_components
 from distkit.config import RunConfig, resolve
 from distkit.env import ClusterEnv
 from distkit.evaluation import batch_loss, evaluate
@@ -38,13 +38,14 @@ class Trainer:
                  **keys: Any) -> None:
         self.cfg = config if isinstance(config, RunConfig) else resolve({**(config or {}), **keys})
         check_task(self.cfg)
+        check_components(self.cfg)
         self.env = env
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, save; returns the summary (the content of summary.json) on every rank."""
         dk = init(self.cfg, env=self.env)
         try:
-            return _Run(self.cfg, dk).run()
+            return TrainingRun(self.cfg, dk).run()
         except BaseException:
             dk.abort()  # e.g. MPI_Abort: the other ranks must not wait for this one
             raise
@@ -52,18 +53,32 @@ class Trainer:
             dk.close()
 
 
-class _Run:
+class TrainingRun:
+    """One rank's training run: the object ``callbacks`` receive as ``trainer``.
+
+    Read-only for callbacks: ``cfg``, ``dk`` (the Session), ``model``, ``optimizer``, ``lr_scheduler``,
+    ``step`` (optimizer steps done), ``total_steps``, ``rank``, ``world_size``, ``is_main``; and
+    :meth:`request_stop`. Callback methods (all optional) are called on every rank, in list order:
+    ``on_train_start(trainer)``, ``on_step_end(trainer, metrics)`` at every log point (the logged record),
+    ``on_eval_end(trainer, metrics)``, ``on_checkpoint(trainer, path)``, ``on_train_end(trainer, summary)``.
+    """
+
     def __init__(self, cfg: RunConfig, dk: Session) -> None:
         self.cfg, self.dk = cfg, dk
         self.task: Task = make_task(cfg)
         model = self.task.model_fn()
-        self.model, self.opt = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size))
         self.loader = dk.dataloader(self.task.train, batch_size=cfg.batch_size, collate_fn=self.task.collate_fn,
                                     num_workers=cfg.num_workers)
         self.best: dict[str, Any] = {}  # the best eval so far (lowest eval_loss) and its step
         self.steps_per_epoch = len(self.loader) // cfg.accum_grad_multiple_step
         # max_steps, when set, is the run length (epochs repeat the data), as in HF's Trainer
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else self.steps_per_epoch * cfg.num_epochs
+        self.callbacks = list(cfg.callbacks)
+        self._stop = False
+        scheduler = build_scheduler(cfg, self.total_steps)
+        made = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size), scheduler)
+        self.model, self.opt = made[0], made[1]
+        self.lr_scheduler = dk._scheduler  # also the DeepSpeed config's own scheduler block
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         self.out = None
         if dk.is_main:
@@ -78,8 +93,46 @@ class _Run:
         if dk.is_main:
             self.out = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a" if dk.num_steps else "w")
 
+    # -- what callbacks see ---------------------------------------------------------------------
+    @property
+    def optimizer(self) -> Any:
+        return self.opt
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done so far (the same on every rank)."""
+        return self.dk.num_steps
+
+    @property
+    def rank(self) -> int:
+        return self.dk.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dk.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: guard a callback's file and console output with it."""
+        return self.dk.is_main
+
+    def request_stop(self) -> None:
+        """Stop training early, from any rank. Every rank stops after the same step: the next log point
+        (every ``log_every`` steps), where the ranks' requests are combined in the loss all-reduce that
+        happens there anyway. The run then ends normally (final eval, checkpoint, summary)."""
+        self._stop = True
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
     def _state(self) -> dict[str, Any]:
-        return {"model": self.model, "optimizer": self.opt}
+        state = {"model": self.model, "optimizer": self.opt}
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler
+        return state
 
     def _maybe_resume(self) -> None:
         path = checkpoint.latest(self.ckpt_root) if self.cfg.resume == "auto" else self.cfg.resume
@@ -90,9 +143,10 @@ class _Run:
 
     def _save(self) -> None:
         name = checkpoint.step_name(self.dk.num_steps)
-        self.dk.save(os.path.join(self.ckpt_root, name), self._state())
+        path = self.dk.save(os.path.join(self.ckpt_root, name), self._state())
         if self.dk.is_main:
             checkpoint.mark_latest(self.ckpt_root, name)
+        self._call("on_checkpoint", path)
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.out is not None:
@@ -105,6 +159,8 @@ class _Run:
         result = evaluate(self.dk, self.model, self.task, self.cfg.batch_size)
         if result and ("best_eval_loss" not in self.best or result["eval_loss"] < self.best["best_eval_loss"]):
             self.best = {"best_eval_loss": result["eval_loss"], "best_eval_step": self.dk.num_steps}
+        if result:
+            self._call("on_eval_end", result)
         return result
 
     def train_step(self, batches: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -116,7 +172,8 @@ class _Run:
             batch = next(batches)
             # Only the last micro-step communicates; the others accumulate locally.
             with dk.no_sync() if i < accum - 1 else contextlib.nullcontext():
-                loss, step_metrics = batch_loss(self.task, self.model, batch, train=True)
+                with dk.autocast():
+                    loss, step_metrics = batch_loss(self.task, self.model, batch, train=True)
                 if isinstance(loss, torch.Tensor):
                     loss = loss / accum
                 dk.backward(loss)  # a non-scalar or non-tensor loss: UsageError naming the fix
@@ -132,7 +189,9 @@ class _Run:
                    desc="train", unit="step", dynamic_ncols=True)
         t_start, window, window_n, train_loss = time.perf_counter(), torch.zeros(()), 0, float("nan")
         window_metrics: dict[str, torch.Tensor] = {}
-        while dk.num_steps < self.total_steps:
+        self._call("on_train_start")
+        stopped = False
+        while dk.num_steps < self.total_steps and not stopped:
             epoch, in_epoch = divmod(dk.num_steps, self.steps_per_epoch)
             t_epoch, c_epoch, n_epoch, epoch_sum = time.perf_counter(), dk.compute_time_s, 0, torch.zeros(())
             self.loader.set_epoch(epoch, start=in_epoch * cfg.accum_grad_multiple_step)
@@ -150,19 +209,29 @@ class _Run:
                 faults.maybe_fire(dk.rank, step)
                 if step % cfg.log_every == 0 or step == self.total_steps:
                     names = sorted(window_metrics)  # a train_step's metrics: the same names on every rank
-                    means = dk.all_reduce(torch.stack([window.double(), *(window_metrics[n] for n in names)]) / window_n,
+                    # one all-reduce: the window's losses, metrics and stop requests (mean > 0: some rank asked)
+                    means = dk.all_reduce(torch.stack([window.double() / window_n,
+                                                       *(window_metrics[n] / window_n for n in names),
+                                                       torch.tensor(float(self._stop), dtype=torch.float64)]),
                                           op="mean")
                     train_loss = float(means[0])
                     elapsed = time.perf_counter() - t_start
-                    self._log({"step": step, "epoch": epoch, "samples": dk.num_samples, "loss": train_loss,
-                               **{n: float(v) for n, v in zip(names, means[1:])},
-                               "lr": self.opt.param_groups[0]["lr"], "samples_per_s": dk.num_samples / max(elapsed, 1e-9)})
+                    record = {"step": step, "epoch": epoch, "samples": dk.num_samples, "loss": train_loss,
+                              **{n: float(v) for n, v in zip(names, means[1:-1])},
+                              "lr": self.opt.param_groups[0]["lr"], "samples_per_s": dk.num_samples / max(elapsed, 1e-9)}
+                    self._log(record)
                     bar.set_postfix(loss=f"{train_loss:.4f}")
                     window, window_n, window_metrics = torch.zeros(()), 0, {}
+                    self._call("on_step_end", record)
+                    stopped = float(means[-1]) > 0
+                    if stopped:
+                        dk.print(f"distkit: stop requested by a callback; stopping after step {step}")
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     self._log({"step": step, **self.evaluate()})
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.total_steps:
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.total_steps and not stopped:
                     self._save()
+                if stopped:
+                    break
             wall = time.perf_counter() - t_epoch
             # this epoch's own mean loss over ranks (one all-reduce per epoch; every rank ran n_epoch steps)
             epoch_loss = float(dk.all_reduce(epoch_sum / max(n_epoch, 1), op="mean"))
@@ -176,6 +245,8 @@ class _Run:
         summary = dk.summary(final_train_loss=train_loss, **evaluated, **self.best)
         if "accuracy" not in self.task.metrics:  # e.g. a regression: an accuracy would mean nothing
             summary.pop("eval_accuracy", None)
+        summary["stopped_early"] = stopped
+        self._call("on_train_end", summary)
         if dk.is_main:
             with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)

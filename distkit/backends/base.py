@@ -30,6 +30,8 @@ class Strategy(ABC):
     local_launcher: ClassVar[str] = "spawn"
     #: True where the engine steps the LR scheduler itself inside ``step`` (DeepSpeed)
     steps_scheduler: ClassVar[bool] = False
+    #: the engine applies ``precision`` itself (DeepSpeed's bf16/fp16 blocks): no autocast or GradScaler around it
+    handles_precision: ClassVar[bool] = False
 
     def __init__(self, cfg: RunConfig, env: ClusterEnv, device: torch.device) -> None:
         self.cfg = cfg
@@ -98,6 +100,10 @@ class Strategy(ABC):
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context for accumulation micro-steps that must not communicate."""
         return contextlib.nullcontext()
+
+    def wait_for_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Return when the gradients of this step are reduced (grad mode) and may be read or rescaled;
+        engines that reduce asynchronously until their step (Horovod, the mpi engine) finish that here."""
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         """Clip the (already reduced, in grad mode) gradients to ``max_norm``; returns the norm before."""

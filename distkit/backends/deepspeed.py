@@ -164,6 +164,7 @@ class DeepSpeedStrategy(DDPStrategy):
 
     name = "deepspeed"
     steps_scheduler = True
+    handles_precision = True  # precision selects the config's bf16/fp16 block (check_config)
 
     # -- before any process group ------------------------------------------------------------
     @classmethod
@@ -230,6 +231,20 @@ class DeepSpeedStrategy(DDPStrategy):
                                          "or remove offload_optimizer")
         if _enabled(ds, "fp16") and _enabled(ds, "bf16"):
             raise ConfigError("the DeepSpeed config enables both fp16 and bf16: keep one")
+        # precision <-> the bf16/fp16 blocks: either may decide, they must not disagree
+        block = "bf16-mixed" if _enabled(ds, "bf16") else "16-mixed" if _enabled(ds, "fp16") else "32"
+        if not _explicit(cfg, "precision"):
+            cfg.precision = block
+        elif cfg.precision != block:
+            wanted = {"bf16-mixed": "bf16", "16-mixed": "fp16"}.get(cfg.precision)
+            if block != "32" or (wanted is not None and isinstance(ds.get(wanted), dict) and "enabled" in ds[wanted]):
+                raise ConfigError(f"'precision' = {cfg.precision!r} (distkit) and the DeepSpeed config (which "
+                                  f"{'enables ' + ('bf16' if block == 'bf16-mixed' else 'fp16') if block != '32' else 'disables ' + str(wanted)}) "
+                                  "disagree: remove one of them or make them equal")
+            ds[wanted] = {"enabled": True}  # precision selects the block DeepSpeed applies
+        if "scheduler" in ds and cfg.lr_scheduler is not None:
+            raise ConfigError("'lr_scheduler' (distkit) and the 'scheduler' block of the DeepSpeed config both choose "
+                              "the LR schedule: remove one of them")
         if d.reduce_type == "grad" and d.param_sync_group_size != 1:
             raise ConfigError("'distributed.param_sync_group_size' only applies to reduce_type 'param': remove it")
         if d.reduce_type == "param":

@@ -140,10 +140,13 @@ class HorovodEngine(Strategy):
     def _distributed(self, optimizer: torch.optim.Optimizer) -> bool:
         return hasattr(optimizer, "synchronize") and self.averager is None
 
+    def wait_for_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self._distributed(optimizer) and not self._synchronized:
+            optimizer.synchronize()  # type: ignore[attr-defined]
+            self._synchronized = True  # step() must then skip Horovod's own synchronize
+
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        if self._distributed(optimizer):
-            optimizer.synchronize()  # type: ignore[attr-defined]  # wait for the reduced gradients, then clip them
-            self._synchronized = True
+        self.wait_for_gradients(model, optimizer)  # wait for the reduced gradients, then clip them
         return super().clip_grad_norm(model, optimizer, max_norm)
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -322,9 +322,12 @@ class MPIStrategy(Strategy):
         """Accumulation micro-steps: gradients add up in the buckets, nothing is sent."""
         return self._no_sync() if self.reducer is not None else contextlib.nullcontext()
 
-    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    def wait_for_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self.reducer is not None:
-            self.reducer.finish()  # clip the reduced gradient, as every rank holds it
+            self.reducer.finish()
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+        self.wait_for_gradients(model, optimizer)  # clip the reduced gradient, as every rank holds it
         return super().clip_grad_norm(model, optimizer, max_norm)
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

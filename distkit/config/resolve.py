@@ -16,7 +16,7 @@ from distkit.errors import BackendUnavailable, ConfigError
 
 from .loader import nearest_key, unknown_key_error
 from .schema import (
-    ALL_KEYS, DATA_DISTRIBUTIONS, DEVICES, DISTRIBUTED_KEYS, KNOWN_BACKENDS, OPTIMIZERS,
+    ALL_KEYS, DATA_DISTRIBUTIONS, DEVICES, DISTRIBUTED_KEYS, KNOWN_BACKENDS, PRECISIONS,
     PG_BACKENDS, REDUCE_TYPES, DistributedConfig, RunConfig,
 )
 
@@ -298,9 +298,25 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"'learning_rate' must be a positive number, got {cfg.learning_rate!r}")
     if cfg.gradient_clip is not None and (not isinstance(cfg.gradient_clip, (int, float)) or cfg.gradient_clip <= 0):
         raise ConfigError(f"'gradient_clip' must be a positive number (max gradient norm) or None, got {cfg.gradient_clip!r}")
-    if not isinstance(cfg.optimizer, dict) or "class" not in cfg.optimizer:
-        raise ConfigError(f"'optimizer' must be a dict like {{'class': 'adam', 'betas': (0.9, 0.99)}}, got {cfg.optimizer!r}")
-    choice("optimizer.class", str(cfg.optimizer["class"]).lower(), OPTIMIZERS)
+    # names are checked against torch.optim where the model is built (distkit.components.check_components)
+    if isinstance(cfg.optimizer, str):
+        cfg.optimizer = _callable("optimizer", cfg.optimizer)
+    if not callable(cfg.optimizer) and (not isinstance(cfg.optimizer, dict) or "class" not in cfg.optimizer):
+        raise ConfigError(f"'optimizer' must be a dict like {{'class': 'adamw', 'weight_decay': 0.01}} or a factory "
+                          f"params -> Optimizer, got {cfg.optimizer!r}")
+    if isinstance(cfg.lr_scheduler, str):
+        cfg.lr_scheduler = _callable("lr_scheduler", cfg.lr_scheduler)
+    if cfg.lr_scheduler is not None and not callable(cfg.lr_scheduler):
+        if not isinstance(cfg.lr_scheduler, dict) or "class" not in cfg.lr_scheduler:
+            raise ConfigError(f"'lr_scheduler' must be None, a dict like {{'class': 'cosine', 'warmup_steps': 100}} or a "
+                              f"factory (optimizer, total_steps) -> scheduler, got {cfg.lr_scheduler!r}")
+        _int("lr_scheduler.warmup_steps", cfg.lr_scheduler.get("warmup_steps", 0), 0)
+    if cfg.precision in (32, "32-true", "fp32"):
+        cfg.precision = "32"
+    choice("precision", cfg.precision, PRECISIONS)
+    if not isinstance(cfg.callbacks, (list, tuple)):
+        raise ConfigError(f"'callbacks' must be a list of callback objects, got {type(cfg.callbacks).__name__}")
+    cfg.callbacks = list(cfg.callbacks)
     if not isinstance(cfg.output_dir, str) or not cfg.output_dir:
         raise ConfigError(f"'output_dir' must be a non-empty path, got {cfg.output_dir!r}")
     if cfg.resume not in (None, "auto") and not (isinstance(cfg.resume, str) and os.path.isdir(cfg.resume)):

@@ -16,7 +16,7 @@ KNOWN_BACKENDS = ("ddp", "deepspeed", "horovod", "mpi")
 REDUCE_TYPES = ("grad", "param")
 DATA_DISTRIBUTIONS = ("shard", "random_seed_offset")
 DEVICES = ("auto", "cpu", "cuda")
-OPTIMIZERS = ("sgd", "adam", "adamw")
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PG_BACKENDS = ("gloo", "nccl")
 
 
@@ -79,7 +79,18 @@ class RunConfig:
     #: evaluation metrics: "accuracy" or callables ``(outputs, targets) -> float``; None = the task's own
     #: (accuracy for the built-in tasks, none for a custom one)
     metrics: Optional[list[Any]] = None
-    optimizer: dict[str, Any] = field(default_factory=lambda: {"class": "sgd"})
+    #: ``{"class": <any torch.optim class name, case-insensitive>, **kwargs}`` (lr = learning_rate), or a
+    #: factory ``params -> Optimizer`` (it sets its own lr)
+    optimizer: Any = field(default_factory=lambda: {"class": "sgd"})
+    #: None, ``{"class": "constant"|"linear"|"cosine"|"step"|<torch.optim.lr_scheduler class>, "warmup_steps": N,
+    #: ...}`` or a factory ``(optimizer, total_steps) -> scheduler``; stepped once per optimizer step
+    lr_scheduler: Any = None
+    #: "32" (fp32), "bf16-mixed" (torch.autocast to bfloat16, CPU or CUDA) or "16-mixed" (float16 autocast with
+    #: a GradScaler, CUDA only); on DeepSpeed it selects the config's bf16/fp16 block instead
+    precision: str = "32"
+    #: objects with any of on_train_start(trainer), on_step_end(trainer, metrics), on_eval_end(trainer, metrics),
+    #: on_checkpoint(trainer, path), on_train_end(trainer, summary); called on every rank
+    callbacks: list[Any] = field(default_factory=list)
     learning_rate: float = 0.1
     #: samples per rank per micro-step (like DDP's per-process batch and DeepSpeed's micro batch).
     batch_size: int = 32
