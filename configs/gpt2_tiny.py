@@ -21,7 +21,9 @@ def model():
     cfg = GPT2Config(vocab_size=_VOCAB, n_positions=_SEQ_LEN, n_embd=32, n_layer=2, n_head=2,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True)
-    return GPT2LMHeadModel(cfg)
+    m = GPT2LMHeadModel(cfg)
+    m.loss_type = "ForCausalLM"  # transformers 5 cannot infer it from the class name and warns; the same loss
+    return m
 
 
 def _corpus(n, seed):

@@ -117,9 +117,10 @@ class TrainingRun:
         return self.dk.is_main
 
     def request_stop(self) -> None:
-        """Stop training early, from any rank. Every rank stops after the same step: the next log point
-        (every ``log_every`` steps), where the ranks' requests are combined in the loss all-reduce that
-        happens there anyway. The run then ends normally (final eval, checkpoint, summary)."""
+        """Stop training early, from any rank (a callback). Every rank stops after the same step: the ranks'
+        requests are combined (a MAX all-reduce) after the hooks of each log point (``log_every``) and eval
+        point (``eval_every``), so a request from ``on_step_end`` or ``on_eval_end`` stops after that step.
+        The run then ends normally (final eval, checkpoint, summary with ``stopped_early``)."""
         self._stop = True
 
     def _call(self, hook: str, *args: Any) -> None:
@@ -209,25 +210,24 @@ class TrainingRun:
                 faults.maybe_fire(dk.rank, step)
                 if step % cfg.log_every == 0 or step == self.total_steps:
                     names = sorted(window_metrics)  # a train_step's metrics: the same names on every rank
-                    # one all-reduce: the window's losses, metrics and stop requests (mean > 0: some rank asked)
-                    means = dk.all_reduce(torch.stack([window.double() / window_n,
-                                                       *(window_metrics[n] / window_n for n in names),
-                                                       torch.tensor(float(self._stop), dtype=torch.float64)]),
+                    means = dk.all_reduce(torch.stack([window.double(), *(window_metrics[n] for n in names)]) / window_n,
                                           op="mean")
                     train_loss = float(means[0])
                     elapsed = time.perf_counter() - t_start
                     record = {"step": step, "epoch": epoch, "samples": dk.num_samples, "loss": train_loss,
-                              **{n: float(v) for n, v in zip(names, means[1:-1])},
+                              **{n: float(v) for n, v in zip(names, means[1:])},
                               "lr": self.opt.param_groups[0]["lr"], "samples_per_s": dk.num_samples / max(elapsed, 1e-9)}
                     self._log(record)
                     bar.set_postfix(loss=f"{train_loss:.4f}")
                     window, window_n, window_metrics = torch.zeros(()), 0, {}
                     self._call("on_step_end", record)
-                    stopped = float(means[-1]) > 0
-                    if stopped:
-                        dk.print(f"distkit: stop requested by a callback; stopping after step {step}")
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     self._log({"step": step, **self.evaluate()})
+                if self.callbacks and (step % cfg.log_every == 0 or (cfg.eval_every and step % cfg.eval_every == 0)):
+                    # a callback may have asked to stop (on any rank): agree on it now, after the hooks of this step
+                    stopped = bool(dk.all_reduce(torch.tensor([float(self._stop)]), op="max").item() > 0)
+                    if stopped:
+                        dk.print(f"distkit: stop requested by a callback; stopping after step {step}")
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.total_steps and not stopped:
                     self._save()
                 if stopped:

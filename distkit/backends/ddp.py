@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from distkit.env import resolve_rendezvous
 
 from .base import Strategy, parameters_and_float_buffers
 
+#: seconds the GIL is left to gloo's worker threads before the process group is torn down (see teardown)
+_DRAIN_S = 0.05
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -45,6 +48,16 @@ class DDPStrategy(Strategy):
 
     def teardown(self) -> None:
         if dist.is_initialized():
+            # Let gloo's worker threads finish releasing completed work before the group can be destroyed.
+            # A completed work object is destroyed on its worker thread (under the group's mutex; a barrier's
+            # work also holds the works in flight when it was queued), and freeing a tensor that Python saw
+            # takes the GIL. The group itself is often destroyed later, when DDP's reducer lets go of it at
+            # interpreter exit, by the main thread holding the GIL and joining those workers: a deadlock
+            # (gdb: ~ProcessGroupGloo in thread::join; pt_gloo_runloop in ~AsyncBarrierWork ->
+            # ~AsyncAllgatherWork -> decref_pyobject -> take_gil), or "terminate called without an active
+            # exception" when it happens during static destruction. Sleeping releases the GIL so the
+            # workers drain now; torch offers no call that waits for them with the GIL released.
+            time.sleep(_DRAIN_S)
             dist.destroy_process_group()
 
     def backend_impl(self) -> str:

@@ -299,13 +299,14 @@ def _validate(cfg: RunConfig) -> None:
     if cfg.gradient_clip is not None and (not isinstance(cfg.gradient_clip, (int, float)) or cfg.gradient_clip <= 0):
         raise ConfigError(f"'gradient_clip' must be a positive number (max gradient norm) or None, got {cfg.gradient_clip!r}")
     # names are checked against torch.optim where the model is built (distkit.components.check_components)
-    if isinstance(cfg.optimizer, str):
-        cfg.optimizer = _callable("optimizer", cfg.optimizer)
+    # a bare name is the class ("adamw", "cosine"); "module:function" is a factory
+    for key in ("optimizer", "lr_scheduler"):
+        value = getattr(cfg, key)
+        if isinstance(value, str):
+            setattr(cfg, key, _callable(key, value) if ":" in value else {"class": value})
     if not callable(cfg.optimizer) and (not isinstance(cfg.optimizer, dict) or "class" not in cfg.optimizer):
         raise ConfigError(f"'optimizer' must be a dict like {{'class': 'adamw', 'weight_decay': 0.01}} or a factory "
                           f"params -> Optimizer, got {cfg.optimizer!r}")
-    if isinstance(cfg.lr_scheduler, str):
-        cfg.lr_scheduler = _callable("lr_scheduler", cfg.lr_scheduler)
     if cfg.lr_scheduler is not None and not callable(cfg.lr_scheduler):
         if not isinstance(cfg.lr_scheduler, dict) or "class" not in cfg.lr_scheduler:
             raise ConfigError(f"'lr_scheduler' must be None, a dict like {{'class': 'cosine', 'warmup_steps': 100}} or a "

@@ -15,7 +15,6 @@ number of times (a rank-local loss would let ranks diverge and hang in the next 
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import torch
