@@ -10,6 +10,7 @@ SLURM and the other launchers every rank trains in-process and returns from ``fi
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -224,12 +225,19 @@ class Trainer:
         import distkit
 
         dk = distkit.init(cfg)
+        run: Optional[_Fit] = None
         try:
-            _Fit(self, dk, handoff).run()
+            run = _Fit(self, dk, handoff)
+            run.run()
         except BaseException:
             dk.abort()  # MPI engines: end the job so no rank waits for this one
             raise
         finally:
+            # Free the engine's wrapper (DDP holds the process group) while the ranks are still together:
+            # a DDP wrapper destroyed after destroy_process_group was seen to hang rank 0 in gloo's teardown.
+            run = None
+            dk._model = dk._optimizer = dk._scheduler = None  # Session internals: see docs/perceptrain.md
+            gc.collect()
             dk.close()
 
 
