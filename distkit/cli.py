@@ -17,7 +17,8 @@ from distkit.errors import CollectiveTimeout, ConfigError, DistkitError
 
 EPILOG = """\
 config keys: any top-level key of a config file can be set with ++key value (a Python
-literal, else a string), nested keys with ++distributed.reduce_type param.
+literal, else JSON, else a string), nested keys with ++distributed.reduce_type param.
+`distkit keys` lists every key with its default and meaning.
 examples:
   distkit train configs/returnn_ddp.py --nprocs 2
   torchrun --nproc_per_node 2 -m distkit train configs/speechbrain.yaml ++num_epochs 3
@@ -58,10 +59,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pass find_unused_parameters=True to DistributedDataParallel")
     t.add_argument("--deepspeed", action="store_true", help="use the DeepSpeed backend")
     t.add_argument("--deepspeed_config", default=None, metavar="JSON", help="DeepSpeed config file (implies --deepspeed)")
+    k = sub.add_parser("keys", help="list every config key with its default and meaning", allow_abbrev=False)
+    k.add_argument("pattern", nargs="?", default="", help="only keys containing this text")
     from distkit.export import add_parser as add_export_parser
 
     add_export_parser(sub)
     return parser
+
+
+def _print_keys(pattern: str) -> int:
+    """Every config key (``distkit keys [TEXT]``): name, default, meaning; then the seed spellings."""
+    import signal
+    import textwrap
+
+    from distkit.config.schema import ALIAS_KEYS, key_docs
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `distkit keys | head` ends quietly
+
+    rows = [r for r in key_docs() if pattern in r[0]]
+    if not rows and not any(pattern in a for a in ALIAS_KEYS):
+        raise ConfigError(f"no config key contains {pattern!r}: run `distkit keys` for all of them")
+    width = max((len(k) for k, _, _ in rows), default=0)
+    for key, default, meaning in rows:
+        shown = default if not callable(default) else getattr(default, "__name__", default)
+        print(f"{key:<{width}}  = {shown!r}")
+        for line in textwrap.wrap(meaning.replace("``", "`"), 88):
+            print(f"{'':<{width}}    {line}")
+    aliases = [a for a in ALIAS_KEYS if pattern in a]
+    if aliases:
+        print("\nseed spellings, folded into the keys above (RETURNN, SpeechBrain, perceptrain, DeepSpeed):")
+        print(textwrap.fill(", ".join(aliases), 88, initial_indent="  ", subsequent_indent="  "))
+    return 0
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -127,6 +155,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command is None:
             build_parser().print_help()
             return 2
+        if args.command == "keys":
+            return _print_keys(args.pattern)
         if args.command == "export":
             from distkit.export import run as export
 

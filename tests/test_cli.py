@@ -56,3 +56,19 @@ def test_uneven_data_per_rank_never_hangs(tmp_path: Path, mode: str, steps: int)
     # rank 0 has 100 samples, rank 1 137. shard: global batches of 20 -> min(5, 6) = 5 steps per
     # epoch; random_seed_offset: batches of 10 from each rank's own data -> min(10, 13) = 10.
     assert s["steps"] == steps and s["ranks_in_sync"] and "eval_accuracy" not in s  # a custom task: no metrics asked
+
+
+def test_keys_lists_every_key_with_its_meaning() -> None:
+    from distkit.config.schema import ALIAS_KEYS, DISTRIBUTED_KEYS, TOP_LEVEL_KEYS, key_docs
+
+    docs = {k: m for k, _, m in key_docs()}
+    listed = ok(distkit("keys")).stdout
+    for key in [k for k in TOP_LEVEL_KEYS if k != "distributed"] + [f"distributed.{k}" for k in DISTRIBUTED_KEYS]:
+        assert docs[key], f"key {key} has no #: comment in distkit/config/schema.py"
+        assert f"\n{key} " in "\n" + listed, key
+    assert all(a in listed for a in ALIAS_KEYS)
+    one = ok(distkit("keys", "lr_sched")).stdout
+    assert one.startswith("lr_scheduler") and "warmup_steps" in one and "learning_rate" not in one
+    assert "distkit keys" in ok(distkit("train", "--help")).stdout
+    bad = distkit("keys", "no_such_key")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("distkit: error: no config key contains")

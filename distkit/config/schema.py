@@ -24,6 +24,7 @@ PG_BACKENDS = ("gloo", "nccl")
 class DistributedConfig:
     """The canonical ``distributed = {...}`` dict (DESIGN.md section 4)."""
 
+    #: the engine: "ddp" | "deepspeed" | "horovod" | "mpi"
     backend: str = "ddp"
     #: "grad": mean gradient every step; "param": local steps + periodic parameter averaging.
     reduce_type: str = "grad"
@@ -60,12 +61,17 @@ class DistributedConfig:
 class RunConfig:
     """Every top-level key. Units: steps are optimizer steps, sizes are per rank unless named global."""
 
+    #: built-in task ("digits" | "charlm"), or None for your own model + dataset
     task: Optional[str] = "digits"
+    #: ``model() -> nn.Module`` (or "module:function"); replaces the task's model
     model: Optional[Callable[..., Any]] = None
+    #: ``dataset() -> (train, eval)`` (or "module:function"); eval may be None
     dataset: Optional[Callable[..., Any]] = None
+    #: ``loss(outputs, targets) -> scalar tensor``; None = the task's (cross-entropy)
     loss: Optional[Callable[..., Any]] = None
     #: datasets, dataset factories, or "module:function" strings (instead of ``dataset``)
     train_dataset: Any = None
+    #: like train_dataset, for evaluation (None = no eval set unless ``dataset`` gives one)
     eval_dataset: Any = None
     #: ``collate_fn(list of items) -> batch`` for the DataLoader; None = torch's default_collate
     collate_fn: Optional[Callable[..., Any]] = None
@@ -91,28 +97,43 @@ class RunConfig:
     #: objects with any of on_train_start(trainer), on_step_end(trainer, metrics), on_eval_end(trainer, metrics),
     #: on_checkpoint(trainer, path), on_train_end(trainer, summary); called on every rank
     callbacks: list[Any] = field(default_factory=list)
+    #: the optimizer's lr (a factory optimizer sets its own)
     learning_rate: float = 0.1
     #: samples per rank per micro-step (like DDP's per-process batch and DeepSpeed's micro batch).
     batch_size: int = 32
+    #: passes over the training data (when max_steps is None)
     num_epochs: int = 1
+    #: the run length in optimizer steps (epochs repeat the data); None = num_epochs epochs
     max_steps: Optional[int] = None
+    #: seed of the model's initialisation and the data order (the same on every rank)
     seed: int = 42
+    #: "auto" (CUDA if visible), "cpu" or "cuda"
     device: str = "auto"
+    #: "shard" (each rank a disjoint part of every global batch) or "random_seed_offset" (RETURNN)
     data_distribution: str = "shard"
+    #: micro-steps per optimizer step (gradient accumulation)
     accum_grad_multiple_step: int = 1
     #: max global gradient norm (L2); None = no clipping.
     gradient_clip: Optional[float] = None
+    #: evaluate on the eval set every N optimizer steps (and always at the end)
     eval_every: Optional[int] = None
+    #: write a metrics.jsonl line (loss, metrics, lr, samples/s) every N optimizer steps
     log_every: int = 10
+    #: save a checkpoint every N optimizer steps (and always at the end)
     checkpoint_every: Optional[int] = None
+    #: where rank 0 writes config.resolved.json, metrics.jsonl, summary.json and checkpoints/
     output_dir: str = "runs/default"
     #: None, "auto" (continue from output_dir/checkpoints/latest if present) or a checkpoint dir.
     resume: Optional[str] = None
+    #: a tqdm bar on rank 0
     progress_bar: bool = True
+    #: engine and mode: see the distributed.* keys
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     #: number of local ranks distkit spawns itself (perceptrain's nprocs); ignored under a launcher.
     nprocs: int = 1
+    #: task charlm: model size ("small" | "medium" | "large")
     charlm_size: str = "small"
+    #: task charlm: characters per sample
     charlm_seq_len: int = 64
     #: set by the resolver: the top-level keys the user wrote (not a config key)
     explicit_keys: Optional[frozenset[str]] = field(default=None, metadata={"internal": True})
@@ -156,3 +177,32 @@ ALIAS_KEYS = (
     "deepspeed_config",       # DeepSpeed: selects deepspeed
 )
 ALL_KEYS = TOP_LEVEL_KEYS + ALIAS_KEYS
+
+
+def key_docs() -> list[tuple[str, Any, str]]:
+    """``(key, default, meaning)`` for every key, top-level then ``distributed.*``, from the ``#:`` comments
+    above the fields in this module (one source for the code and for ``distkit keys``)."""
+    import inspect
+    import re
+    import sys
+
+    docs: dict[str, str] = {}
+    owner, pending = "", []  # the class being read, the #: lines waiting for their field
+    for line in inspect.getsource(sys.modules[__name__]).splitlines():
+        m = re.match(r"class (\w+)", line)
+        if m:
+            owner, pending = m.group(1), []
+            continue
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            pending.append(stripped[2:].strip())
+            continue
+        m = re.match(r"    (\w+): ", line)
+        if m and owner in ("RunConfig", "DistributedConfig"):
+            prefix = "distributed." if owner == "DistributedConfig" else ""
+            docs[prefix + m.group(1)] = " ".join(pending)
+        pending = []
+    top, dist = RunConfig(), DistributedConfig()
+    rows = [(k, getattr(top, k), docs.get(k, "")) for k in TOP_LEVEL_KEYS if k != "distributed"]
+    rows += [(f"distributed.{k}", getattr(dist, k), docs.get(f"distributed.{k}", "")) for k in DISTRIBUTED_KEYS]
+    return rows
