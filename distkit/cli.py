@@ -131,7 +131,7 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
     try:
         summary = Trainer(cfg, env).fit()
     except DistkitError as e:
-        if e.exit_code == 2:  # bad input found at start: main prints the one line
+        if e.exit_code == 2 and env.world_size == 1:  # bad input in a single process: main prints the one line
             raise
         print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -619,6 +619,9 @@ class Session:
             with contextlib.suppress(Exception):
                 self._strategy.barrier()
         self._closed = True
+        # drop the wrapped model first: a DDP wrapper freed only after the process group is gone releases
+        # the group's last reference at interpreter exit (see DDPStrategy.teardown)
+        self._model = self._optimizer = self._scheduler = None
         self._strategy.teardown()
 
     def __enter__(self) -> "Session":

@@ -95,3 +95,50 @@ def test_metrics_key_and_bad_loss(tmp_path: Path) -> None:
         distkit.Trainer({"model": lambda: torch.nn.Linear(4, 2), "dataset": lambda: data, "batch_size": 8,
                          "train_step": lambda m, b: m(b[0]), "max_steps": 1, "output_dir": str(tmp_path / "b"),
                          "progress_bar": False}).fit()
+
+
+FAILING_METRIC_CONFIG = '''
+import os
+import torch
+
+def model():
+    return torch.nn.Linear(4, 2)
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    items = [(torch.randn(4, generator=g), i % 2) for i in range(96)]
+    return items[:64], items[64:]
+
+def wrong(outputs, targets):
+    if os.environ.get("RANK") == "1":  # one rank only: the other must not wait for it forever
+        return outputs.argmax(-1).eq(targets[:3]).float().mean()  # 8 vs 3: shapes do not broadcast
+    return 0.5
+
+metrics = [wrong]
+max_steps = 4
+batch_size = 8
+progress_bar = False
+'''
+
+
+def test_a_failing_metric_names_itself_and_the_rank_and_ends_every_rank(tmp_path: Path) -> None:
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(FAILING_METRIC_CONFIG)
+    res = distkit_cli("train", str(cfg), "--nprocs", "2", "++output_dir", str(tmp_path / "out"), timeout=120)
+    assert res.returncode != 0
+    assert "distkit: rank 1 failed: UsageError: metric 'wrong' failed on the model's outputs" in res.stderr, res.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_batch_that_cannot_move_to_the_device_is_named() -> None:
+    import torch
+
+    from distkit.data import to_device
+
+    class Opaque:  # has a .to() that does not take a device
+        def to(self, *args: object) -> None:
+            raise TypeError("to() takes no device")
+
+    batch = {"x": torch.ones(2), "meta": [Opaque()]}
+    with pytest.raises(UsageError, match="batch item of type Opaque could not be moved to cpu.*TypeError: to"):
+        to_device(batch, torch.device("cpu"))

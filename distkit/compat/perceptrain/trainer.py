@@ -345,7 +345,8 @@ class _Fit:
                 val_row = self.validate()
                 row.update(val_row)
                 self.say(epoch, val_row, "val")
-            if (c.write_every and epoch % c.write_every == 0) or epoch == c.max_iter or (self.val is not None and epoch % c.val_every == 0):
+            validated = self.val is not None and epoch % c.val_every == 0  # validation rows are always written
+            if (c.write_every and epoch % c.write_every == 0) or epoch == c.max_iter or validated:
                 self.log(row)
             if c.checkpoint_every and epoch % c.checkpoint_every == 0 and epoch < c.max_iter:
                 self.save(f"epoch-{epoch:05d}", epoch)
