@@ -592,6 +592,7 @@ class Session:
             "wall_time_s": wall, "setup_time_s": getattr(self, "_setup_time_s", 0.0),
             "total_time_s": time.perf_counter() - self._t_created, "samples_per_s": self.num_samples / max(wall, 1e-9),
             "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_bytes": s.comm_bytes,
+            "stopped_early": False,
         }
         out.update(extra)
         return out
