@@ -5,9 +5,8 @@
 #   distkit train configs/gpt2_tiny.py --nprocs 2                                  # DDP, grad mode
 #   distkit train configs/gpt2_tiny.py --nprocs 2 ++distributed "{'backend': 'mpi'}"
 #   distkit train configs/gpt2_tiny.py --nprocs 2 ++use_horovod True
-#   distkit train configs/gpt2_tiny.py --nprocs 2 --deepspeed_config configs/ds_zero2.json ++optimizer None
-#       (ds_zero2.json has an optimizer block; or ++distributed "{'backend': 'deepspeed',
-#        'deepspeed_config': {'zero_optimization': {'stage': 3}}}" to keep this file's optimizer)
+#   distkit train configs/gpt2_tiny.py --nprocs 2 ++distributed "{'backend': 'deepspeed', 'deepspeed_config': {'zero_optimization': {'stage': 3}}}"
+#       (no optimizer block in that DeepSpeed config: this file's AdamW is handed to DeepSpeed)
 #   distkit train configs/gpt2_tiny.py --nprocs 2 ++torch_distributed "{'reduce_type': 'param', 'param_sync_step': 4}"
 import torch
 
