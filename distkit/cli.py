@@ -100,6 +100,21 @@ def _print_summary(summary: dict[str, Any]) -> None:
     print("\n".join(lines), flush=True)
 
 
+def _model_shapes(cfg: RunConfig) -> Optional[dict[str, list[int]]]:
+    """The model's tensor shapes, built on the meta device (no memory, no data); None if it cannot be."""
+    import torch
+
+    from distkit.checkpoint import model_shapes
+    from distkit.tasks import TASKS
+
+    try:
+        factory = cfg.model if cfg.model is not None else TASKS[str(cfg.task)](cfg).model_fn
+        with torch.device("meta"):
+            return model_shapes(factory())
+    except Exception:  # a factory that needs real tensors: the ranks check the shapes before loading
+        return None
+
+
 def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list[str]) -> int:
     if args.local_rank is None:
         args.local_rank = args.top_local_rank
@@ -121,6 +136,11 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
     if args.local_rank is not None:  # old torch.distributed.launch passes it only as an argument
         environ.setdefault("LOCAL_RANK", str(args.local_rank))
     env = detect(environ)
+    from distkit.checkpoint import preflight
+
+    # an unwritable output_dir, or a resume that cannot work (damaged, other world size, other model):
+    # one line and exit 2 here, before any rank starts and before anything is written
+    preflight(cfg, cfg.nprocs if env.launcher == "single" else env.world_size, lambda: _model_shapes(cfg))
     if env.launcher == "single" and cfg.nprocs > 1:
         from distkit.launch import run_local
 

@@ -2,9 +2,13 @@
 
 ``DISTKIT_FAULT="RANK:STEP:KIND[:POINT]"`` makes rank RANK, at optimizer step STEP,
 ``kill`` itself with SIGKILL, ``raise`` RuntimeError, or ``hang`` (sleep forever, to test
-timeouts). POINT is ``step`` (right after the optimizer step, the default) or
-``checkpoint`` (inside a checkpoint save, after this rank wrote its file and before the
-manifest). Read once at import; unset in normal runs, where it costs one comparison.
+timeouts). POINT is ``step`` (right after the optimizer step, the default) or a point inside
+the checkpoint save of that step (:func:`distkit.checkpoint.write`, in order): ``rank_file``
+(this rank's ``.part`` file complete, not renamed), ``checkpoint`` (this rank's file in place,
+before the manifest), ``manifest`` (rank 0: the manifest written, the directory still under
+its temporary name), ``swap`` (rank 0, re-saving an existing step: the old directory moved
+aside, the new one not yet in place), ``latest`` (rank 0: the checkpoint complete, ``latest``
+not yet replaced). Read once at import; unset in normal runs, where it costs one comparison.
 """
 from __future__ import annotations
 

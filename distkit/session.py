@@ -521,14 +521,23 @@ class Session:
             else:
                 out[key] = value
         out["distkit"] = self._internal_state()
-        return checkpoint.write(self._strategy, path, out, self._model, step=self.num_steps)
+        model = engine.get("model")
+        shapes = ({k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
+                  if isinstance(model, dict) else None)  # in the manifest: a resume checks them first
+        return checkpoint.write(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes)
 
     def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
         """Collective: restore ``state``'s objects in place from checkpoint ``path`` (the set-up model,
         optimizer and scheduler, and anything with ``load_state_dict``), plus distkit's counters,
-        averager and RNG states. Returns the checkpoint's other entries (e.g. ``{"epoch": 3}``)."""
+        averager and RNG states. Returns the checkpoint's other entries (e.g. ``{"epoch": 3}``).
+
+        This rank's file is verified against the manifest (size, sha256) first; a checkpoint written by
+        another number of ranks, or whose parameter shapes do not fit the set-up model, raises
+        ConfigError naming both before anything is restored."""
         if not isinstance(state, dict):
             raise UsageError(f"dk.load(path, state): state must be a dict, got {type(state).__name__}")
+        if self._model is not None:
+            checkpoint.check_fits(path, self.world_size, lambda: checkpoint.model_shapes(self.unwrap()))
         saved = checkpoint.load(path, self.rank, self.world_size)
         if "distkit" not in saved and "progress" in saved:  # written before the Session existed (0.1.0)
             saved["distkit"] = {k: saved.pop(k) for k in ("averager", "rng", "progress")}

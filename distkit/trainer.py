@@ -19,6 +19,7 @@ from distkit import checkpoint, faults
 from distkit.components import build_optimizer, build_scheduler, check_components
 from distkit.config import RunConfig, resolve
 from distkit.env import ClusterEnv
+from distkit.errors import DistkitError
 from distkit.evaluation import batch_loss, evaluate
 from distkit.session import Session, init
 from distkit.tasks import Task, check_task, make_task
@@ -81,6 +82,7 @@ class TrainingRun:
         self.lr_scheduler = dk._scheduler  # also the DeepSpeed config's own scheduler block
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         self.out = None
+        self._maybe_resume()  # before anything is written: a checkpoint that does not fit leaves output_dir untouched
         if dk.is_main:
             os.makedirs(cfg.output_dir, exist_ok=True)
             with open(os.path.join(cfg.output_dir, "config.resolved.json"), "w") as f:
@@ -89,7 +91,6 @@ class TrainingRun:
             print(f"distkit: {d.backend}/{d.reduce_type} on {dk.world_size} rank(s) via {dk.env.launcher}, "
                   f"task {self.task.name}, batch {cfg.batch_size}/rank, {self.total_steps} steps; "
                   f"resolved config: {os.path.join(cfg.output_dir, 'config.resolved.json')}", flush=True)
-        self._maybe_resume()
         if dk.is_main:
             self.out = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a" if dk.num_steps else "w")
 
@@ -136,7 +137,23 @@ class TrainingRun:
         return state
 
     def _maybe_resume(self) -> None:
-        path = checkpoint.latest(self.ckpt_root) if self.cfg.resume == "auto" else self.cfg.resume
+        """Rank 0 picks the checkpoint (``resume``: "auto" = the newest verified complete one, falling
+        back from a damaged ``latest`` and saying so; a directory; None/"none" = start fresh) and checks
+        that it fits this world size and model; every rank then loads it or raises the same error."""
+        choice: tuple[Optional[str], list[str], Optional[BaseException]] = (None, [], None)
+        if self.dk.is_main:
+            try:
+                path, notes = checkpoint.checkpoint_for(self.cfg)
+                if path is not None:
+                    checkpoint.check_fits(path, self.dk.world_size, lambda: checkpoint.model_shapes(self.dk.unwrap()))
+                choice = (path, notes, None)
+            except DistkitError as e:
+                choice = (None, [], e)
+        path, notes, error = self.dk.broadcast_object(choice, 0) if self.dk.world_size > 1 else choice
+        if error is not None:
+            raise error
+        for note in notes:
+            self.dk.print(f"distkit: {note}")
         if not path:
             return
         self.dk.load(path, self._state())
@@ -145,8 +162,16 @@ class TrainingRun:
     def _save(self) -> None:
         name = checkpoint.step_name(self.dk.num_steps)
         path = self.dk.save(os.path.join(self.ckpt_root, name), self._state())
+        error: Optional[BaseException] = None
         if self.dk.is_main:
-            checkpoint.mark_latest(self.ckpt_root, name)
+            try:
+                checkpoint.mark_latest(self.ckpt_root, name, keep=self.cfg.keep_checkpoints)
+            except DistkitError as e:  # e.g. a full disk: every rank stops with it, none waits for rank 0
+                error = e
+        if self.dk.world_size > 1:
+            error = self.dk.broadcast_object(error, 0)
+        if error is not None:
+            raise error
         self._call("on_checkpoint", path)
 
     def _log(self, record: dict[str, Any]) -> None:

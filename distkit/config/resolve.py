@@ -320,8 +320,10 @@ def _validate(cfg: RunConfig) -> None:
     cfg.callbacks = list(cfg.callbacks)
     if not isinstance(cfg.output_dir, str) or not cfg.output_dir:
         raise ConfigError(f"'output_dir' must be a non-empty path, got {cfg.output_dir!r}")
-    if cfg.resume not in (None, "auto") and not (isinstance(cfg.resume, str) and os.path.isdir(cfg.resume)):
-        raise ConfigError(f"'resume' must be None, 'auto' or an existing checkpoint directory, got {cfg.resume!r}")
+    if cfg.resume not in (None, "auto", "none") and not (isinstance(cfg.resume, str) and os.path.isdir(cfg.resume)):
+        raise ConfigError(f"'resume' must be 'auto', 'none' (start fresh) or an existing checkpoint directory, "
+                          f"got {cfg.resume!r}")
+    _int("keep_checkpoints", cfg.keep_checkpoints, 1)
     if cfg.device == "cuda":
         import torch
 

@@ -123,8 +123,12 @@ class RunConfig:
     checkpoint_every: Optional[int] = None
     #: where rank 0 writes config.resolved.json, metrics.jsonl, summary.json and checkpoints/
     output_dir: str = "runs/default"
-    #: None, "auto" (continue from output_dir/checkpoints/latest if present) or a checkpoint dir.
+    #: "auto" (continue from the newest complete checkpoint in output_dir/checkpoints: `latest`, or the
+    #: newest intact one when `latest` is damaged; stops rather than start over when none is complete),
+    #: "none" or None (start from step 0; a run's older checkpoints are replaced) or a checkpoint dir.
     resume: Optional[str] = None
+    #: complete checkpoints kept in output_dir/checkpoints (older ones are deleted once a new one is complete)
+    keep_checkpoints: int = 3
     #: a tqdm bar on rank 0
     progress_bar: bool = True
     #: engine and mode: see the distributed.* keys
