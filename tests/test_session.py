@@ -312,3 +312,14 @@ def test_batchnorm_statistics_equal_after_finish_and_checked_by_ranks_in_sync(tm
     assert r0["first"] is r1["first"] is True
     assert r0["second"] is r1["second"] is False  # one rank's buffer differs: not in sync
     assert r0["same_params"] and r1["same_params"]  # ... although every parameter is equal
+
+
+def test_hugging_face_batch_encoding_items_are_collated_and_moved(dk: Any) -> None:
+    from transformers import BatchEncoding
+
+    items = [BatchEncoding({"input_ids": torch.full((4,), i), "attention_mask": torch.ones(4, dtype=torch.long)})
+             for i in range(6)]
+    batches = list(dk.dataloader(items, batch_size=3, shuffle=False))
+    assert len(batches) == 2 and all(isinstance(b, BatchEncoding) for b in batches)
+    assert batches[0]["input_ids"].shape == (3, 4) and batches[1]["input_ids"][:, 0].tolist() == [3, 4, 5]
+    assert batches[0]["input_ids"].device == dk.device
