@@ -13,7 +13,7 @@ order, per-rank batch, SGD, DDP bucket size). Runs are interleaved with alternat
 Timing, identical on both sides and taken from outside the step function on rank 0:
 ``perf_counter`` at the start and end of every optimizer step (fetch + forward + backward +
 optimizer step + zero_grad). The raw script does it inline; for distkit a small wrapper
-(``--distkit-worker``) wraps ``distkit.trainer._Run.train_step`` and then runs the real
+(``--distkit-worker``) wraps ``distkit.trainer.TrainingRun.train_step`` and then runs the real
 ``distkit`` CLI entry point in-process, so nothing in distkit changes. The first
 ``--warmup`` steps are dropped. Three metrics per step:
 
@@ -240,7 +240,7 @@ def _what_if_persistent_buffers() -> None:
 
 
 def distkit_worker(times_path: str, argv: list[str]) -> int:
-    """Per rank, under the launcher: time every ``_Run.train_step`` call, then run the real CLI."""
+    """Per rank, under the launcher: time every ``TrainingRun.train_step`` call, then run the real CLI."""
     from time import perf_counter, process_time
 
     import torch
@@ -251,7 +251,7 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
     ends: list[float] = []
     cpu_starts: list[float] = []
     cpu_ends: list[float] = []
-    inner = trainer._Run.train_step
+    inner = trainer.TrainingRun.train_step
 
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:  # train_step(self, batches): the batch fetch is inside
         t0, c0 = perf_counter(), process_time()
@@ -262,7 +262,7 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
         cpu_starts.append(c0)
         return out
 
-    trainer._Run.train_step = timed  # type: ignore[method-assign]
+    trainer.TrainingRun.train_step = timed  # type: ignore[method-assign]
     if os.environ.get("DISTKIT_BENCH_WHAT_IF") == "persistent-buffers":
         _what_if_persistent_buffers()
     rc = cli.main(argv)
@@ -552,7 +552,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "scripts (raw and byo_charlm.py: before pulling the step's batch, after the optimizer step "
                     "and zero_grad)" if args.path == "byo" else
                     "rank 0 perf_counter/process_time at start and end of every optimizer step, taken outside the "
-                    "step function on both sides (distkit: a wrapper around _Run.train_step, the real CLI run "
+                    "step function on both sides (distkit: a wrapper around TrainingRun.train_step, the real CLI run "
                     "in-process)") + "; first `warmup` steps dropped; 'iter' = start to next start (headline), 'step' = "
                    "inside the step, 'cpu' = rank 0's CPU seconds in the step (insensitive to other processes); "
                    "p50/p95 over the pooled steps of all runs of a side; runs interleaved A B, B A, ...; "

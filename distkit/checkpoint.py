@@ -210,8 +210,12 @@ def _clean(root: str, step: int, keep: int) -> None:
     for entry in os.listdir(root):
         path = os.path.join(root, entry)
         m = STEP_RE.match(entry)
+        aside = _ASIDE_RE.match(entry)
         if m and int(m.group(1)) > step:  # after the step just saved: an earlier run's, started over
             shutil.rmtree(path, ignore_errors=True)
+        elif (aside and _step_of(aside.group(1)) <= step and not os.path.exists(os.path.join(root, aside.group(1)))
+              and os.path.isfile(os.path.join(path, "manifest.json"))):
+            os.replace(path, os.path.join(root, aside.group(1)))  # an interrupted re-save's only copy: back in place
         elif entry.startswith(".") and (entry.endswith((".tmp", ".old", ".part"))):
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
         elif entry.endswith((".tmp", ".part")) and os.path.isfile(path):
@@ -366,7 +370,7 @@ def check_fits(path: str, world_size: int, shapes: Optional[Callable[[], Optiona
 
 def model_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     """Shapes of a model's state_dict tensors (ZeRO-3 partitioned parameters: their full ``ds_shape``)."""
-    full = {n: getattr(p, "ds_shape", None) for n, p in model.named_parameters()}
+    full = {n: getattr(p, "ds_shape", None) for n, p in model.named_parameters(remove_duplicate=False)}
     return {k: list(full.get(k) or v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 

@@ -59,6 +59,10 @@ CASES = [
     ("bad_compression", "use_horovod = True\nhorovod_compression = 'int8'\n", [], ["compression", "none, fp16"]),
     ("horovod_key_without_horovod", "horovod_reduce_type = 'param'\n", [], ["use_horovod = True"]),
     ("override_without_value", "", ["++learning_rate"], ["has no value"]),
+    ("resume_bad_value", "resume = 'latest'\n", [], ["'resume' must be 'auto', 'none' (start fresh)", "'latest'"]),
+    ("keep_checkpoints_zero", "keep_checkpoints = 0\n", [], ["'keep_checkpoints' must be an integer >= 1", "0"]),
+    ("output_dir_below_a_file", "", ["++output_dir", "/etc/hostname/run"], ["output_dir '/etc/hostname/run' cannot be created",
+                                                                           "'/etc/hostname' is a file"]),
 ]
 
 
@@ -112,3 +116,30 @@ def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["train", str(tmp_path / "nope.py")]) == 2
     line = capsys.readouterr().err.strip()
     assert "nope.py' does not exist" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("exists", [False, True], ids=["new_dir", "existing_dir"])
+def test_read_only_output_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str], exists: bool) -> None:
+    """A read-only output_dir (a read-only mount: root ignores chmod) is one line and exit 2 before
+    training starts, checked by a write probe that leaves nothing behind."""
+    import os
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(ro)]).returncode:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    try:
+        out = ro / "run"
+        if exists:
+            (out / "checkpoints").mkdir(parents=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        cfg, _ = _write(tmp_path, "task = 'digits'\n")
+        assert main(["train", str(cfg), "--nprocs", "2", "++output_dir", str(out)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        where = out if exists else ro
+        assert lines == [f"distkit: error: output_dir '{out}' is not writable (Read-only file system: '{where}'): "
+                         "choose a writable output_dir or fix its permissions"]
+        assert sorted(p.name for p in ro.rglob("*")) == (["checkpoints", "run"] if exists else [])
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
