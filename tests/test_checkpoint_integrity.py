@@ -1,0 +1,224 @@
+"""Never lose a run silently (issue 10, items 4 and 5): `latest` always names a complete checkpoint, a
+kill at any point of a re-save leaves it loadable, damaged files are found by their sha256 and a resume
+falls back or stops with one line (never from step 0 over an earlier run), a full disk or a checkpoint
+that does not fit stops with one line and leaves the previous checkpoint and the run's files intact."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from conftest import ROOT, distkit, final_params, ok
+from distkit import checkpoint
+from distkit.cli import main
+
+ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", "10", "++checkpoint_every", "5", "++log_every", "5",
+        "++progress_bar", "False"]
+
+
+def train(out: Path, *extra: str, nprocs: int = 2, **env: str) -> subprocess.CompletedProcess[str]:
+    return distkit(*ARGS, "--nprocs", str(nprocs), "++output_dir", str(out), *extra, **env)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-rank run of 10 steps: checkpoints step-5 and step-10 (= an uninterrupted 10-step run)."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    ok(train(out))
+    return out
+
+
+def copy(base: Path, tmp_path: Path, name: str = "run") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(base, dst)
+    return dst
+
+
+def untouched(out: Path) -> dict[str, tuple[bytes, int]]:
+    """The run's own files, byte for byte with their mtimes: compared before and after a refused start."""
+    return {p: ((out / p).read_bytes(), (out / p).stat().st_mtime_ns) for p in ("config.resolved.json", "metrics.jsonl")}
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))  # same size: only the sha256 can tell
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_manifest_records_size_and_sha256(base: Path) -> None:
+    ckpt = base / "checkpoints" / "step-0000010"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["step"] == 10
+    for name in ("rank-00000.pt", "rank-00001.pt"):
+        assert manifest["files"][name] == {"size": (ckpt / name).stat().st_size,
+                                           "sha256": checkpoint.sha256_file(str(ckpt / name))}
+    assert manifest["shapes"]["0.weight"] == [128, 64]
+    assert checkpoint.verify(str(ckpt)) is None
+
+
+@pytest.mark.parametrize("point", ["checkpoint", "manifest", "swap"])
+def test_kill_at_any_point_of_a_resave_leaves_latest_loadable(base: Path, tmp_path: Path, point: str) -> None:
+    # Resuming the finished run re-saves step 10 at its end (no step left to train); rank 0 is killed
+    # inside that save: after its own file, after the manifest, or between moving the old step-0000010
+    # aside and putting the new one in place (the window where `latest` named a directory without a manifest).
+    out = copy(base, tmp_path)
+    killed = train(out, "++resume", "auto", DISTKIT_FAULT=f"0:10:kill:{point}")
+    assert killed.returncode != 0 and "rank 0 failed (killed by SIGKILL)" in killed.stderr
+    root = out / "checkpoints"
+    assert (root / "latest").read_text() == "step-0000010"
+    if point == "swap":
+        assert not (root / "step-0000010").exists() and (root / ".step-0000010.old" / "manifest.json").exists()
+    path, notes = checkpoint.find_resumable(str(root))
+    assert path is not None and checkpoint.verify(path) is None and notes == []
+    want = final_params(base)
+    assert same(torch.load(Path(path) / "rank-00000.pt", weights_only=False)["model"], want)
+    if point != "swap":
+        return
+    # and a real resume continues from it; the save at its end puts step-0000010 back and removes the aside copy
+    resumed = ok(train(out, "++resume", "auto"))
+    assert "at step 10" in resumed.stdout
+    assert same(final_params(out), want) and same(final_params(out, 1), final_params(base, 1))
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-0000005", "step-0000010"]
+
+
+def test_damaged_latest_falls_back_to_newest_complete(base: Path, tmp_path: Path) -> None:
+    out = copy(base, tmp_path)
+    root = out / "checkpoints"
+    flip_byte(root / "step-0000010" / "rank-00001.pt")
+    # leftovers of interrupted saves are removed by the next save
+    (root / ".step-0000007.tmp").mkdir()
+    (root / ".step-0000007.tmp" / "rank-00000.pt.part").write_bytes(b"x")
+    (root / "latest.tmp").write_text("step-0000007")
+    resumed = ok(train(out, "++resume", "auto"))
+    damaged = root / "step-0000010" / "rank-00001.pt"
+    assert (f"distkit: checkpoints/latest names step-0000010, which is unusable: {damaged} does not match its "
+            "sha256 in the manifest; resuming from step-0000005, the newest complete checkpoint") in resumed.stdout
+    assert "at step 5" in resumed.stdout
+    # steps 5..10 retrained: bit-identical to the uninterrupted run, on both ranks
+    assert same(final_params(out), final_params(base)) and same(final_params(out, 1), final_params(base, 1))
+    assert checkpoint.verify(str(root / "step-0000010")) is None
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-0000005", "step-0000010"]
+
+
+def test_latest_missing_falls_back_and_nothing_complete_stops(base: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = copy(base, tmp_path)
+    root = out / "checkpoints"
+    (root / "latest").unlink()
+    path, notes = checkpoint.find_resumable(str(root))
+    assert path == str(root / "step-0000010")
+    assert notes == ["checkpoints/latest is missing; resuming from step-0000010, the newest complete checkpoint"]
+    # every checkpoint damaged: ++resume auto stops (one line naming the damaged file), never starts from step 0
+    (root / "latest").write_text("step-0000010")
+    flip_byte(root / "step-0000010" / "rank-00000.pt")
+    (root / "step-0000005" / "manifest.json").unlink()
+    before = untouched(out)
+    assert main([*ARGS, "--nprocs", "2", "++output_dir", str(out), "++resume", "auto"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (
+        f"distkit: error: no complete checkpoint in {root} to resume from: {root / 'step-0000010' / 'rank-00000.pt'} "
+        "does not match its sha256 in the manifest; restore the file, resume from a checkpoint directory with "
+        "++resume DIR, or start over with ++resume none")
+    assert untouched(out) == before
+    # only an explicit ++resume none starts over; keep_checkpoints = 1 keeps the newest only
+    fresh = ok(train(out, "++resume", "none", "++keep_checkpoints", "1"))
+    assert "resumed" not in fresh.stdout
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-0000010"]
+    assert same(final_params(out), final_params(base)) and checkpoint.verify(str(root / "step-0000010")) is None
+
+
+def test_resume_on_more_ranks_is_one_line_before_anything_starts(base: Path, tmp_path: Path) -> None:
+    out = copy(base, tmp_path)
+    before = untouched(out)
+    res = train(out, "++resume", "auto", nprocs=3)
+    ckpt = out / "checkpoints" / "step-0000010"
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip() == (
+        f"distkit: error: checkpoint '{ckpt}' was written by 2 ranks, this run has 3: resume with 2 ranks (resuming "
+        f"on another number of ranks is not supported yet), or take its weights to a fresh run with `distkit export "
+        f"{ckpt} model.pt`")
+    assert untouched(out) == before
+
+
+OTHER_MODEL = """\
+import torch
+def model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+"""
+
+
+def test_checkpoint_of_another_model_is_one_line(base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = copy(base, tmp_path)
+    cfg = tmp_path / "other_model.py"
+    cfg.write_text(OTHER_MODEL)
+    before = untouched(out)
+    assert main(["train", str(ROOT / "configs" / "returnn_ddp.py"), str(cfg), "--nprocs", "2", "++output_dir", str(out),
+                 "++resume", "auto"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (
+        f"distkit: error: checkpoint '{out / 'checkpoints' / 'step-0000010'}' does not fit the model: parameter "
+        "'0.weight' has shape [128, 64] in the checkpoint and [32, 64] in the model; resume with the model that "
+        "wrote it, or start over with ++resume none")
+    assert untouched(out) == before
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_while_saving_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    # 300 KiB: config, metrics and step-5 (two 83 KiB rank files) fit; step-10's two files do not
+    with tmpfs(tmp_path / "small", "size=300k") as disk:
+        out = disk / "run"
+        res = train(out)
+        root = out / "checkpoints"
+        assert res.returncode == 2, res.stderr
+        assert "Traceback" not in res.stderr
+        line = (f"no space left on device writing '{root / 'step-0000010'}/rank-0000"), \
+            ("; the previous checkpoint step-0000005 is intact (partial files removed): free space or lower "
+             "keep_checkpoints, then continue with ++resume auto")
+        errors = [ln for ln in res.stderr.splitlines() if "CheckpointError" in ln]
+        assert errors and all(line[0] in ln and ln.endswith(line[1]) for ln in errors), res.stderr
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step-0000005"]  # partial files removed
+        assert (root / "latest").read_text() == "step-0000005" and checkpoint.verify(str(root / "step-0000005")) is None
+        assert json.loads((out / "config.resolved.json").read_text())["world_size"] == 2
+        assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [5, 10]
+        assert not (out / "summary.json").exists()
+
+
+def test_leftover_cleanup_and_retention_unit(tmp_path: Path) -> None:
+    """mark_latest: leftovers of interrupted saves and checkpoints of an abandoned (later-step) timeline go,
+    the newest ``keep`` stay."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8, 30):
+        (root / f"step-{step:07d}").mkdir(parents=True)
+    for junk in (".step-0000010.tmp", ".step-0000006.old", ".step-0000003.old"):
+        (root / junk).mkdir()
+    (root / ".step-0000003.old" / "manifest.json").write_text("{}")  # an interrupted re-save's only copy of step 3
+    (root / "latest.tmp").write_text("x")
+    checkpoint.mark_latest(str(root), "step-0000008", keep=3)
+    # .step-0000006.old is garbage (step-0000006 exists), .step-0000003.old is moved back, then the newest 3 stay
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-0000004", "step-0000006", "step-0000008"]
+    assert (root / "latest").read_text() == "step-0000008"
+    checkpoint.check_output_dir(str(tmp_path / "new" / "run"))
+    assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".distkit-write-probe-*"))
