@@ -14,6 +14,7 @@ from typing import Any, NoReturn, Optional
 
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
 from distkit.errors import CollectiveTimeout, ConfigError, DistkitError
+from distkit.launch import record_failure
 
 EPILOG = """\
 config keys: any top-level key of a config file can be set with ++key value (a Python
@@ -153,9 +154,11 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
     except DistkitError as e:
         if e.exit_code == 2 and env.world_size == 1:  # bad input in a single process: main prints the one line
             raise
+        record_failure(env.rank, e)
         print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
+        record_failure(env.rank, e)
         traceback.print_exc()
         if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
             e = CollectiveTimeout(f"a collective timed out after distributed.timeout_s={cfg.distributed.timeout_s:g} s: "

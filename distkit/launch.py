@@ -10,18 +10,65 @@ instead (:func:`mpirun`), which does the same watching.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from typing import Optional
 
 #: seconds between SIGTERM and SIGKILL when stopping the surviving ranks
 GRACE_S = 5.0
+#: seconds the spawner waits after the first failed rank for the others' failure records (see _culprit)
+SETTLE_S = 1.0
+#: where a spawned rank records why it failed (set by :func:`spawn`)
+FAILURE_DIR_VAR = "DISTKIT_FAILURE_DIR"
+#: words of errors a rank gets because another rank failed (its peer closed the connection, a collective timed out)
+_PEER_WORDS = ("closed by peer", "connection reset", "connection refused", "broken pipe", "timed out", "timeout",
+               "another rank")
+
+
+def record_failure(rank: int, exc: BaseException) -> None:
+    """Under distkit's spawner: note when and why this rank failed, so the spawner names the rank whose
+    error came first and was its own, not one that only lost its peer (no-op elsewhere)."""
+    directory = os.environ.get(FAILURE_DIR_VAR)
+    if not directory:
+        return
+    text = f"{type(exc).__name__}: {exc}"
+    peer = type(exc).__name__ == "CollectiveTimeout" or any(w in text.lower() for w in _PEER_WORDS)
+    try:
+        with open(os.path.join(directory, f"rank-{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "time": time.time(), "peer": peer, "error": text[:300]}, f)
+    except OSError:
+        pass  # best effort: the spawner then names the first rank it saw fail
+
+
+def _culprit(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """The failed rank to name: the earliest with an error of its own; else one that died without
+    recording anything (killed, crashed); else the earliest; else the first the spawner saw."""
+    records = []
+    for rank, code in failed:
+        try:
+            with open(os.path.join(directory, f"rank-{rank}.json")) as f:
+                records.append((json.load(f), code))
+        except (OSError, ValueError):
+            continue
+    own = sorted((r["time"], r["rank"], c) for r, c in records if not r["peer"])
+    if own:
+        return own[0][1], own[0][2]
+    recorded = {r["rank"] for r, _ in records}
+    silent = [(r, c) for r, c in failed if r not in recorded]
+    if silent:
+        return silent[0]
+    if records:
+        first = min(records, key=lambda rc: rc[0]["time"])
+        return first[0]["rank"], first[1]
+    return failed[0]
 
 
 def free_port() -> int:
@@ -102,11 +149,12 @@ def spawn(cmd: list[str], nprocs: int) -> int:
     """Run ``cmd`` as ``nprocs`` ranks (torchrun's environment variables); returns the exit status."""
     port, spawn_id = free_port(), uuid.uuid4().hex[:12]
     threads = _threads(nprocs)
+    failures = tempfile.mkdtemp(prefix="distkit-failures-")
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(nprocs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   DISTKIT_SPAWN_ID=spawn_id)
+                   DISTKIT_SPAWN_ID=spawn_id, **{FAILURE_DIR_VAR: failures})
         env.setdefault("OMP_NUM_THREADS", threads)  # as torchrun: no oversubscription of the cores
         procs.append(subprocess.Popen(cmd, env=env))
 
@@ -125,7 +173,14 @@ def spawn(cmd: list[str], nprocs: int) -> int:
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rank, code = failed[0]
+                # The first rank seen dead may only have lost its peer: let the others finish failing
+                # (briefly), then name the one whose error came first and was its own.
+                deadline = time.monotonic() + SETTLE_S
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    time.sleep(0.05)
+                codes = [p.poll() for p in procs]
+                failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                rank, code = _culprit(failures, failed)
                 print(f"distkit: rank {rank} failed ({_describe(code)}); stopping the other ranks", file=sys.stderr, flush=True)
                 _stop(procs)
                 return code if code > 0 else 1
@@ -133,5 +188,6 @@ def spawn(cmd: list[str], nprocs: int) -> int:
                 return 0
             time.sleep(0.05)
     finally:
+        shutil.rmtree(failures, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)

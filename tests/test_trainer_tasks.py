@@ -127,6 +127,9 @@ def test_a_failing_metric_names_itself_and_the_rank_and_ends_every_rank(tmp_path
     res = distkit_cli("train", str(cfg), "--nprocs", "2", "++output_dir", str(tmp_path / "out"), timeout=120)
     assert res.returncode != 0
     assert "distkit: rank 1 failed: UsageError: metric 'wrong' failed on the model's outputs" in res.stderr, res.stderr
+    # the spawner names rank 1 too, not rank 0, whose own error was only "connection closed by peer"
+    assert "distkit: rank 1 failed (exit status 2); stopping the other ranks" in res.stderr, res.stderr
+    assert "distkit: rank 0 failed (" not in res.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
