@@ -14,7 +14,7 @@ from typing import Any, NoReturn, Optional
 
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
 from distkit.errors import CollectiveTimeout, ConfigError, DistkitError
-from distkit.launch import record_failure
+from distkit.launch import record_failure, settle_if_peer
 
 EPILOG = """\
 config keys: any top-level key of a config file can be set with ++key value (a Python
@@ -156,6 +156,7 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
             raise
         record_failure(env.rank, e)
         print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        settle_if_peer(e, env.world_size)
         return e.exit_code
     except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
         record_failure(env.rank, e)
@@ -164,6 +165,7 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
             e = CollectiveTimeout(f"a collective timed out after distributed.timeout_s={cfg.distributed.timeout_s:g} s: "
                                   f"another rank hung or died (see its output)")
         print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        settle_if_peer(e, env.world_size)
         return 1
     if env.rank == 0:
         _print_summary(summary)

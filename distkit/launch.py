@@ -39,13 +39,27 @@ def record_failure(rank: int, exc: BaseException) -> None:
     directory = os.environ.get(FAILURE_DIR_VAR)
     if not directory:
         return
-    text = f"{type(exc).__name__}: {exc}"
-    peer = type(exc).__name__ == "CollectiveTimeout" or any(w in text.lower() for w in _PEER_WORDS)
+    text, peer = f"{type(exc).__name__}: {exc}", lost_a_peer(exc)
     try:
         with open(os.path.join(directory, f"rank-{rank}.json"), "w") as f:
             json.dump({"rank": rank, "time": time.time(), "peer": peer, "error": text[:300]}, f)
     except OSError:
         pass  # best effort: the spawner then names the first rank it saw fail
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a rank gets when *another* rank failed (its connection closed, a collective
+    timed out), rather than an error of its own."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return type(exc).__name__ == "CollectiveTimeout" or any(w in text for w in _PEER_WORDS)
+
+
+def settle_if_peer(exc: BaseException, world_size: int) -> None:
+    """A rank that failed only because a peer did waits :data:`SETTLE_S` before exiting, so that any
+    launcher (distkit's spawner, torchrun, whose "Root Cause" is the earliest failure in whole seconds
+    with ties going to the lowest rank) sees the rank that really failed exit first."""
+    if world_size > 1 and lost_a_peer(exc):
+        time.sleep(SETTLE_S)
 
 
 def _culprit(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int]:

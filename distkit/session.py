@@ -52,7 +52,7 @@ from distkit.data import BatchPlan, PlanSampler, ShardedLoader
 from distkit.env import ClusterEnv, detect
 from distkit.errors import CollectiveTimeout, DistkitError, UsageError
 from distkit.evaluation import param_checksum
-from distkit.launch import record_failure
+from distkit.launch import record_failure, settle_if_peer
 from distkit.main_process import set_current_strategy
 
 Source = Union[argparse.Namespace, dict, RunConfig, str, Sequence[str], None]
@@ -171,6 +171,7 @@ def _install_excepthook() -> None:
         session = Session.current
         if session is not None:
             record_failure(session.rank, exc)
+            settle_if_peer(exc, session.world_size)
         if session is not None and session.world_size > 1:
             with contextlib.suppress(BaseException):
                 try:
