@@ -101,7 +101,7 @@ def _write_rank_file(tmp: str, rank: int, state: dict[str, Any], step: int) -> t
 
 
 def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = None, step: int = -1,
-          shapes: Optional[dict[str, list[int]]] = None) -> str:
+          shapes: Optional[dict[str, list[int]]] = None, samples: Optional[int] = None) -> str:
     """Collective: write this rank's ``state`` as the complete checkpoint directory ``final``, atomically.
 
     Every rank writes its own file into a hidden temporary sibling (``.part`` then rename) and hashes
@@ -154,7 +154,10 @@ def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
                     rel = os.path.relpath(os.path.join(d, f), tmp)
                     files[rel] = hashed.get(rel) or {"size": os.path.getsize(os.path.join(d, f)),
                                                      "sha256": sha256_file(os.path.join(d, f))}
-            manifest = {"format": 2, "step": step, "world_size": strategy.world_size,
+            d = strategy.cfg.distributed
+            manifest = {"format": 2, "step": step, "samples": samples, "world_size": strategy.world_size,
+                        "engine": strategy.name, "reduce_type": d.reduce_type,
+                        "zero_stage": getattr(strategy, "zero_stage", None),
                         "files": dict(sorted(files.items())), "shapes": shapes}
             with open(os.path.join(tmp, "manifest.json.part"), "w") as f:
                 json.dump(manifest, f)

@@ -26,6 +26,7 @@ examples:
   mpirun -np 2 .venv/bin/distkit train configs/returnn_ddp.py
   deepspeed --num_accelerators 2 --module distkit train cfg.py --deepspeed --deepspeed_config ds.json
   distkit export runs/x/checkpoints/step-0000040 model.pt
+  distkit inspect runs/x                      # what the latest checkpoint holds; is it intact
 """
 
 
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keys", help="list every config key with its default and meaning", allow_abbrev=False)
     k.add_argument("pattern", nargs="?", default="", help="only keys containing this text")
     from distkit.export import add_parser as add_export_parser
+    from distkit.inspection import add_parser as add_inspect_parser
+
+    add_inspect_parser(sub)
 
     add_export_parser(sub)
     return parser
@@ -182,6 +186,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         if args.command == "keys":
             return _print_keys(args.pattern)
+        if args.command == "inspect":
+            from distkit.inspection import run as inspect_checkpoint
+
+            return inspect_checkpoint(args)
         if args.command == "export":
             from distkit.export import run as export
 

@@ -528,7 +528,8 @@ class Session:
         model = engine.get("model")
         shapes = ({k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
                   if isinstance(model, dict) else None)  # in the manifest: a resume checks them first
-        return checkpoint.write(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes)
+        return checkpoint.write(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes,
+                                samples=self.num_samples)
 
     def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
         """Collective: restore ``state``'s objects in place from checkpoint ``path`` (the set-up model,

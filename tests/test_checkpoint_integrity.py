@@ -222,3 +222,27 @@ def test_leftover_cleanup_and_retention_unit(tmp_path: Path) -> None:
     assert (root / "latest").read_text() == "step-0000008"
     checkpoint.check_output_dir(str(tmp_path / "new" / "run"))
     assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".distkit-write-probe-*"))
+
+
+def test_inspect_reports_progress_engine_model_files_and_integrity(base: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from distkit.tasks.digits import make_model
+
+    assert main(["inspect", str(base), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    model = make_model()
+    assert (info["step"], info["samples"], info["world_size"]) == (10, 10 * 2 * 16, 2)
+    assert (info["engine"], info["reduce_type"], info["zero_stage"]) == ("ddp", "grad", None)
+    assert info["tensors"] == len(model.state_dict())
+    assert info["elements"] == sum(t.numel() for t in model.state_dict().values())
+    assert info["fp32_bytes"] == 4 * info["elements"] and info["intact"] is True
+    ckpt = Path(info["checkpoint"])
+    assert ckpt.name == "step-0000010" and info["files"] == {p.name: p.stat().st_size for p in ckpt.glob("rank-*.pt")}
+    assert main(["inspect", str(base)]) == 0
+    assert "integrity    intact" in capsys.readouterr().out
+    damaged = copy(base, tmp_path)
+    flip_byte(damaged / "checkpoints" / "step-0000010" / "rank-00001.pt")
+    assert main(["inspect", str(damaged / "checkpoints" / "step-0000010")]) == 1
+    assert "DAMAGED" in (out := capsys.readouterr().out) and "rank-00001.pt does not match its sha256" in out
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2
+    assert "is neither a complete distkit checkpoint" in capsys.readouterr().err
