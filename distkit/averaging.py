@@ -90,6 +90,18 @@ class ParamAverager:
         if self.steps_since_sync > 0:
             self.sync()
 
+    def restart(self) -> None:
+        """Not collective: begin a new averaging period from the current tensors (after weights were
+        loaded from elsewhere, e.g. a checkpoint of another layout): no steps since a sync, the
+        anchor set to the current tensors, the outer optimizer's momentum cleared."""
+        self.steps_since_sync = 0
+        self._last_sync = time.monotonic()
+        if self._outer is not None:
+            with torch.no_grad():
+                for a, t in zip(self._anchor, self.tensors, strict=True):
+                    a.copy_(t)
+            self._outer.state.clear()
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"steps_since_sync": self.steps_since_sync, "num_syncs": self.num_syncs}
         if self._outer is not None:

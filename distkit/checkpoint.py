@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from distkit import faults
+from distkit import faults, portable
 from distkit.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -101,7 +101,9 @@ def _write_rank_file(tmp: str, rank: int, state: dict[str, Any], step: int) -> t
 
 
 def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = None, step: int = -1,
-          shapes: Optional[dict[str, list[int]]] = None, samples: Optional[int] = None) -> str:
+          shapes: Optional[dict[str, list[int]]] = None, samples: Optional[int] = None,
+          portable_part: Optional[tuple[dict[str, Any], dict[str, Any]]] = None,
+          global_batch: Optional[int] = None) -> str:
     """Collective: write this rank's ``state`` as the complete checkpoint directory ``final``, atomically.
 
     Every rank writes its own file into a hidden temporary sibling (``.part`` then rename) and hashes
@@ -110,7 +112,9 @@ def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
     moved aside first and deleted only after the new one is in place, so a kill at any instant leaves
     a complete checkpoint under ``final``, under its aside name (found by :func:`resolve`), or its
     predecessor intact. Engines with their own format (DeepSpeed) write it through
-    ``strategy.save_engine_files`` into the same directory, covered by the same manifest. An
+    ``strategy.save_engine_files`` into the same directory, covered by the same manifest; so is the
+    engine-neutral ``portable/`` part (``portable_part``: this rank's tensors and rank 0's meta, see
+    :mod:`distkit.portable`), which every rank writes its share of. An
     unwritable location raises :class:`CheckpointError` on every rank before anything is written; a
     full disk raises it on every rank after the partial files are removed.
     """
@@ -139,6 +143,14 @@ def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
             mine = f"{e.strerror or e} writing '{where}'"
         else:
             mine = f"{type(e).__name__}: {e} writing '{where}'"
+    if portable_part is not None:  # collective, every rank (also one whose own file failed): no rank waits alone
+        try:
+            portable.save(strategy, os.path.join(tmp, portable.DIR), *portable_part)
+        except Exception as e:
+            where = os.path.join(final, portable.DIR)
+            text = (f"no space left on device writing '{where}'" if _is_no_space(e)
+                    else f"{type(e).__name__}: {e} writing '{where}'")
+            mine = mine if isinstance(mine, str) else text
     faults.maybe_fire(strategy.rank, step, "checkpoint")
     results = strategy.all_gather_object(mine)  # also the barrier: every rank's file is complete
     failed = [r for r in results if isinstance(r, str)]
@@ -155,7 +167,8 @@ def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
                     files[rel] = hashed.get(rel) or {"size": os.path.getsize(os.path.join(d, f)),
                                                      "sha256": sha256_file(os.path.join(d, f))}
             d = strategy.cfg.distributed
-            manifest = {"format": 2, "step": step, "samples": samples, "world_size": strategy.world_size,
+            manifest = {"format": 3, "step": step, "samples": samples, "global_batch": global_batch,
+                        "portable": portable_part is not None, "world_size": strategy.world_size,
                         "engine": strategy.name, "reduce_type": d.reduce_type,
                         "zero_stage": getattr(strategy, "zero_stage", None),
                         "files": dict(sorted(files.items())), "shapes": shapes}
@@ -275,15 +288,16 @@ def _check_file(path: str, rel: str, want: Any) -> Optional[str]:
     return None
 
 
-def verify(path: str, only: Optional[str] = None) -> Optional[str]:
+def verify(path: str, only: Optional[str] = None, under: Optional[str] = None) -> Optional[str]:
     """What is damaged in checkpoint ``path`` (the first file, by name), or None when every file (or
-    just file ``only``) has the size and sha256 its manifest records."""
+    just file ``only``, or the files in its subdirectory ``under``) has the size and sha256 its
+    manifest records."""
     try:
         manifest = read_manifest(path)
     except CheckpointError as e:
         return str(e)
     for rel, want in sorted(manifest["files"].items()):
-        if only is None or rel == only:
+        if (only is None or rel == only) and (under is None or rel.startswith(under + os.sep)):
             problem = _check_file(path, rel, want)
             if problem:
                 return problem
@@ -349,12 +363,12 @@ def check_fits(path: str, world_size: int, shapes: Optional[Callable[[], Optiona
     """ConfigError unless checkpoint ``path`` can be loaded by ``world_size`` ranks into a model whose
     tensor shapes ``shapes()`` returns (None: not checked)."""
     manifest = read_manifest(path)
-    if manifest["world_size"] != world_size:
+    if manifest["world_size"] != world_size and not manifest.get("portable"):
         n = manifest["world_size"]
         ranks = f"{n} rank" + ("s" if n != 1 else "")
         raise ConfigError(
-            f"checkpoint '{path}' was written by {ranks}, this run has {world_size}: resume with {ranks} (resuming on "
-            f"another number of ranks is not supported yet), or take its weights to a fresh run with `distkit export "
+            f"checkpoint '{path}' was written by {ranks}, this run has {world_size}: resume with {ranks} (it predates "
+            f"portable checkpoints, which resume on any number of ranks), or take its weights to a fresh run with `distkit export "
             f"{path} model.pt`")
     saved = manifest.get("shapes")
     mine = shapes() if (saved and shapes is not None) else None

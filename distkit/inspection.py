@@ -1,7 +1,8 @@
 """``distkit inspect CKPT``: what a checkpoint holds and whether it is intact, without loading a model.
 
 CKPT is a checkpoint directory, a ``checkpoints/`` root or an ``output_dir`` (as for ``distkit export``).
-Reported: step, samples (global), engine, reduce_type, ZeRO stage, world size, the model's tensors
+Reported: step, samples (global), global batch, engine, reduce_type, ZeRO stage, world size, whether it
+has the engine-neutral portable part (then it resumes anywhere), the model's tensors
 (count, elements, fp32 bytes, from the manifest's shapes), every file with its size, and integrity:
 each file's size and sha256 against the manifest. Exit status 0 when intact, 1 when damaged, 2 for
 a path that is not a checkpoint.
@@ -26,7 +27,8 @@ def describe(path: str) -> dict[str, Any]:
     manifest = checkpoint.read_manifest(ckpt)
     info: dict[str, Any] = {"checkpoint": ckpt, "step": manifest.get("step"), "samples": manifest.get("samples"),
                             "engine": manifest.get("engine"), "reduce_type": manifest.get("reduce_type"),
-                            "zero_stage": manifest.get("zero_stage"), "world_size": manifest["world_size"]}
+                            "zero_stage": manifest.get("zero_stage"), "world_size": manifest["world_size"],
+                            "global_batch": manifest.get("global_batch"), "portable": bool(manifest.get("portable"))}
     if info["engine"] is None:  # written before the manifest named them: the run's resolved config says
         resolved = os.path.join(os.path.dirname(os.path.dirname(ckpt)), "config.resolved.json")
         if os.path.isfile(resolved):
@@ -69,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"checkpoint   {info['checkpoint']}")
     print(f"progress     step {info['step']}, {info['samples']} samples")
     print(f"written by   {info['engine']}/{info['reduce_type']}{stage} on {info['world_size']} rank(s)")
+    print("portable     " + ("yes: resumes on any engine, number of ranks and mode" if info["portable"] else
+                             "no (written before distkit 0.3): resumes only with the engine, ranks and mode above"))
     if info["tensors"] is not None:
         print(f"model        {info['tensors']} tensors, {info['elements']:,} elements "
               f"({info['fp32_bytes'] / 2 ** 20:.2f} MiB as fp32)")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import math
 import os
 import random
 import sys
@@ -43,14 +44,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from distkit import checkpoint
+from distkit import checkpoint, portable
 from distkit.backends import check_backend, strategy_class
 from distkit.backends.base import Strategy, persistent_buffers
 from distkit.components import pick_device
 from distkit.config import LaunchFlags, RunConfig, load_config, resolve, split_overrides
 from distkit.data import BatchPlan, PlanSampler, ShardedLoader
 from distkit.env import ClusterEnv, detect
-from distkit.errors import CollectiveTimeout, DistkitError, UsageError
+from distkit.errors import CheckpointError, CollectiveTimeout, DistkitError, UsageError
 from distkit.evaluation import param_checksum
 from distkit.launch import record_failure, settle_if_peer
 from distkit.main_process import set_current_strategy
@@ -220,6 +221,8 @@ class Session:
         self._scheduler: Any = None
         self._failed = self._closed = False
         self.num_steps, self.num_samples = 0, 0
+        #: training samples per step of the run a checkpoint from another layout was written by (set by load)
+        self.resumed_global_batch: Optional[int] = None
         self._pending_samples = 0  # local samples of this step's micro-batches (those a backward used)
         self._last_batch: Optional[tuple[int, float]] = None  # (samples, fetch start) of the newest batch
         self._t_batch: Optional[float] = None  # when fetching this step's first micro-batch began
@@ -529,7 +532,40 @@ class Session:
         shapes = ({k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
                   if isinstance(model, dict) else None)  # in the manifest: a resume checks them first
         return checkpoint.write(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes,
-                                samples=self.num_samples)
+                                samples=self.num_samples, portable_part=self._portable_part(state, out),
+                                global_batch=self.global_batch)
+
+    @property
+    def global_batch(self) -> Optional[int]:
+        """Training samples per optimizer step, all ranks together (None before the first step)."""
+        return self.num_samples // self.num_steps if self.num_steps else None
+
+    def _portable_part(self, state: dict[str, Any], out: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Collective (ZeRO): this rank's share of the engine-neutral state (see :mod:`distkit.portable`)
+        and rank 0's ``meta``. In grad mode the tensors are dealt out to the ranks; in param mode the
+        ranks differ between syncs and rank 0's replica is written."""
+        model_key = next((k for k, v in state.items() if self._model is not None and v is self._model), None)
+        opt_key = next((k for k, v in state.items() if self._optimizer is not None and v is self._optimizer), None)
+        tensors: dict[str, torch.Tensor] = {}
+        groups: list[dict[str, Any]] = []
+        scalars: dict[str, dict[str, Any]] = {}
+        if model_key is not None:
+            sizes = {k: math.prod(v) for k, v in checkpoint.model_shapes(self.unwrap()).items()}
+            owner = (portable.deal(sizes, self.world_size) if self.cfg.distributed.reduce_type == "grad"
+                     else dict.fromkeys(sizes, 0))
+            sd, optim_state, groups = self._strategy.portable_state(
+                self._model, self._optimizer if opt_key else None,  # type: ignore[arg-type]
+                lambda name: owner.get(name, 0) == self.rank)
+            tensors, scalars = portable.flatten(sd, optim_state)
+            if self.world_size > 1:  # optimizer values that are not tensors live in rank 0's meta
+                for part in self._strategy.all_gather_object(scalars):
+                    scalars.update(part)
+        meta = {"format": 1, "model_key": model_key, "optimizer_key": opt_key, "optim_groups": groups,
+                "optim_scalars": scalars, "engine": self._strategy.name, "world_size": self.world_size,
+                "reduce_type": self.cfg.distributed.reduce_type,
+                "progress": {"step": self.num_steps, "samples": self.num_samples, "global_batch": self.global_batch},
+                "entries": {k: v for k, v in out.items() if k not in (model_key, opt_key, "distkit")}}
+        return tensors, meta
 
     def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
         """Collective: restore ``state``'s objects in place from checkpoint ``path`` (the set-up model,
@@ -543,6 +579,9 @@ class Session:
             raise UsageError(f"dk.load(path, state): state must be a dict, got {type(state).__name__}")
         if self._model is not None:
             checkpoint.check_fits(path, self.world_size, lambda: checkpoint.model_shapes(self.unwrap()))
+        manifest = checkpoint.read_manifest(path)
+        if not self._same_layout(manifest):
+            return self._load_portable(path, manifest, state)
         saved = checkpoint.load(path, self.rank, self.world_size)
         if "distkit" not in saved and "progress" in saved:  # written before the Session existed (0.1.0)
             saved["distkit"] = {k: saved.pop(k) for k in ("averager", "rng", "progress")}
@@ -568,6 +607,61 @@ class Session:
         random.setstate(internal["rng"]["python"])
         np.random.set_state(internal["rng"]["numpy"])
         self.num_steps, self.num_samples = internal["progress"]["step"], internal["progress"]["samples"]
+        return rest
+
+    def _same_layout(self, manifest: dict[str, Any]) -> bool:
+        """Whether checkpoint ``manifest`` was written by this engine, mode, ZeRO stage and number of
+        ranks (then each rank's own file and the engine's files restore it exactly)."""
+        d = self.cfg.distributed
+        return (manifest["world_size"] == self.world_size and manifest.get("engine") in (None, self._strategy.name)
+                and manifest.get("reduce_type") in (None, d.reduce_type)
+                and manifest.get("zero_stage") == getattr(self._strategy, "zero_stage", None))
+
+    def _load_portable(self, path: str, manifest: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """Restore ``state`` from the portable part of a checkpoint another engine, world size, mode or
+        ZeRO stage wrote (see :mod:`distkit.portable`); RNG states come from the rank of the same
+        number when the writer had one. Param mode's averager starts a new period from the loaded
+        weights (its outer optimizer's momentum is not carried across layouts)."""
+        problem = checkpoint.verify(path, under=portable.DIR)
+        if problem:
+            raise CheckpointError(f"checkpoint '{path}' is damaged: {problem}; resume from another checkpoint "
+                                  "(++resume auto falls back to the newest complete one)")
+        entries = portable.read(path)
+        meta = entries[portable.META]
+        model_key = next((k for k, v in state.items() if v is self._model and v is not None), None)
+        opt_key = next((k for k, v in state.items() if v is self._optimizer and v is not None), None)
+        if model_key is not None:
+            with self._collective("loading the checkpoint's portable part"):
+                self._strategy.load_portable_state(
+                    self._model, self._optimizer if opt_key and meta["optimizer_key"] else None,  # type: ignore[arg-type]
+                    portable.model_state(entries), portable.optimizer_state(entries), meta["optim_groups"])
+        rest = {}
+        for key, value in meta["entries"].items():
+            target = state.get(key)
+            if target is not None and hasattr(target, "load_state_dict") and callable(target.load_state_dict):
+                target.load_state_dict(value)
+            else:
+                rest[key] = value
+        if self._strategy.averager is not None:
+            self._strategy.averager.restart()
+        if self.rank < manifest["world_size"]:
+            own = torch.load(os.path.join(path, f"rank-{self.rank:05d}.pt"), map_location="cpu", weights_only=False, mmap=True)
+            rng = (own.get("distkit") or own).get("rng")
+            if rng is not None:
+                torch.set_rng_state(rng["torch"])
+                random.setstate(rng["python"])
+                np.random.set_state(rng["numpy"])
+        progress = meta["progress"]
+        self.num_steps, self.num_samples = progress["step"], progress["samples"]
+        self.resumed_global_batch = progress.get("global_batch")
+        zs = manifest.get("zero_stage")
+        was = f"{manifest.get('engine', '?')}{f' ZeRO-{zs}' if zs is not None else ''}"
+        zs = getattr(self._strategy, "zero_stage", None)
+        now = f"{self._strategy.name}{f' ZeRO-{zs}' if zs is not None else ''}"
+        n, m = manifest["world_size"], self.world_size
+        self.print(f"distkit: checkpoint {os.path.basename(path)} was written by {was} on {n} rank{'s' * (n != 1)} in "
+                   f"{manifest.get('reduce_type', '?')} mode; loaded its portable part into {now} on {m} rank{'s' * (m != 1)} "
+                   f"in {self.cfg.distributed.reduce_type} mode")
         return rest
 
     # -- report -------------------------------------------------------------------------------------

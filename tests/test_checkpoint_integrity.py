@@ -138,16 +138,22 @@ def test_latest_missing_falls_back_and_nothing_complete_stops(base: Path, tmp_pa
     assert same(final_params(out), final_params(base)) and checkpoint.verify(str(root / "step-0000010")) is None
 
 
-def test_resume_on_more_ranks_is_one_line_before_anything_starts(base: Path, tmp_path: Path) -> None:
+def test_resume_of_a_pre_portable_checkpoint_on_more_ranks_is_one_line(base: Path, tmp_path: Path) -> None:
+    """Checkpoints without the portable part (distkit < 0.3) resume only on their own number of ranks."""
     out = copy(base, tmp_path)
+    ckpt = out / "checkpoints" / "step-0000010"
+    shutil.rmtree(ckpt / "portable")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("portable")}
+    manifest["portable"] = False
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
     before = untouched(out)
     res = train(out, "++resume", "auto", nprocs=3)
-    ckpt = out / "checkpoints" / "step-0000010"
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.strip() == (
-        f"distkit: error: checkpoint '{ckpt}' was written by 2 ranks, this run has 3: resume with 2 ranks (resuming "
-        f"on another number of ranks is not supported yet), or take its weights to a fresh run with `distkit export "
-        f"{ckpt} model.pt`")
+        f"distkit: error: checkpoint '{ckpt}' was written by 2 ranks, this run has 3: resume with 2 ranks (it predates "
+        f"portable checkpoints, which resume on any number of ranks), or take its weights to a fresh run with `distkit "
+        f"export {ckpt} model.pt`")
     assert untouched(out) == before
 
 
@@ -237,7 +243,10 @@ def test_inspect_reports_progress_engine_model_files_and_integrity(base: Path, t
     assert info["elements"] == sum(t.numel() for t in model.state_dict().values())
     assert info["fp32_bytes"] == 4 * info["elements"] and info["intact"] is True
     ckpt = Path(info["checkpoint"])
-    assert ckpt.name == "step-0000010" and info["files"] == {p.name: p.stat().st_size for p in ckpt.glob("rank-*.pt")}
+    assert ckpt.name == "step-0000010" and info["files"] == {
+        str(p.relative_to(ckpt)): p.stat().st_size for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    assert {"rank-00000.pt", "rank-00001.pt", "portable/.metadata"} <= set(info["files"])
+    assert info["portable"] is True and info["global_batch"] == 2 * 16
     assert main(["inspect", str(base)]) == 0
     assert "integrity    intact" in capsys.readouterr().out
     damaged = copy(base, tmp_path)

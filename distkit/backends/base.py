@@ -7,10 +7,11 @@ Collectives must be called by every rank, in the same order.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from distkit.config import RunConfig
 from distkit.env import ClusterEnv
 from distkit.errors import DistkitError, UnsupportedCombination
+from distkit.portable import optimizer_state_by_name, optimizer_state_from_names
 
 
 class Strategy(ABC):
@@ -80,6 +82,13 @@ class Strategy(ABC):
     def abort(self) -> None:
         """This rank failed: make sure the others do not wait for it (e.g. MPI_Abort). Not collective."""
 
+    def end_job(self, code: int) -> None:
+        """End this rank now, from any thread, and make the job end (never returns). Not collective.
+        Default: ``os._exit(code)``, which the launcher notices; MPI engines override with ``MPI_Abort``."""
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(code)
+
     def backend_impl(self) -> str:
         """What really runs, with versions, e.g. 'torch 2.13.0 DDP (gloo)'."""
         return self.name
@@ -139,6 +148,36 @@ class Strategy(ABC):
             self.unwrap(model).load_state_dict(state["model"])
         if state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])
+
+    def portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                       keep: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        """Collective where state is sharded (ZeRO): the engine-neutral state for ``distkit.portable``.
+
+        Returns ``(model, optim_state, groups)``: the bare model's ``state_dict`` entries whose name
+        ``keep`` accepts (whole, on the CPU), the optimizer state by parameter name for those
+        parameters (``optim_state[name][key]``), and the param groups (hyper-parameters, ``params``
+        as names). Every rank must call it; ``keep`` must accept each name on one rank at least."""
+        module = self.unwrap(model)
+        sd = {k: v for k, v in module.state_dict().items() if keep(k)}
+        if optimizer is None:
+            return sd, {}, []
+        state, groups = optimizer_state_by_name(optimizer.state_dict(), self._group_names(module, optimizer))
+        return sd, {n: s for n, s in state.items() if keep(n)}, groups
+
+    def load_portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                            sd: dict[str, torch.Tensor], optim_state: dict[str, dict[str, Any]],
+                            groups: list[dict[str, Any]]) -> None:
+        """Collective where state is sharded: restore what :meth:`portable_state` returned (every name),
+        whichever engine, world size and mode wrote it."""
+        module = self.unwrap(model)
+        module.load_state_dict(sd)
+        if optimizer is not None and groups:
+            optimizer.load_state_dict(optimizer_state_from_names(optim_state, groups, self._group_names(module, optimizer)))
+
+    @staticmethod
+    def _group_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        names = {id(p): n for n, p in module.named_parameters()}
+        return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
     def save_engine_files(self, directory: str, model: nn.Module) -> None:
         """Collective: engines with their own checkpoint format write it into ``directory`` (default: nothing)."""

@@ -31,7 +31,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -474,6 +474,124 @@ class DeepSpeedStrategy(DDPStrategy):
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Nothing: :meth:`load_engine_files` restored model, optimizer and scheduler."""
+
+    def _zero_groups(self, engine: Any) -> Optional[list[list[nn.Parameter]]]:
+        """The model parameters of each optimizer group when ZeRO (1-3) or the bf16 optimizer partitions
+        the fp32 state (None: the optimizer holds the model's own parameters)."""
+        opt = engine.optimizer
+        for attr in ("bit16_groups", "fp16_groups"):  # ZeRO-1/2 and bf16; ZeRO-3
+            groups = getattr(opt, attr, None)
+            if groups and any(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for g in groups for p in g):
+                return [list(g) for g in groups]
+        return None
+
+    @staticmethod
+    def _flat(opt: Any, g: int) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:
+        """Partitioned group ``g``'s fp32 flat tensor (this rank's partition), its state in the inner
+        optimizer and the inner param group holding its hyper-parameters. (ZeRO-3 detaches the flats
+        from the inner optimizer's param groups between steps, so they are found by attribute.)"""
+        inner = opt.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3 (sub-groups)
+            flat = opt.fp32_partitioned_groups_flat[g]
+            group = inner.param_groups[opt.sub_group_to_group_id[g]]
+        else:
+            flat = (opt.single_partition_of_fp32_groups if hasattr(opt, "single_partition_of_fp32_groups")
+                    else opt.fp32_groups_flat_partition)[g]
+            group = inner.param_groups[g]
+        return flat, inner.state.setdefault(flat, {}), group
+
+    def portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                       keep: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        """Under ZeRO each parameter's fp32 master and optimizer state are assembled one tensor at a
+        time (a collective per tensor, every rank in the same order) and kept only where ``keep``
+        says so; without partitioning the engine's optimizer is a plain one (the default)."""
+        engine: Any = model
+        groups = self._zero_groups(engine)
+        if groups is None:
+            return super().portable_state(engine.module, engine.optimizer, keep)
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # type: ignore[import-untyped]
+
+        module, opt = engine.module, engine.optimizer
+        names = {id(p): n for n, p in module.named_parameters()}
+        sd: dict[str, torch.Tensor] = {}
+        state: dict[str, dict[str, Any]] = {}
+        out_groups = []
+        for g, params in enumerate(groups):
+            flat, base, inner_group = self._flat(opt, g)
+            per_param = sorted(k for k, v in base.items() if torch.is_tensor(v) and v.numel() == flat.numel() and v.numel() > 1)
+            for p in params:
+                name = names[id(p)]
+                full = safe_get_full_fp32_param(p)  # collective
+                if keep(name):
+                    sd[name] = full.detach().cpu().reshape(getattr(p, "ds_shape", p.shape)).clone()
+                for key in per_param:
+                    value = safe_get_full_optimizer_state(p, key)  # collective
+                    if keep(name):
+                        state.setdefault(name, {})[key] = value.detach().cpu().reshape(sd[name].shape).clone()
+                if keep(name):  # the group's scalars (Adam's step): one per flat group, the same for its parameters
+                    for key, v in base.items():
+                        if key not in per_param:
+                            state.setdefault(name, {})[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+            hyper = {k: v for k, v in inner_group.items() if k != "params"}
+            out_groups.append({**hyper, "params": [names[id(p)] for p in params]})
+        for name, value in module.state_dict().items():  # buffers (not partitioned)
+            if name not in names.values() and keep(name) and name not in sd:
+                sd[name] = value.detach().cpu().clone()
+        # tied parameters appear once in named_parameters; their other state_dict names share the tensor
+        for name, value in module.state_dict(keep_vars=True).items():
+            if name not in sd and keep(name) and id(value) in names:
+                full = sd.get(names[id(value)])
+                if full is not None:
+                    sd[name] = full
+        return sd, state, out_groups
+
+    def load_portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                            sd: dict[str, torch.Tensor], optim_state: dict[str, dict[str, Any]],
+                            groups: list[dict[str, Any]]) -> None:
+        """Write the fp32 masters and optimizer state of every parameter into this rank's partitions
+        (``safe_set_full_*``), then rebuild the 16-bit/partitioned weights from the masters."""
+        engine: Any = model
+        zgroups = self._zero_groups(engine)
+        if zgroups is None:
+            super().load_portable_state(engine.module, engine.optimizer, sd, optim_state, groups)
+            return
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # type: ignore[import-untyped]
+
+        from distkit.portable import optimizer_state_from_names
+
+        module, opt = engine.module, engine.optimizer
+        names = {id(p): n for n, p in module.named_parameters()}
+        group_names = [[names[id(p)] for p in g] for g in zgroups]
+        optimizer_state_from_names(optim_state, groups, group_names)  # the same groups, or a clear error
+        with torch.no_grad():
+            for g, params in enumerate(zgroups):
+                flat, base, inner_group = self._flat(opt, g)
+                first = optim_state.get(group_names[g][0], {}) if group_names[g] else {}
+                shape = tuple(sd[group_names[g][0]].shape) if group_names[g] else ()
+                per_param = [k for k, v in first.items() if torch.is_tensor(v) and k != "step" and tuple(v.shape) == shape]
+                if first and not base:  # a fresh engine: the inner optimizer creates its state at the first step
+                    for key, v in first.items():
+                        base[key] = torch.zeros_like(flat) if key in per_param else (v.clone() if torch.is_tensor(v) else v)
+                    if hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-1/2, bf16: link the new state to the parameters
+                        opt._hp_optimizer_states_linked = False
+                        opt._lazy_init_hp_params_optimizer_state()
+                for p in params:
+                    name = names[id(p)]
+                    safe_set_full_fp32_param(p, sd[name].to(self.device))
+                    for key in per_param:
+                        if key in optim_state.get(name, {}):
+                            safe_set_full_optimizer_state(p, optim_state[name][key].to(self.device), key)
+                for key, v in first.items():  # the group's scalars
+                    if key not in per_param and key in base:
+                        base[key] = v.clone() if torch.is_tensor(v) else v
+                saved = next(x for x in groups if sorted(x["params"]) == sorted(group_names[g]))
+                inner_group.update({k: v for k, v in saved.items() if k != "params"})
+            _, refresh = self._masters(engine)
+            refresh()  # the model's weights from the masters just written
+            params = set(names.values())
+            for name, b in module.named_buffers():
+                if name in sd and name not in params:
+                    b.copy_(sd[name].to(b.device, b.dtype))
 
     def _engine_dir(self, directory: str) -> str:
         sub = f"group-{self.mpu.index}" if self.mpu is not None else "all"

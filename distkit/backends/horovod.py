@@ -181,11 +181,14 @@ class HorovodEngine(Strategy):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Collective: every rank must call it, in the same order. Returns ``src``'s object."""
-        return obj if self.world_size == 1 else self.hvd.broadcast_object(obj, root_rank=src)
+        # An explicit name: Horovod's default is the object's type name, and ranks that pass objects of
+        # different types (None on the receivers) would each wait for a different tensor (a deadlock).
+        return obj if self.world_size == 1 else self.hvd.broadcast_object(obj, root_rank=src,
+                                                                          name="distkit.broadcast_object")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Collective: every rank must call it, in the same order. Returns one object per rank."""
-        return [obj] if self.world_size == 1 else list(self.hvd.allgather_object(obj))
+        return [obj] if self.world_size == 1 else list(self.hvd.allgather_object(obj, name="distkit.all_gather_object"))
 
     def barrier(self) -> None:
         """Collective: every rank must call it, in the same order."""
