@@ -26,6 +26,7 @@ examples:
   mpirun -np 2 .venv/bin/distkit train configs/returnn_ddp.py
   deepspeed --num_accelerators 2 --module distkit train cfg.py --deepspeed --deepspeed_config ds.json
   distkit export runs/x/checkpoints/step-0000040 model.pt
+  distkit convert runs/x state.pt
   distkit inspect runs/x                      # what the latest checkpoint holds; is it intact
 """
 
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_parser(sub)
 
     add_export_parser(sub)
+    from distkit.convert import add_parser as add_convert_parser
+
+    add_convert_parser(sub)
     return parser
 
 
@@ -194,6 +198,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from distkit.export import run as export
 
             return export(args)
+        if args.command == "convert":
+            from distkit.convert import run as convert
+
+            return convert(args)
         return train(args, overrides, argv)
     except DistkitError as e:
         print(f"distkit: error: {e}", file=sys.stderr, flush=True)

@@ -1,23 +1,29 @@
-"""``distkit export CKPT model.pt``: a plain, consolidated fp32 ``state_dict`` from a checkpoint.
+"""``distkit export CKPT OUT``: the trained model as one plain ``state_dict`` file, a safetensors file or
+a Hugging Face model directory, from any engine's checkpoint.
 
 CKPT is a checkpoint directory (``.../checkpoints/step-0000040``), a ``checkpoints/`` root or
-an ``output_dir`` (both: the checkpoint ``latest`` points to). DeepSpeed checkpoints of any
-ZeRO stage are consolidated with ``deepspeed.utils.zero_to_fp32`` (no process group, no
-model code needed); checkpoints of the other backends hold the whole model in rank 0's file.
-The result loads into the bare model::
+an ``output_dir`` (both: the checkpoint ``latest`` points to). The model comes from the
+checkpoint's engine-neutral portable part (any engine, world size or ZeRO stage; no process
+group, no model code); checkpoints written before it existed are read the old way (DeepSpeed's
+files through ``deepspeed.utils.zero_to_fp32``, else rank 0's file). OUT decides the format:
 
-    model.load_state_dict(torch.load("model.pt"))
+* ``model.pt`` (or any other name): ``torch.save`` of the ``state_dict``;
+  ``model.load_state_dict(torch.load("model.pt"))``;
+* ``model.safetensors``: the same tensors in safetensors (``safetensors.torch.load_file``);
+* a directory (an existing one, or a name ending in ``/``): ``model.safetensors`` plus, for a
+  Hugging Face model, its ``config.json``, so ``AutoModel*.from_pretrained(OUT)`` loads it.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from distkit import checkpoint
+from distkit import checkpoint, portable
 from distkit.errors import ConfigError, DistkitError
 
 
@@ -36,6 +42,8 @@ def find_checkpoint(path: str) -> str:
 def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the model's ``state_dict``, whole and fp32 (integer buffers keep their dtype)."""
     ckpt = find_checkpoint(path)
+    if portable.exists(ckpt):
+        return {k: (v.float() if v.is_floating_point() else v) for k, v in portable.model_state(portable.read(ckpt)).items()}
     if os.path.isdir(os.path.join(ckpt, "deepspeed")):
         from distkit.backends.deepspeed import consolidated_state_dict as from_deepspeed
 
@@ -44,14 +52,48 @@ def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
     return {k: (v.float() if v.is_floating_point() else v).clone() for k, v in state["model"].items()}
 
 
-def export(path: str, out: str) -> str:
-    """Write the consolidated state_dict of checkpoint ``path`` to ``out`` (atomically); returns the checkpoint used."""
+def _hf_config(ckpt: str) -> Optional[dict[str, Any]]:
+    """The Hugging Face ``config.json`` content saved with the checkpoint (None: not an HF model)."""
+    if not portable.exists(ckpt):
+        return None
+    meta = portable.read_meta(ckpt)
+    return meta.get("hf_config")  # type: ignore[no-any-return]
+
+
+def _atomic(out: str, write: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    write(out + ".part")
+    os.replace(out + ".part", out)
+
+
+def export(path: str, out: str) -> tuple[str, list[str]]:
+    """Write the model of checkpoint ``path`` to ``out`` (format by name, see the module docstring;
+    each file atomically). Returns the checkpoint used and the files written."""
     ckpt = find_checkpoint(path)
     sd = consolidated_state_dict(ckpt)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    torch.save(sd, out + ".part")
-    os.replace(out + ".part", out)
-    return ckpt
+    if out.endswith(os.sep) or os.path.isdir(out):
+        from safetensors.torch import save_file
+
+        os.makedirs(out, exist_ok=True)
+        # separate tensors (tied weights were written once each); "format": "pt" is what from_pretrained expects
+        _atomic(os.path.join(out, "model.safetensors"),
+                lambda p: save_file({k: v.contiguous() for k, v in sd.items()}, p, metadata={"format": "pt"}))
+        written = [os.path.join(out, "model.safetensors")]
+        config = _hf_config(ckpt)
+        if config is not None:
+            def dump(p: str) -> None:
+                with open(p, "w") as f:
+                    json.dump(config, f, indent=2)
+            _atomic(os.path.join(out, "config.json"), dump)
+            written.append(os.path.join(out, "config.json"))
+        return ckpt, written
+    if out.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        _atomic(out, lambda p: save_file({k: v.contiguous() for k, v in sd.items()}, p, metadata={"format": "pt"}))
+    else:
+        _atomic(out, lambda p: torch.save(sd, p))
+    return ckpt, [out]
 
 
 def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParser:
@@ -59,14 +101,14 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
     e = sub.add_parser("export", help="write a plain consolidated state_dict from a checkpoint",
                        description=__doc__.splitlines()[0])
     e.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory, checkpoints/ root or output_dir")
-    e.add_argument("output", metavar="OUT", help="file to write, e.g. model.pt")
+    e.add_argument("output", metavar="OUT", help="model.pt (torch.save), model.safetensors, or a directory (model.safetensors "
+                   "+ config.json of a Hugging Face model, for from_pretrained)")
     return e
 
 
 def run(args: argparse.Namespace) -> int:
-    ckpt = export(args.checkpoint, args.output)
-    n = len(torch.load(args.output, weights_only=True))
-    print(f"distkit: exported {n} tensors from {ckpt} to {args.output}", flush=True)
+    ckpt, written = export(args.checkpoint, args.output)
+    print(f"distkit: exported the model of {ckpt} to {', '.join(written)}", flush=True)
     return 0
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import os
 import pickle
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -140,9 +140,14 @@ def exists(checkpoint_dir: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint_dir, DIR, ".metadata"))
 
 
-def read(checkpoint_dir: str) -> dict[str, Any]:
-    """Every entry of checkpoint ``checkpoint_dir``'s portable part (not collective; no process group):
-    ``model/...`` and ``optim/...`` tensors on the CPU and ``meta``."""
+def read_meta(checkpoint_dir: str) -> dict[str, Any]:
+    """Only the ``meta`` object of the portable part (reads no tensor data)."""
+    return read(checkpoint_dir, keys=[META])[META]  # type: ignore[no-any-return]
+
+
+def read(checkpoint_dir: str, keys: Optional[list[str]] = None) -> dict[str, Any]:
+    """Every entry (or those in ``keys``) of checkpoint ``checkpoint_dir``'s portable part (not
+    collective; no process group): ``model/...`` and ``optim/...`` tensors on the CPU and ``meta``."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -157,7 +162,8 @@ def read(checkpoint_dir: str) -> dict[str, Any]:
     reader = dcp.FileSystemReader(path)
     # the template DCP loads into, from its own metadata (tensors of the saved shape; objects replaced)
     out: dict[str, Any] = {k: torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata)
-                           else None for k, v in reader.read_metadata().state_dict_metadata.items()}
+                           else None for k, v in reader.read_metadata().state_dict_metadata.items()
+                           if keys is None or k in keys}
     with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(out, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)

@@ -565,6 +565,9 @@ class Session:
                 "reduce_type": self.cfg.distributed.reduce_type,
                 "progress": {"step": self.num_steps, "samples": self.num_samples, "global_batch": self.global_batch},
                 "entries": {k: v for k, v in out.items() if k not in (model_key, opt_key, "distkit")}}
+        hf = getattr(self.unwrap(), "config", None) if model_key is not None else None
+        if hf is not None and callable(getattr(hf, "to_dict", None)):  # a Hugging Face model: for `distkit export DIR/`
+            meta["hf_config"] = {**hf.to_dict(), "architectures": [type(self.unwrap()).__name__]}
         return tensors, meta
 
     def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -582,6 +585,7 @@ class Session:
         manifest = checkpoint.read_manifest(path)
         if not self._same_layout(manifest):
             return self._load_portable(path, manifest, state)
+        self.resumed_global_batch = manifest.get("global_batch")
         saved = checkpoint.load(path, self.rank, self.world_size)
         if "distkit" not in saved and "progress" in saved:  # written before the Session existed (0.1.0)
             saved["distkit"] = {k: saved.pop(k) for k in ("averager", "rng", "progress")}
@@ -644,7 +648,7 @@ class Session:
                 rest[key] = value
         if self._strategy.averager is not None:
             self._strategy.averager.restart()
-        if self.rank < manifest["world_size"]:
+        if os.path.isfile(os.path.join(path, f"rank-{self.rank:05d}.pt")):  # (a converted checkpoint has none)
             own = torch.load(os.path.join(path, f"rank-{self.rank:05d}.pt"), map_location="cpu", weights_only=False, mmap=True)
             rng = (own.get("distkit") or own).get("rng")
             if rng is not None:

@@ -76,6 +76,7 @@ class TrainingRun:
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else self.steps_per_epoch * cfg.num_epochs
         self.callbacks = list(cfg.callbacks)
         self._stop = False
+        self._data_offset = 0  # data steps ahead of the step count: nonzero after a resume with another global batch
         scheduler = build_scheduler(cfg, self.total_steps)
         made = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size), scheduler)
         self.model, self.opt = made[0], made[1]
@@ -158,6 +159,25 @@ class TrainingRun:
             return
         self.dk.load(path, self._state())
         self.dk.print(f"distkit: resumed from {path} at step {self.dk.num_steps}")
+        old = self.dk.resumed_global_batch
+        new = self.cfg.batch_size * self.dk.world_size * self.cfg.accum_grad_multiple_step
+        if old and old != new:
+            self._data_offset = self._data_step(old, new) - self.dk.num_steps
+            self.dk.print(f"distkit: the global batch changes from {old} to {new} samples per step; the data continues "
+                          f"at global sample {self.dk.num_samples} (epoch {self._epoch_and_step()[0] + 1}), the "
+                          f"step count at {self.dk.num_steps}")
+
+    def _data_step(self, old: int, new: int) -> int:
+        """The data position (in steps of the ``new`` global batch since the start) of the sample a run with
+        global batch ``old`` stopped at: same epoch, same place in the epoch's order (rounded down to a
+        whole batch). Exact in ``shard`` mode, whose order per epoch does not depend on the batch size."""
+        n = len(self.task.train)  # type: ignore[arg-type]
+        epoch, pos = divmod(self.dk.num_samples, max(n // old, 1) * old)
+        return epoch * self.steps_per_epoch + min(pos // new, self.steps_per_epoch)
+
+    def _epoch_and_step(self) -> tuple[int, int]:
+        """(epoch, step within it) of the data at the current step (see :meth:`_data_step`)."""
+        return divmod(self.dk.num_steps + self._data_offset, self.steps_per_epoch)
 
     def _save(self) -> None:
         name = checkpoint.step_name(self.dk.num_steps)
@@ -218,7 +238,7 @@ class TrainingRun:
         self._call("on_train_start")
         stopped = False
         while dk.num_steps < self.total_steps and not stopped:
-            epoch, in_epoch = divmod(dk.num_steps, self.steps_per_epoch)
+            epoch, in_epoch = self._epoch_and_step()
             t_epoch, c_epoch, n_epoch, epoch_sum = time.perf_counter(), dk.compute_time_s, 0, torch.zeros(())
             self.loader.set_epoch(epoch, start=in_epoch * cfg.accum_grad_multiple_step)
             batches = iter(self.loader)

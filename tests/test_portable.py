@@ -111,3 +111,34 @@ def test_grad_checkpoint_continues_in_param_mode(sources: dict[str, Path], tmp_p
     assert got["steps"] == 20 and got["ranks_in_sync"] and got["reduce_type"] == "param"
     # 10 more steps from the same start: close to, but not the same as, grad mode (local Adam steps)
     assert 0 < max_diff(final_model(out), final_model(sources["ddp"])) < 0.05
+
+
+def test_global_batch_change_continues_at_the_same_sample(sources: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "smaller"
+    res = ok(distkit(*ARGS, "--nprocs", "2", "++batch_size", "6", "++output_dir", str(out),
+                     "++resume", str(sources["ddp"] / "checkpoints" / "step-0000010")))
+    assert ("distkit: the global batch changes from 24 to 12 samples per step; the data continues at global sample "
+            "240 (epoch 1), the step count at 10") in res.stdout
+    assert summary(out)["samples"] == 10 * 24 + 10 * 12
+
+
+def test_export_and_convert_from_any_engine(sources: dict[str, Path], tmp_path: Path) -> None:
+    """`distkit export` to torch.save and safetensors, `distkit convert` to one file and back: the same
+    tensors from the ZeRO-3 run as from the ddp run, and the converted checkpoint is complete and verified."""
+    from safetensors.torch import load_file
+
+    from distkit.cli import main
+
+    want = final_model(sources["ddp"])
+    assert main(["export", str(sources["zero3"]), str(tmp_path / "m.pt")]) == 0
+    assert main(["export", str(sources["horovod"]), str(tmp_path / "m.safetensors")]) == 0
+    for got in (torch.load(tmp_path / "m.pt", weights_only=True), load_file(tmp_path / "m.safetensors")):
+        assert max_diff(got, want) == 0.0
+    ckpt = sources["zero3"] / "checkpoints" / "step-0000010"
+    assert main(["convert", str(ckpt), str(tmp_path / "state.pt")]) == 0
+    assert main(["convert", str(tmp_path / "state.pt"), str(tmp_path / "back")]) == 0
+    assert main(["convert", str(tmp_path / "state.pt"), str(tmp_path / "back")]) == 2  # overwrites nothing
+    assert checkpoint.verify(str(tmp_path / "back")) is None
+    a, b = portable.read(str(ckpt)), portable.read(str(tmp_path / "back"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a if k != portable.META)
+    assert b[portable.META]["progress"] == a[portable.META]["progress"]

@@ -125,6 +125,15 @@ def test_gpt2_grad_mode_equals_one_process(runs: Runs, engine: str, tmp_path: Pa
     fresh.load_state_dict(exported, strict=True)
     assert fresh.lm_head.weight is fresh.transformer.wte.weight
     assert max_abs_diff(fresh.state_dict(), params) == 0.0
+    if engine == "deepspeed-z3":  # the Hugging Face directory form: from_pretrained loads what ZeRO-3 trained
+        from transformers import AutoModelForCausalLM
+
+        assert export_main([str(out), f"{tmp_path / 'hf'}/"]) == 0
+        assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+        assert type(hf).__name__ == "GPT2LMHeadModel" and hf.lm_head.weight is hf.transformer.wte.weight
+        loaded = hf.state_dict()
+        assert max_abs_diff({k: loaded[k] for k in params}, params) == 0.0
 
 
 @pytest.mark.parametrize("engine", ["deepspeed-z3"])
