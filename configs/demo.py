@@ -7,3 +7,4 @@ batch_size = 16
 num_epochs = 10
 log_every = 10
 output_dir = "runs/demo"
+resume = "none"          # `make demo` trains from scratch every time (replacing runs/demo's checkpoints)

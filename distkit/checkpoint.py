@@ -349,7 +349,15 @@ def checkpoint_for(cfg: "RunConfig") -> tuple[Optional[str], list[str]]:
     """The checkpoint ``cfg.resume`` asks for, verified, and notes for the user (see :func:`find_resumable`)."""
     if cfg.resume == "auto":
         return find_resumable(os.path.join(cfg.output_dir, "checkpoints"))
-    if cfg.resume in (None, "none"):
+    if cfg.resume is None:  # unset: an earlier run's checkpoints are never replaced without being asked
+        root = os.path.join(cfg.output_dir, "checkpoints")
+        steps = sorted((e for e in os.listdir(root) if STEP_RE.match(e)), key=_step_of) if os.path.isdir(root) else []
+        if steps:
+            raise ConfigError(f"output_dir '{cfg.output_dir}' holds checkpoints of an earlier run (newest: {steps[-1]}): "
+                              "continue it with ++resume auto, start over with ++resume none (its checkpoints are "
+                              "then replaced), or choose another output_dir")
+        return None, []
+    if cfg.resume == "none":
         return None, []
     path = cfg.resume if os.path.isfile(os.path.join(cfg.resume, "manifest.json")) else \
         resolve(os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(os.path.abspath(cfg.resume)))

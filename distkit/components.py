@@ -18,20 +18,24 @@ from distkit.errors import ConfigError
 SCHEDULES = ("constant", "linear", "cosine", "step")
 
 
+def _torch_classes(module: Any, base: type, exclude: tuple[str, ...]) -> dict[str, type]:
+    """The subclasses of ``base`` that ``module`` exports, by lower-case name (``exclude``: abstract bases)."""
+    return {n.lower(): getattr(module, n) for n in dir(module)
+            if inspect.isclass(getattr(module, n)) and issubclass(getattr(module, n), base) and n not in exclude}
+
+
 def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
     """The ``torch.optim`` class ``name`` names, case-insensitively ("adamw", "RMSprop", "sgd"); or ``name``
     itself when it is an Optimizer subclass. ConfigError naming the nearest classes otherwise."""
     if isinstance(name, type) and issubclass(name, torch.optim.Optimizer):
         return name
-    classes = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
-               if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
-               and n != "Optimizer"}
+    classes = _torch_classes(torch.optim, torch.optim.Optimizer, ("Optimizer",))
     found = classes.get(str(name).lower())
     if found is None:
         raise ConfigError(f"optimizer class {name!r} is not a torch.optim optimizer: use one of "
                           f"{', '.join(sorted(c.__name__ for c in classes.values()))}, or give optimizer as a "
                           "factory params -> Optimizer")
-    return found  # type: ignore[no-any-return]
+    return found  # type: ignore[return-value]
 
 
 def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1) -> torch.optim.Optimizer:
@@ -123,9 +127,7 @@ def build_scheduler(cfg: RunConfig, total_steps: int) -> Optional[Callable[[torc
 def scheduler_class(name: Any) -> type:
     """The ``torch.optim.lr_scheduler`` class ``name`` names (exact or case-insensitive)."""
     sched = torch.optim.lr_scheduler
-    classes = {n.lower(): getattr(sched, n) for n in dir(sched)
-               if inspect.isclass(getattr(sched, n)) and issubclass(getattr(sched, n), sched.LRScheduler)
-               and n not in ("LRScheduler", "_LRScheduler")}
+    classes = _torch_classes(sched, sched.LRScheduler, ("LRScheduler", "_LRScheduler"))
     found = classes.get(str(name).lower())
     if found is None:
         raise ConfigError(f"unknown lr_scheduler class {name!r}: use one of {', '.join(SCHEDULES)} or a "

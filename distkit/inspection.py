@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"progress     step {info['step']}, {info['samples']} samples")
     print(f"written by   {info['engine']}/{info['reduce_type']}{stage} on {info['world_size']} rank(s)")
     print("portable     " + ("yes: resumes on any engine, number of ranks and mode" if info["portable"] else
-                             "no (written before distkit 0.3): resumes only with the engine, ranks and mode above"))
+                             "no (an earlier distkit wrote it): resumes only with the engine, ranks and mode above"))
     if info["tensors"] is not None:
         print(f"model        {info['tensors']} tensors, {info['elements']:,} elements "
               f"({info['fp32_bytes'] / 2 ** 20:.2f} MiB as fp32)")

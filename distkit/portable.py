@@ -157,7 +157,7 @@ def read(checkpoint_dir: str, keys: Optional[list[str]] = None) -> dict[str, Any
     path = os.path.join(checkpoint_dir, DIR)
     if not exists(checkpoint_dir):
         raise CheckpointError(f"checkpoint '{checkpoint_dir}' has no portable part ({path}/.metadata): it was written "
-                              "by distkit before 0.3 and resumes only with the engine, number of ranks and mode that "
+                              "by an earlier distkit, before portable checkpoints, and resumes only with the engine, number of ranks and mode that "
                               "wrote it")
     reader = dcp.FileSystemReader(path)
     # the template DCP loads into, from its own metadata (tensors of the saved shape; objects replaced)

@@ -228,6 +228,8 @@ class Session:
         self._t_batch: Optional[float] = None  # when fetching this step's first micro-batch began
         self.compute_time_s = 0.0
         self._t_created = self._t_start = time.perf_counter()
+        self._setup_time_s = 0.0  # init to the end of setup (summary's setup_time_s)
+        self._unscaled = False  # 16-mixed: this step's gradients were already unscaled (by clip_grad_norm)
         self._last_loss: Optional[torch.Tensor] = None
         # fp16 autocast needs loss scaling; bf16 does not; DeepSpeed does its own (its bf16/fp16 blocks)
         self._scaler: Optional[torch.amp.GradScaler] = None
@@ -339,6 +341,13 @@ class Session:
         self._require_setup("optimizer")
         return self._optimizer
 
+    @property
+    def lr_scheduler(self) -> Any:
+        """The LR scheduler :meth:`step` steps (the one given to :meth:`setup`, built from a factory, or
+        the DeepSpeed config's ``scheduler`` block); None without one."""
+        self._require_setup("lr_scheduler")
+        return self._scheduler
+
     def unwrap(self, model: Optional[nn.Module] = None) -> nn.Module:
         """The bare ``nn.Module`` inside the engine's wrapper (DDP, DeepSpeedEngine); not collective."""
         return self._strategy.unwrap(model if model is not None else self.model)
@@ -447,7 +456,7 @@ class Session:
 
     def _unscale(self) -> None:
         """fp16: divide the reduced gradients by the loss scale, once per step, before clipping or stepping."""
-        if self._scaler is not None and not getattr(self, "_unscaled", False):
+        if self._scaler is not None and not self._unscaled:
             self._strategy.wait_for_gradients(self._model, self._optimizer)  # type: ignore[arg-type]
             self._scaler.unscale_(self._optimizer)
             self._unscaled = True
@@ -701,7 +710,7 @@ class Session:
             "steps": self.num_steps, "samples": self.num_samples, "final_train_loss": loss,
             "eval_loss": None, "eval_accuracy": None, "best_eval_loss": None, "best_eval_step": None,
             "param_checksum": checksum, "ranks_in_sync": in_sync,
-            "wall_time_s": wall, "setup_time_s": getattr(self, "_setup_time_s", 0.0),
+            "wall_time_s": wall, "setup_time_s": self._setup_time_s,
             "total_time_s": time.perf_counter() - self._t_created, "samples_per_s": self.num_samples / max(wall, 1e-9),
             "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_bytes": s.comm_bytes,
             "stopped_early": False,

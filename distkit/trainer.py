@@ -80,7 +80,7 @@ class TrainingRun:
         scheduler = build_scheduler(cfg, self.total_steps)
         made = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size), scheduler)
         self.model, self.opt = made[0], made[1]
-        self.lr_scheduler = dk._scheduler  # also the DeepSpeed config's own scheduler block
+        self.lr_scheduler = dk.lr_scheduler  # also the DeepSpeed config's own scheduler block
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         self.out = None
         self._maybe_resume()  # before anything is written: a checkpoint that does not fit leaves output_dir untouched

@@ -138,6 +138,20 @@ def test_latest_missing_falls_back_and_nothing_complete_stops(base: Path, tmp_pa
     assert same(final_params(out), final_params(base)) and checkpoint.verify(str(root / "step-0000010")) is None
 
 
+def test_unset_resume_over_existing_checkpoints_is_one_line(base: Path, tmp_path: Path) -> None:
+    """Without `resume` a run never replaces an earlier run's checkpoints: one line, exit 2, nothing written."""
+    out = copy(base, tmp_path)
+    before = untouched(out)
+    listing = sorted(p.name for p in (out / "checkpoints").iterdir())
+    res = train(out)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip() == (
+        f"distkit: error: output_dir '{out}' holds checkpoints of an earlier run (newest: step-0000010): continue it "
+        "with ++resume auto, start over with ++resume none (its checkpoints are then replaced), or choose another "
+        "output_dir")
+    assert untouched(out) == before and sorted(p.name for p in (out / "checkpoints").iterdir()) == listing
+
+
 def test_resume_of_a_pre_portable_checkpoint_on_more_ranks_is_one_line(base: Path, tmp_path: Path) -> None:
     """Checkpoints without the portable part (distkit < 0.3) resume only on their own number of ranks."""
     out = copy(base, tmp_path)

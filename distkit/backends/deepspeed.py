@@ -310,6 +310,8 @@ class DeepSpeedStrategy(DDPStrategy):
         import deepspeed  # type: ignore[import-untyped]
 
         super().init()  # torch.distributed with distkit's timeout; DeepSpeed wraps the existing group
+        # DeepSpeed reads LOCAL_RANK from the environment; one plain process (no launcher) sets none
+        os.environ.setdefault("LOCAL_RANK", str(self.env.local_rank))
         deepspeed.init_distributed(dist_backend=self.pg_backend, verbose=False)
         self.mpu: _ReplicaGroups | None = None
         if self.reduce_type == "param":

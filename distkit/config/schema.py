@@ -125,7 +125,8 @@ class RunConfig:
     output_dir: str = "runs/default"
     #: "auto" (continue from the newest complete checkpoint in output_dir/checkpoints: `latest`, or the
     #: newest intact one when `latest` is damaged; stops rather than start over when none is complete),
-    #: "none" or None (start from step 0; a run's older checkpoints are replaced) or a checkpoint dir.
+    #: "none" (start from step 0; the earlier run's checkpoints are replaced), a checkpoint dir (any engine,
+    #: number of ranks or mode), or unset: start from step 0, but stop with one line if output_dir holds checkpoints.
     resume: Optional[str] = None
     #: complete checkpoints kept in output_dir/checkpoints (older ones are deleted once a new one is complete)
     keep_checkpoints: int = 3
