@@ -24,6 +24,7 @@ do). Assumes ``output_dir`` is on a filesystem every rank sees (one node, or a s
 """
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -31,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -118,6 +120,116 @@ def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
     unwritable location raises :class:`CheckpointError` on every rank before anything is written; a
     full disk raises it on every rank after the partial files are removed.
     """
+    pending = start(strategy, final, state, model, step, shapes, samples, portable_part, global_batch, background=False)
+    return pending.commit()
+
+
+class PendingCheckpoint:
+    """A checkpoint whose files are being written (by a background thread with ``background=True``):
+    :meth:`commit`, collective, waits for this rank's files and completes the protocol of :func:`write`
+    (the ranks agree, rank 0 writes the manifest and moves the directory into place). Until then the
+    checkpoint does not exist: a kill leaves only a hidden temporary directory, removed by the next save."""
+
+    def __init__(self, strategy: "Strategy", final: str, tmp: str, step: int, work: Callable[[], Any],
+                 job: Optional[portable.Job], manifest: dict[str, Any], background: bool) -> None:
+        self._strategy, self.path, self._tmp, self.step = strategy, final, tmp, step
+        self._job, self._manifest = job, manifest
+        self._result: list[Any] = []
+        self._thread: Optional[threading.Thread] = None
+        if background:
+            self._thread = threading.Thread(target=lambda: self._result.append(work()), name="distkit-checkpoint",
+                                            daemon=True)
+            self._thread.start()
+        else:
+            self._result.append(work())
+
+    def done(self) -> bool:
+        """Whether this rank's files are written (not collective; :meth:`commit` is still needed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def commit(self) -> str:
+        """Collective: wait for every rank's files, then complete the checkpoint; returns its path."""
+        if self._thread is not None:
+            self._thread.join()
+        strategy, final, tmp, step = self._strategy, self.path, self._tmp, self.step
+        mine, written = self._result[0]
+        faults.maybe_fire(strategy.rank, step, "checkpoint")
+        results = strategy.all_gather_object((mine, written))  # also the barrier: every rank's files are complete
+        failed = [m for m, _ in results if isinstance(m, str)]
+        failed += [_describe(w, os.path.join(final, portable.DIR)) for _, w in results if isinstance(w, BaseException)]
+        parent, name = os.path.split(final)
+        error = None
+        if strategy.is_main:
+            try:
+                if failed:
+                    raise CheckpointError(failed[0])
+                if self._job is not None:
+                    self._job.finish([w for _, w in results])  # DCP's .metadata
+                hashed = {n: {"size": s, "sha256": h} for (n, s, h), _ in results}
+                files = {}
+                for d, _, names in os.walk(tmp):
+                    for f in names:
+                        rel = os.path.relpath(os.path.join(d, f), tmp)
+                        files[rel] = hashed.get(rel) or {"size": os.path.getsize(os.path.join(d, f)),
+                                                         "sha256": sha256_file(os.path.join(d, f))}
+                manifest = {**self._manifest, "files": dict(sorted(files.items()))}
+                with open(os.path.join(tmp, "manifest.json.part"), "w") as f:
+                    json.dump(manifest, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(os.path.join(tmp, "manifest.json.part"), os.path.join(tmp, "manifest.json"))
+                faults.maybe_fire(strategy.rank, step, "manifest")  # complete, still under its temporary name
+                aside = os.path.join(parent, f".{name}.old")
+                if os.path.isdir(final):  # a re-save: any aside copy is garbage of an earlier re-save
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.replace(final, aside)
+                # (if final is missing and an aside copy exists, that copy is the complete one: keep it
+                # until the new directory is in place)
+                faults.maybe_fire(strategy.rank, step, "swap")  # the old one aside, the new one not yet in place
+                os.replace(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
+            except Exception as e:
+                shutil.rmtree(tmp, ignore_errors=True)  # partial files removed
+                if isinstance(e, CheckpointError) or _is_no_space(e):
+                    text = str(e) if isinstance(e, CheckpointError) else \
+                        f"no space left on device writing '{os.path.join(final, 'manifest.json')}'"
+                else:
+                    text = f"{type(e).__name__}: {e} writing '{final}'"
+                error = (f"{text}; {_previous(parent)} (partial files removed): free space or lower "
+                         "keep_checkpoints, then continue with ++resume auto")
+        _agree_on_error(strategy, error)
+        return final
+
+
+def _describe(e: BaseException, where: str) -> str:
+    """One line for an error that stopped writing ``where``."""
+    if _is_no_space(e):
+        return f"no space left on device writing '{where}'"
+    if isinstance(e, OSError):
+        return f"{e.strerror or e} writing '{where}'"
+    return f"{type(e).__name__}: {e} writing '{where}'"
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """``obj`` with every tensor in it (nested dicts, lists, tuples) copied to the CPU: what a background
+    write may read while training goes on changing the originals."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def start(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = None, step: int = -1,
+          shapes: Optional[dict[str, list[int]]] = None, samples: Optional[int] = None,
+          portable_part: Optional[tuple[dict[str, Any], dict[str, Any]]] = None,
+          global_batch: Optional[int] = None, background: bool = True) -> PendingCheckpoint:
+    """Collective: the first half of :func:`write`. Makes the temporary directory, writes the engine's own
+    files (DeepSpeed: synchronous), plans the portable part, and starts writing this rank's files, in a
+    background thread with ``background`` (then ``state`` and the portable tensors are copied first, so
+    training may go on). :meth:`PendingCheckpoint.commit` completes it."""
     final = os.path.abspath(final)
     parent, name = os.path.split(final)
     tmp = os.path.join(parent, f".{name}.tmp")
@@ -131,73 +243,32 @@ def write(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
             error = (f"cannot write checkpoint '{final}': {e.strerror or e}: choose a writable directory "
                      f"({_previous(parent)})")
     _agree_on_error(strategy, error)
-    mine: Any
+    failure: Optional[str] = None
     try:
         strategy.save_engine_files(tmp, model)
-        mine = _write_rank_file(tmp, strategy.rank, state, step)
+        if background:
+            state = _cpu_copy(state)
     except Exception as e:  # every rank must learn of it, or the others wait in the next collective
-        where = os.path.join(final, _rank_file(strategy.rank))
-        if _is_no_space(e):
-            mine = f"no space left on device writing '{where}'"
-        elif isinstance(e, OSError):
-            mine = f"{e.strerror or e} writing '{where}'"
-        else:
-            mine = f"{type(e).__name__}: {e} writing '{where}'"
-    if portable_part is not None:  # collective, every rank (also one whose own file failed): no rank waits alone
-        try:
-            portable.save(strategy, os.path.join(tmp, portable.DIR), *portable_part)
-        except Exception as e:
-            where = os.path.join(final, portable.DIR)
-            text = (f"no space left on device writing '{where}'" if _is_no_space(e)
-                    else f"{type(e).__name__}: {e} writing '{where}'")
-            mine = mine if isinstance(mine, str) else text
-    faults.maybe_fire(strategy.rank, step, "checkpoint")
-    results = strategy.all_gather_object(mine)  # also the barrier: every rank's file is complete
-    failed = [r for r in results if isinstance(r, str)]
-    error = None
-    if strategy.is_main:
-        try:
-            if failed:
-                raise CheckpointError(failed[0])
-            hashed = {n: {"size": s, "sha256": h} for n, s, h in results}
-            files = {}
-            for d, _, names in os.walk(tmp):
-                for f in names:
-                    rel = os.path.relpath(os.path.join(d, f), tmp)
-                    files[rel] = hashed.get(rel) or {"size": os.path.getsize(os.path.join(d, f)),
-                                                     "sha256": sha256_file(os.path.join(d, f))}
-            d = strategy.cfg.distributed
-            manifest = {"format": 3, "step": step, "samples": samples, "global_batch": global_batch,
-                        "portable": portable_part is not None, "world_size": strategy.world_size,
-                        "engine": strategy.name, "reduce_type": d.reduce_type,
-                        "zero_stage": getattr(strategy, "zero_stage", None),
-                        "files": dict(sorted(files.items())), "shapes": shapes}
-            with open(os.path.join(tmp, "manifest.json.part"), "w") as f:
-                json.dump(manifest, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(os.path.join(tmp, "manifest.json.part"), os.path.join(tmp, "manifest.json"))
-            faults.maybe_fire(strategy.rank, step, "manifest")  # complete, still under its temporary name
-            aside = os.path.join(parent, f".{name}.old")
-            if os.path.isdir(final):  # a re-save: any aside copy is garbage of an earlier re-save
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(final, aside)
-            # (if final is missing and an aside copy exists, that copy is the complete one: keep it
-            # until the new directory is in place)
-            faults.maybe_fire(strategy.rank, step, "swap")  # the old one aside, the new one not yet in place
-            os.replace(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)  # partial files removed
-            if isinstance(e, CheckpointError) or _is_no_space(e):
-                text = str(e) if isinstance(e, CheckpointError) else \
-                    f"no space left on device writing '{os.path.join(final, 'manifest.json')}'"
-            else:
-                text = f"{type(e).__name__}: {e} writing '{final}'"
-            error = (f"{text}; {_previous(parent)} (partial files removed): free space or lower "
-                     "keep_checkpoints, then continue with ++resume auto")
-    _agree_on_error(strategy, error)
-    return final
+        failure = _describe(e, os.path.join(final, _rank_file(strategy.rank)))
+    job = None
+    if portable_part is not None:  # collective, every rank (also one that failed above): no rank waits alone
+        job = portable.plan(strategy, os.path.join(tmp, portable.DIR), *portable_part, copy=background)
+
+    def work() -> tuple[Any, Any]:
+        mine: Any = failure
+        if mine is None:
+            try:
+                mine = _write_rank_file(tmp, strategy.rank, state, step)
+            except Exception as e:
+                mine = _describe(e, os.path.join(final, _rank_file(strategy.rank)))
+        return mine, (job.write() if job is not None else None)
+
+    d = strategy.cfg.distributed
+    manifest = {"format": 3, "step": step, "samples": samples, "global_batch": global_batch,
+                "portable": portable_part is not None, "world_size": strategy.world_size,
+                "engine": strategy.name, "reduce_type": d.reduce_type,
+                "zero_stage": getattr(strategy, "zero_stage", None), "shapes": shapes}
+    return PendingCheckpoint(strategy, final, tmp, step, work, job, manifest, background)
 
 
 def mark_latest(root: str, name: str, keep: int = KEEP) -> None:

@@ -94,18 +94,42 @@ def flatten(model: dict[str, torch.Tensor], optim_state: dict[str, dict[str, Any
     return tensors, scalars
 
 
-def save(strategy: "Strategy", directory: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Collective: write the portable part into ``directory`` (which must not exist yet).
+class Job:
+    """One rank's part of a portable save after planning: :meth:`write` writes this rank's file (no
+    collective: it may run in a background thread); the coordinator's :meth:`finish` writes DCP's
+    ``.metadata`` from every rank's write results."""
+
+    def __init__(self, writer: Any, planner: Any, plan: Any, metadata: Any) -> None:
+        self._writer, self._planner, self._plan, self._metadata = writer, planner, plan, metadata
+
+    def write(self) -> Any:
+        """This rank's data file; returns its write results, or the exception that stopped it (never raises,
+        so every rank reaches the exchange of results)."""
+        try:
+            futures = self._writer.write_data(self._planner.finish_plan(self._plan), self._planner)
+            futures.wait()
+            return futures.value()
+        except Exception as e:  # e.g. a full disk
+            return e if isinstance(e, OSError) else RuntimeError(f"{type(e).__name__}: {e}")
+
+    def finish(self, results: list[Any]) -> None:
+        """Coordinator only, after every rank's :meth:`write` succeeded: DCP's ``.metadata``."""
+        self._writer.finish(metadata=self._metadata, results=results)
+
+
+def plan(strategy: "Strategy", directory: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+         copy: bool = False) -> Job:
+    """Collective: plan the portable part in ``directory``; returns this rank's :class:`Job`.
 
     ``tensors``: the portable tensors this rank writes, its share of :func:`deal` (the shares of all
-    ranks together hold every key once); ``meta``: rank 0's picklable object. Only DCP's public
+    ranks together hold every key once); ``meta``: rank 0's picklable object; ``copy``: take CPU
+    copies now (the job is written later, while training changes the originals). Only DCP's public
     planner and storage-writer interfaces are used; the plan exchange goes through the strategy's
-    object collectives. A failed write raises on every rank (the results exchange carries it), so
-    no rank waits alone; a failure of rank 0's ``.metadata`` raises on rank 0 only."""
+    object collectives, so no torch process group is needed."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    mine: dict[str, Any] = {k: v.detach().cpu() for k, v in tensors.items()}
+    mine: dict[str, Any] = {k: v.detach().to("cpu", copy=copy) for k, v in tensors.items()}
     coordinator = strategy.rank == 0
     if coordinator:  # pickled here: DCP's traversal of nested containers drops empty dicts
         mine[META] = pickle.dumps(meta)
@@ -120,20 +144,20 @@ def save(strategy: "Strategy", directory: str, tensors: dict[str, torch.Tensor],
     if coordinator:
         plans, metadata = planner.create_global_plan(plans)
         plans = writer.prepare_global_plan(plans)
-    plan = strategy.broadcast_object(plans if coordinator else None, 0)[strategy.rank]
-    written: Any
-    try:
-        futures = writer.write_data(planner.finish_plan(plan), planner)
-        futures.wait()
-        written = futures.value()
-    except Exception as e:  # e.g. a full disk: every rank must learn of it in the exchange below
-        written = e if isinstance(e, OSError) else RuntimeError(f"{type(e).__name__}: {e}")
-    results = strategy.all_gather_object(written)
+    return Job(writer, planner, strategy.broadcast_object(plans if coordinator else None, 0)[strategy.rank], metadata)
+
+
+def save(strategy: "Strategy", directory: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Collective: :func:`plan`, write and finish in one call. A failed write raises on every rank (the
+    results exchange carries it), so no rank waits alone; a failure of rank 0's ``.metadata`` raises on
+    rank 0 only."""
+    job = plan(strategy, directory, tensors, meta)
+    results = strategy.all_gather_object(job.write())
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         raise failed[0]
-    if coordinator:
-        writer.finish(metadata=metadata, results=results)
+    if strategy.rank == 0:
+        job.finish(results)
 
 
 def exists(checkpoint_dir: str) -> bool:

@@ -523,6 +523,18 @@ class Session:
         counters, the averager and the RNG states, which :meth:`load` restores. Each rank writes its
         own file (ranks differ in param mode and in RNG state).
         """
+        return self._start_save(path, state, background=False).commit()
+
+    def save_async(self, path: str, state: dict[str, Any]) -> checkpoint.PendingCheckpoint:
+        """Collective: start writing ``state`` as checkpoint ``path`` (as :meth:`save`) and return as soon
+        as the state is copied aside in CPU memory (and, on DeepSpeed, the engine's own files are written);
+        training may go on while a background thread writes the files. ``pending.commit()`` (collective,
+        every rank, e.g. before the next save) waits for them and completes the checkpoint, returning its
+        path; until then it does not exist (a kill leaves the previous ones). Memory: one more copy of
+        this rank's checkpoint state until the files are written."""
+        return self._start_save(path, state, background=True)
+
+    def _start_save(self, path: str, state: dict[str, Any], background: bool) -> checkpoint.PendingCheckpoint:
         if not isinstance(state, dict):
             raise UsageError(f"dk.save(path, state): state must be a dict, got {type(state).__name__}")
         engine = self._engine_state() if self._model is not None else {}
@@ -540,9 +552,9 @@ class Session:
         model = engine.get("model")
         shapes = ({k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
                   if isinstance(model, dict) else None)  # in the manifest: a resume checks them first
-        return checkpoint.write(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes,
+        return checkpoint.start(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes,
                                 samples=self.num_samples, portable_part=self._portable_part(state, out),
-                                global_batch=self.global_batch)
+                                global_batch=self.global_batch, background=background)
 
     @property
     def global_batch(self) -> Optional[int]:

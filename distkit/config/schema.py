@@ -128,6 +128,9 @@ class RunConfig:
     #: "none" (start from step 0; the earlier run's checkpoints are replaced), a checkpoint dir (any engine,
     #: number of ranks or mode), or unset: start from step 0, but stop with one line if output_dir holds checkpoints.
     resume: Optional[str] = None
+    #: write periodic checkpoints in a background thread (state copied to CPU memory first); each becomes
+    #: complete (`latest`) at the next checkpoint; the final one is always synchronous
+    checkpoint_async: bool = False
     #: complete checkpoints kept in output_dir/checkpoints (older ones are deleted once a new one is complete)
     keep_checkpoints: int = 3
     #: a tqdm bar on rank 0
