@@ -149,12 +149,18 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
 
     # an unwritable output_dir, or a resume that cannot work (damaged, other world size, other model):
     # one line and exit 2 here, before any rank starts and before anything is written
-    preflight(cfg, cfg.nprocs if env.launcher == "single" else env.world_size, lambda: _model_shapes(cfg))
+    verified = preflight(cfg, cfg.nprocs if env.launcher == "single" else env.world_size, lambda: _model_shapes(cfg))
     if env.launcher == "single" and cfg.nprocs > 1:
+        from distkit.checkpoint import TRUSTED_ENV
         from distkit.launch import run_local
 
-        return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs,
-                         strategy_class(cfg.distributed.backend).local_launcher)
+        if verified is not None:  # the ranks started here need not hash the same files again (seconds per GB)
+            os.environ[TRUSTED_ENV] = os.path.abspath(verified)
+        try:
+            return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs,
+                             strategy_class(cfg.distributed.backend).local_launcher)
+        finally:
+            os.environ.pop(TRUSTED_ENV, None)
     from distkit.trainer import Trainer
 
     try:
