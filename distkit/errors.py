@@ -44,3 +44,13 @@ class UsageError(DistkitError):
 class CheckpointError(DistkitError):
     """A checkpoint cannot be written or read (unwritable directory, missing or damaged files). The
     previous checkpoint is intact; the text names the path and the fix."""
+
+
+class RankStalled(RankFailure):
+    """A rank stopped responding: its heartbeat did not change for ``distributed.timeout_s`` seconds
+    (stopped with SIGSTOP, frozen, or cut off from the network). The text names it; ``stalled_ranks``
+    lists the global ranks (see :mod:`distkit.watchdog`)."""
+
+    def __init__(self, message: str, stalled_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.stalled_ranks = list(stalled_ranks)

@@ -1,14 +1,19 @@
 """Fault injection for failure tests: real SIGKILLs and exceptions at a chosen step.
 
-``DISTKIT_FAULT="RANK:STEP:KIND[:POINT]"`` makes rank RANK, at optimizer step STEP,
-``kill`` itself with SIGKILL, ``raise`` RuntimeError, or ``hang`` (sleep forever, to test
-timeouts). POINT is ``step`` (right after the optimizer step, the default) or a point inside
-the checkpoint save of that step (:func:`distkit.checkpoint.write`, in order): ``rank_file``
-(this rank's ``.part`` file complete, not renamed), ``checkpoint`` (this rank's file in place,
-before the manifest), ``manifest`` (rank 0: the manifest written, the directory still under
-its temporary name), ``swap`` (rank 0, re-saving an existing step: the old directory moved
-aside, the new one not yet in place), ``latest`` (rank 0: the checkpoint complete, ``latest``
-not yet replaced). Read once at import; unset in normal runs, where it costs one comparison.
+``DISTKIT_FAULT="RANK:STEP:KIND[:POINT]"`` makes rank RANK, at optimizer step STEP, ``kill``
+itself with SIGKILL, ``raise`` RuntimeError, ``hang`` (sleep forever in the main thread, to test
+timeouts: its other threads go on) or ``stop`` itself with SIGSTOP (every thread frozen, as a
+stalled or cut-off process: see :mod:`distkit.watchdog`). POINT is ``step`` (right after the
+optimizer step, the default) or a point inside the checkpoint save of that step
+(:func:`distkit.checkpoint.write`, in order): ``rank_file`` (this rank's ``.part`` file
+complete, not renamed), ``checkpoint`` (this rank's file in place, before the manifest),
+``manifest`` (rank 0: the manifest written, the directory still under its temporary name),
+``swap`` (rank 0, re-saving an existing step: the old directory moved aside, the new one not yet
+in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced). Read once
+at import; unset in normal runs, where it costs one comparison.
+
+``DISTKIT_FAULT_STAMP=PATH``: just before firing, the rank writes ``PID TIME`` (``time.time()``,
+seconds) to PATH, so a test can time the job's end from the fault and check that the process is gone.
 """
 from __future__ import annotations
 
@@ -20,12 +25,16 @@ _SPEC = os.environ.get("DISTKIT_FAULT", "")
 _PARTS = _SPEC.split(":") if _SPEC else ["-1", "-1", "", "step"]
 _RANK, _STEP, _KIND = int(_PARTS[0]), int(_PARTS[1]), _PARTS[2]
 _POINT = _PARTS[3] if len(_PARTS) > 3 else "step"
+_STAMP = os.environ.get("DISTKIT_FAULT_STAMP", "")
 
 
 def maybe_fire(rank: int, step: int, point: str = "step") -> None:
     """Fire the configured fault if this is its rank, step and point."""
     if rank != _RANK or step != _STEP or point != _POINT:
         return
+    if _STAMP:
+        with open(_STAMP, "w") as f:
+            f.write(f"{os.getpid()} {time.time():.3f}\n")
     if _KIND == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif _KIND == "raise":
@@ -33,3 +42,5 @@ def maybe_fire(rank: int, step: int, point: str = "step") -> None:
     elif _KIND == "hang":
         while True:
             time.sleep(3600)
+    elif _KIND == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)

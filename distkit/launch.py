@@ -5,8 +5,10 @@ Each rank is a fresh copy of the command (``python -m distkit ...`` for the CLI,
 environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus
 ``DISTKIT_SPAWN_ID``. The parent watches them: when one exits non-zero or is killed, it
 names that rank, stops the others (SIGTERM, then SIGKILL after a grace period) and returns
-non-zero. Engines that need an MPI launcher (mpi, horovod) are started under ``mpirun``
-instead (:func:`mpirun`), which does the same watching.
+non-zero. A rank that stopped responding (:mod:`distkit.watchdog`: another rank recorded it) is
+named instead of the rank that noticed, and killed with SIGKILL at once, as is any rank found
+stopped (SIGSTOP): a stopped process never acts on SIGTERM. Engines that need an MPI launcher (mpi,
+horovod) are started under ``mpirun`` instead (:func:`mpirun`), which does the same watching.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 #: seconds between SIGTERM and SIGKILL when stopping the surviving ranks
 GRACE_S = 5.0
@@ -47,11 +49,27 @@ def record_failure(rank: int, exc: BaseException) -> None:
         pass  # best effort: the spawner then names the first rank it saw fail
 
 
+def record_stall(rank: int, exc: BaseException) -> None:
+    """Under distkit's spawner: rank ``rank`` saw the ranks in ``exc.stalled_ranks`` stop responding
+    (:class:`~distkit.errors.RankStalled`); the spawner names them, since a stopped rank records
+    nothing itself (no-op elsewhere). A file of its own, so a failure recorded by the same rank at
+    the same moment cannot overwrite it."""
+    directory = os.environ.get(FAILURE_DIR_VAR)
+    if not directory:
+        return
+    try:
+        with open(os.path.join(directory, f"stalled-{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "time": time.time(), "stalled": list(getattr(exc, "stalled_ranks", [])),
+                       "error": f"{type(exc).__name__}: {exc}"[:300]}, f)
+    except OSError:
+        pass
+
+
 def lost_a_peer(exc: BaseException) -> bool:
     """Whether ``exc`` is what a rank gets when *another* rank failed (its connection closed, a collective
-    timed out), rather than an error of its own."""
+    timed out, it stopped responding), rather than an error of its own."""
     text = f"{type(exc).__name__}: {exc}".lower()
-    return type(exc).__name__ == "CollectiveTimeout" or any(w in text for w in _PEER_WORDS)
+    return type(exc).__name__ in ("CollectiveTimeout", "RankStalled") or any(w in text for w in _PEER_WORDS)
 
 
 def settle_if_peer(exc: BaseException, world_size: int) -> None:
@@ -62,9 +80,23 @@ def settle_if_peer(exc: BaseException, world_size: int) -> None:
         time.sleep(SETTLE_S)
 
 
+def _stalls(directory: str) -> list[dict[str, Any]]:
+    """The stall records (:func:`record_stall`) in ``directory``, earliest first."""
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if name.startswith("stalled-"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    found.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    return sorted(found, key=lambda r: r["time"])
+
+
 def _culprit(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int]:
-    """The failed rank to name: the earliest with an error of its own; else one that died without
-    recording anything (killed, crashed); else the earliest; else the first the spawner saw."""
+    """The failed rank to name: the earliest with an error of its own; else the first rank another one
+    saw stop responding (it may still run: stopped); else one that died without recording anything
+    (killed, crashed); else the earliest; else the first the spawner saw."""
     records = []
     for rank, code in failed:
         try:
@@ -75,6 +107,9 @@ def _culprit(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int]:
     own = sorted((r["time"], r["rank"], c) for r, c in records if not r["peer"])
     if own:
         return own[0][1], own[0][2]
+    for stall in _stalls(directory):
+        if stall["stalled"]:
+            return int(stall["stalled"][0]), dict(failed).get(int(stall["stalled"][0]), 1)
     recorded = {r["rank"] for r, _ in records}
     silent = [(r, c) for r, c in failed if r not in recorded]
     if silent:
@@ -100,10 +135,24 @@ def _describe(code: int) -> str:
     return f"exit status {code}"
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, state T; Linux /proc; False where unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], kill: frozenset[int] = frozenset()) -> None:
+    """SIGTERM to every rank still running, SIGKILL after :data:`GRACE_S`; SIGKILL at once to the ranks
+    in ``kill`` and to stopped ones (a stopped process acts on SIGTERM only once continued)."""
+    for rank, p in enumerate(procs):
         if p.poll() is None:
-            p.terminate()
+            if rank in kill or _is_stopped(p.pid):
+                p.kill()
+            else:
+                p.terminate()
     deadline = time.monotonic() + GRACE_S
     for p in procs:
         try:
@@ -188,15 +237,20 @@ def spawn(cmd: list[str], nprocs: int) -> int:
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 # The first rank seen dead may only have lost its peer: let the others finish failing
-                # (briefly), then name the one whose error came first and was its own.
+                # (briefly), then name the one whose error came first and was its own. A stopped rank
+                # never ends by itself: no waiting for it.
                 deadline = time.monotonic() + SETTLE_S
-                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                while time.monotonic() < deadline and any(p.poll() is None and not _is_stopped(p.pid) for p in procs):
                     time.sleep(0.05)
                 codes = [p.poll() for p in procs]
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 rank, code = _culprit(failures, failed)
-                print(f"distkit: rank {rank} failed ({_describe(code)}); stopping the other ranks", file=sys.stderr, flush=True)
-                _stop(procs)
+                stalls = _stalls(failures)
+                stalled = frozenset(r for s in stalls for r in s["stalled"])
+                what = (f"stopped responding (no heartbeat for distributed.timeout_s; noticed by rank {stalls[0]['rank']})"
+                        if rank in stalled else f"failed ({_describe(code)})")
+                print(f"distkit: rank {rank} {what}; stopping the other ranks", file=sys.stderr, flush=True)
+                _stop(procs, stalled)
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 return 0

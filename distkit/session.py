@@ -55,6 +55,7 @@ from distkit.errors import CheckpointError, CollectiveTimeout, DistkitError, Usa
 from distkit.evaluation import param_checksum
 from distkit.launch import record_failure, settle_if_peer
 from distkit.main_process import set_current_strategy
+from distkit.watchdog import explain_stall, start_watchdog
 
 Source = Union[argparse.Namespace, dict, RunConfig, str, Sequence[str], None]
 
@@ -207,6 +208,7 @@ class Session:
         device = pick_device(cfg.device, env.local_rank)
         self._strategy: Strategy = strategy_class(cfg.distributed.backend)(cfg, env, device)
         self._strategy.init()
+        self._watchdog = start_watchdog(self._strategy, cfg.distributed.timeout_s)  # names a stalled rank
         Session.current = self
         set_current_strategy(self._strategy)
         atexit.register(self.close)
@@ -735,6 +737,7 @@ class Session:
         """This rank failed: make sure no other rank waits for it (MPI engines end the job). Not collective;
         call it from an ``except`` block. A later :meth:`close` then leaves without waiting for the others."""
         self._failed = True
+        explain_stall()  # a peer stopped responding: name it (distkit.watchdog) rather than "timed out"
         self._strategy.abort()
 
     def close(self) -> None:
@@ -753,6 +756,8 @@ class Session:
             with contextlib.suppress(Exception):
                 self._strategy.barrier()
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         # drop the wrapped model first: a DDP wrapper freed only after the process group is gone releases
         # the group's last reference at interpreter exit (see DDPStrategy.teardown)
         self._model = self._optimizer = self._scheduler = None

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -45,6 +46,12 @@ class DDPStrategy(Strategy):
                               timeout=datetime.timedelta(seconds=d.timeout_s))
         dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=d.timeout_s))
+        # Groups created later without a timeout (DeepSpeed's clone of the world group that ZeRO reduces
+        # on, distkit's replica groups) would get torch's default (30 minutes for gloo): make it timeout_s.
+        self._default_timeouts = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
+        c10d.default_pg_timeout = datetime.timedelta(seconds=d.timeout_s)
+        if isinstance(c10d.default_pg_nccl_timeout, datetime.timedelta):
+            c10d.default_pg_nccl_timeout = c10d.default_pg_timeout
 
     def teardown(self) -> None:
         if dist.is_initialized():
@@ -59,6 +66,8 @@ class DDPStrategy(Strategy):
             # workers drain now; torch offers no call that waits for them with the GIL released.
             time.sleep(_DRAIN_S)
             dist.destroy_process_group()
+        if hasattr(self, "_default_timeouts"):
+            c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = self._default_timeouts
 
     def backend_impl(self) -> str:
         return f"torch {torch.__version__} DDP ({getattr(self, 'pg_backend', 'gloo')})"

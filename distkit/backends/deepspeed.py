@@ -459,6 +459,17 @@ class DeepSpeedStrategy(DDPStrategy):
         else:
             yield
 
+    @contextlib.contextmanager
+    def _gathered_one(self, param: nn.Parameter) -> Iterator[None]:
+        """Collective under ZeRO-3: one whole parameter for the duration."""
+        if hasattr(param, "ds_id"):
+            import deepspeed  # type: ignore[import-untyped]
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield
+        else:
+            yield
+
     def full_named_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         module = self.unwrap(model)
         with self._gathered(module):
@@ -515,6 +526,9 @@ class DeepSpeedStrategy(DDPStrategy):
 
         module, opt = engine.module, engine.optimizer
         names = {id(p): n for n, p in module.named_parameters()}
+        aliases: dict[int, list[str]] = {}  # every state_dict name of each parameter (tied weights have several)
+        for key, value in module.state_dict(keep_vars=True).items():
+            aliases.setdefault(id(value), []).append(key)
         sd: dict[str, torch.Tensor] = {}
         state: dict[str, dict[str, Any]] = {}
         out_groups = []
@@ -524,27 +538,30 @@ class DeepSpeedStrategy(DDPStrategy):
             for p in params:
                 name = names[id(p)]
                 full = safe_get_full_fp32_param(p)  # collective
-                if keep(name):
-                    sd[name] = full.detach().cpu().reshape(getattr(p, "ds_shape", p.shape)).clone()
+                shape = tuple(getattr(p, "ds_shape", p.shape))
+                for alias in aliases.get(id(p), [name]):
+                    if keep(alias):
+                        sd[alias] = full.detach().cpu().reshape(shape).clone()
                 for key in per_param:
                     value = safe_get_full_optimizer_state(p, key)  # collective
                     if keep(name):
-                        state.setdefault(name, {})[key] = value.detach().cpu().reshape(sd[name].shape).clone()
+                        state.setdefault(name, {})[key] = value.detach().cpu().reshape(shape).clone()
                 if keep(name):  # the group's scalars (Adam's step): one per flat group, the same for its parameters
                     for key, v in base.items():
                         if key not in per_param:
                             state.setdefault(name, {})[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
             hyper = {k: v for k, v in inner_group.items() if k != "params"}
             out_groups.append({**hyper, "params": [names[id(p)] for p in params]})
-        for name, value in module.state_dict().items():  # buffers (not partitioned)
-            if name not in names.values() and keep(name) and name not in sd:
-                sd[name] = value.detach().cpu().clone()
-        # tied parameters appear once in named_parameters; their other state_dict names share the tensor
-        for name, value in module.state_dict(keep_vars=True).items():
-            if name not in sd and keep(name) and id(value) in names:
-                full = sd.get(names[id(value)])
-                if full is not None:
-                    sd[name] = full
+        in_groups = {id(p) for params in groups for p in params}
+        for p in module.parameters():  # frozen parameters: in no optimizer group (partitioned under ZeRO-3)
+            if id(p) not in in_groups:
+                with self._gathered_one(p):
+                    for alias in aliases.get(id(p), [names[id(p)]]):
+                        if keep(alias):
+                            sd[alias] = p.detach().to("cpu", torch.float32).clone()
+        for key, value in module.state_dict(keep_vars=True).items():  # buffers (not partitioned)
+            if id(value) not in names and keep(key):
+                sd[key] = value.detach().cpu().clone()
         return sd, state, out_groups
 
     def load_portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -590,6 +607,17 @@ class DeepSpeedStrategy(DDPStrategy):
                 inner_group.update({k: v for k, v in saved.items() if k != "params"})
             _, refresh = self._masters(engine)
             refresh()  # the model's weights from the masters just written
+            in_groups = {id(p) for params in zgroups for p in params}
+            for p in module.parameters():  # frozen parameters: no master, set directly (whole under ZeRO-3)
+                if id(p) not in in_groups and names[id(p)] in sd:
+                    if hasattr(p, "ds_id"):
+                        import deepspeed  # type: ignore[import-untyped]
+
+                        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                            if self.rank == 0:
+                                p.data.copy_(sd[names[id(p)]].to(p.device, p.dtype))
+                    else:
+                        p.data.copy_(sd[names[id(p)]].to(p.device, p.dtype))
             params = set(names.values())
             for name, b in module.named_buffers():
                 if name in sd and name not in params:

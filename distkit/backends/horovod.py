@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -52,14 +53,17 @@ class HorovodEngine(Strategy):
         if hvd is None:  # only if horovod broke between config check and start
             raise BackendUnavailable(f"horovod is not importable ({why}): {INSTALL_HINT}")
         self.hvd = hvd
-        # Horovod's only hang guard: a collective some rank never joins shuts Horovod down after
+        # Horovod's own hang guard: a collective some rank never joins shuts Horovod down after
         # this long (the waiting ranks then raise, and abort() ends the job). Horovod ignores the
         # shutdown time unless the stall check (default 60 s) runs at least as often.
-        # The user's own settings in the environment win.
+        # The same bound for Gloo's operations under horovodrun --gloo (Horovod's default: 30 s).
+        # The user's own settings in the environment win. A rank that is stopped (SIGSTOP) or cut off
+        # stalls the others' background threads too, so no stall check runs: distkit.watchdog names it.
         timeout = max(int(self.cfg.distributed.timeout_s), 1)
         if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in os.environ:
             os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(timeout)
             os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(min(60, timeout)))
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout))
         hvd.init()
         self._initialized = True
         if (hvd.size(), hvd.rank()) != (self.world_size, self.rank):
@@ -83,7 +87,11 @@ class HorovodEngine(Strategy):
         """Print which rank failed and why, then end this process so the launcher ends the others."""
         if not getattr(self, "_initialized", False) or self.world_size == 1:
             return
-        code = report_failure(self.rank, self.world_size, "Horovod")
+        self.end_job(report_failure(self.rank, self.world_size, "Horovod"))
+
+    def end_job(self, code: int) -> None:
+        """``MPI_Abort`` under MPI; else ``os._exit``: the launcher then stops the job (never returns)."""
+        sys.stdout.flush()
         if self.hvd.mpi_enabled():
             with contextlib.suppress(ImportError):
                 from mpi4py import MPI  # MPI is initialised (by Horovod): this only binds it

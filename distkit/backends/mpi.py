@@ -31,6 +31,7 @@ from torch import nn
 
 from distkit.averaging import ParamAverager
 from distkit.errors import BackendUnavailable, UnsupportedCombination
+from distkit.watchdog import explain_stall
 
 from .base import Strategy, parameters_and_float_buffers, persistent_buffers, report_failure
 
@@ -251,6 +252,11 @@ class MPIStrategy(Strategy):
         code = report_failure(self.rank, self.world_size, "MPI")
         self.MPI.COMM_WORLD.Abort(code)
 
+    def end_job(self, code: int) -> None:
+        """``MPI_Abort``: every rank of the job ends now (from any thread; never returns)."""
+        sys.stdout.flush()
+        self.MPI.COMM_WORLD.Abort(code)
+
     def backend_impl(self) -> str:
         return mpi_impl()
 
@@ -269,6 +275,7 @@ class MPIStrategy(Strategy):
         while not self._stop.wait(min(1.0, timeout / 4)):
             what = self._watch_what
             if what is not None and time.monotonic() - self._watch_since > timeout:
+                explain_stall()  # a stalled rank: the heartbeat watchdog names it and ends the job (no return)
                 print(f"distkit: rank {self.rank}: {what} did not complete within distributed.timeout_s = "
                       f"{timeout:g} s (another rank hangs or died): aborting all {self.world_size} MPI ranks",
                       file=sys.stderr, flush=True)

@@ -1,0 +1,250 @@
+"""Heartbeat watchdog: a stalled rank never hangs the job, and is named.
+
+A rank stopped with SIGSTOP, frozen or cut off from the network does not fail: it stops answering,
+and the other ranks wait for it in their next collective. The engines' own timeouts (set from
+``distributed.timeout_s``) end the waiting ranks without saying which rank stopped, and one of them
+cannot work at all: Horovod's stall check runs in its background thread, which waits in MPI for
+the stopped rank too. So every rank of a job with more than one rank runs a :class:`Watchdog`,
+one mechanism for every engine and launcher (:class:`~distkit.session.Session` starts it right
+after the engine joined its process group and stops it in ``close``):
+
+* **store**: a :class:`torch.distributed.TCPStore` served by rank 0 on a free port. Its address
+  reaches the other ranks once, through the engine's own ``broadcast_object``, so the mpi and
+  horovod engines need no torch process group.
+* **beater thread**: every ``interval = min(1, T / 4)`` seconds it adds 1 to this rank's counter
+  ``hb/<rank>`` and reads every rank's counter (one ``multi_get``), where ``T`` is
+  ``distributed.timeout_s``.
+* **judge thread** (clock only, it never waits on the network): a rank whose counter has not
+  changed for ``T`` seconds of this process's monotonic clock (clocks of different hosts need not
+  agree) is named; when the store itself has not answered for ``T`` seconds, its host, rank 0, is.
+  The judge prints ``distkit: rank K stopped responding: no heartbeat for T s (noticed by rank R)``
+  to stderr, records it for distkit's spawner (:func:`distkit.launch.record_stall`, so the spawner
+  names rank K, not the rank that noticed), SIGKILLs rank K when it runs on this host (a stopped
+  process never acts on the SIGTERM launchers send it; the job is ending anyway) and ends the job
+  through the engine (:meth:`~distkit.backends.base.Strategy.end_job`: ``MPI_Abort`` on the MPI
+  engines, ``os._exit(1)`` elsewhere, after which the launcher stops the others).
+
+It tests liveness only: the threads run beside the training loop, so a long step, or a rank whose
+main thread hangs with the GIL released, keeps beating; a rank that is alive but never joins a
+collective is left to the engine's collective timeout. When a collective does time out, the rank
+calls :func:`explain_stall` first: if a heartbeat is late, the judge gets the moment it needs to name
+the rank instead of the engine's "timed out".
+
+Cost: per interval each rank sends one ``add`` and one ``multi_get`` of ``world_size`` keys to rank
+0's store (``world_size**2`` key reads per interval there: fine for hundreds of ranks).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from distkit.errors import RankStalled
+
+if TYPE_CHECKING:
+    from distkit.backends.base import Strategy
+
+#: seconds between heartbeats at most (also the judge's period)
+MAX_INTERVAL_S = 1.0
+
+_ACTIVE: Optional["Watchdog"] = None
+
+
+def interval_for(timeout_s: float) -> float:
+    """Seconds between heartbeats for ``distributed.timeout_s = timeout_s``: ``min(1, T / 4)``."""
+    return min(MAX_INTERVAL_S, timeout_s / 4)
+
+
+def _key(rank: int) -> str:
+    return f"hb/{rank}"
+
+
+class Watchdog:
+    """This rank's heartbeat and the judge of everyone else's. Made by :func:`start_watchdog`.
+
+    Args:
+        store: the job's heartbeat store (rank 0 serves it; every rank holds a client).
+        rank, world_size: this rank's place in the job.
+        timeout_s: ``distributed.timeout_s``: seconds without a heartbeat after which a rank is named.
+        end_job: ends every rank of the job and does not return (``Strategy.end_job``); called with
+            exit status 1 from the judge thread.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
+                 end_job: Callable[[int], None]) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s, self.interval_s = float(timeout_s), interval_for(timeout_s)
+        self.end_job = end_job
+        now = time.monotonic()
+        self._values: list[Optional[bytes]] = [None] * world_size
+        #: monotonic time at which this rank last saw each rank's counter change (or the start)
+        self._changed = [now] * world_size
+        #: monotonic time of the last store round trip that completed
+        self._last_ok = now
+        self._where: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), once every rank beat
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the judge fires, or stop() stops it: never both
+        self._beater = threading.Thread(target=self._beat_loop, name="distkit-heartbeat", daemon=True)
+        self._judge = threading.Thread(target=self._judge_loop, name="distkit-watchdog", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Publish where this rank runs, then start both threads. Not collective."""
+        self.store.set(f"who/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        self._beater.start()
+        self._judge.start()
+
+    def stop(self) -> None:
+        """Stop judging, at once (normal teardown; idempotent). Not collective: the beater may be
+        blocked on a store that is going away, so it is left to end with the process (a daemon)."""
+        global _ACTIVE
+        with self._lock:
+            self._stop.set()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    # -- the beater: store I/O ---------------------------------------------------------------
+    def _beat_loop(self) -> None:
+        keys = [_key(r) for r in range(self.world_size)]
+        seen = [False] * self.world_size
+        while not self._stop.is_set():
+            try:
+                self.store.add(keys[self.rank], 1)
+                if not all(seen):  # at start: a rank that never beat must not block the read
+                    seen = [s or self.store.check([k]) for s, k in zip(seen, keys)]
+                    if all(seen):
+                        self._learn_where()
+                ranks = [r for r in range(self.world_size) if seen[r]]
+                values = self.store.multi_get([keys[r] for r in ranks])
+            except Exception:  # noqa: BLE001 - the store's host is gone or not answering: the judge decides
+                self._stop.wait(self.interval_s)
+                continue
+            now = time.monotonic()
+            self._last_ok = now
+            for r, v in zip(ranks, values):
+                if v != self._values[r]:
+                    self._values[r], self._changed[r] = v, now
+            self._stop.wait(self.interval_s)
+
+    def _learn_where(self) -> None:
+        for r, v in enumerate(self.store.multi_get([f"who/{r}" for r in range(self.world_size)])):
+            host, _, pid = v.decode().rpartition(" ")
+            self._where[r] = (host, int(pid))
+
+    # -- the judge: clock only ---------------------------------------------------------------
+    def ages(self) -> dict[int, float]:
+        """Seconds since this rank last saw each other rank's heartbeat change. While the store does
+        not answer, only rank 0 (its host) is aged by that: the others' counters cannot be read."""
+        now = time.monotonic()
+        if self.rank != 0 and now - self._last_ok >= self.interval_s * 1.5:
+            return {0: now - self._last_ok}
+        return {r: now - self._changed[r] for r in range(self.world_size) if r != self.rank}
+
+    def stalled(self) -> list[int]:
+        """The ranks without a heartbeat for ``timeout_s`` seconds (normally none)."""
+        return sorted(r for r, age in self.ages().items() if age >= self.timeout_s)
+
+    def _judge_loop(self) -> None:
+        while not self._stop.wait(self.interval_s / 2):
+            ranks = self.stalled()
+            if ranks:
+                self.fire(ranks)
+
+    def fire(self, ranks: list[int]) -> None:
+        """Name ``ranks``, record them for the spawner, SIGKILL those on this host, end the job."""
+        from distkit.launch import record_stall
+
+        with self._lock:
+            if self._stop.is_set():
+                return
+            ages = self.ages()
+            which = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+            age = max(ages.get(r, self.timeout_s) for r in ranks)
+            text = (f"{which} stopped responding: no heartbeat for {age:.1f} s (noticed by rank {self.rank}; "
+                    f"distributed.timeout_s = {self.timeout_s:g}); ending all {self.world_size} ranks")
+            print(f"distkit: {text}", file=sys.__stderr__ or sys.stderr, flush=True)
+            record_stall(self.rank, RankStalled(text, ranks))
+            here = socket.gethostname()
+            for r in ranks:
+                host, pid = self._where.get(r, ("", 0))
+                if host == here and pid > 0 and pid != os.getpid():
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+            self.end_job(1)
+            os._exit(1)  # end_job does not return; if an engine's did, this rank still must not
+
+    def explain(self) -> None:
+        """See :func:`explain_stall`."""
+        now = time.monotonic()
+        oldest = max(self.ages().values())
+        # Wait only for a late rank the judge will name soon: the engine's timeout (timeout_s too) and the
+        # judge fire within about two heartbeat intervals of each other for one stall. A peer that died
+        # (its launcher reports it) or a timeout with every heartbeat fresh returns at once.
+        soon = self.timeout_s - oldest
+        if oldest < 1.5 * self.interval_s or soon > 2 * self.interval_s + 1.0 or self._stop.is_set():
+            return
+        deadline = now + max(0.0, soon) + self.interval_s + 0.5  # the judge names it at timeout_s; one period more
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if not any(a >= 1.5 * self.interval_s for a in self.ages().values()):
+                return  # the late rank beat again: it was slow, not stalled
+            time.sleep(0.05)
+
+
+def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]:
+    """Collective (one ``strategy.broadcast_object``, one ``all_gather_object``): start this rank's
+    watchdog; None for a single rank, or when the store cannot be served or reached (rank 0 and each
+    rank that failed print one line; the job runs on without it, with the engines' own timeouts).
+
+    Args:
+        strategy: the engine, already initialised (its collectives work).
+        timeout_s: ``distributed.timeout_s`` (seconds, > 0).
+    """
+    global _ACTIVE
+    if strategy.world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    from distkit.env import _my_address
+
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    store, where, error = None, None, ""
+    if strategy.rank == 0:
+        try:
+            store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+            where = {"host": socket.gethostname(), "addr": os.environ.get("MASTER_ADDR") or _my_address(),
+                     "port": int(store.port)}
+        except Exception as e:  # noqa: BLE001 - reported below, the run goes on without a watchdog
+            error = f"{type(e).__name__}: {e}"
+    where = strategy.broadcast_object(where, 0)
+    if strategy.rank != 0 and where is not None:
+        addr = "127.0.0.1" if where["host"] == socket.gethostname() else where["addr"]
+        try:
+            store = dist.TCPStore(addr, where["port"], None, False, timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            error = f"cannot reach rank 0's heartbeat store at {addr}:{where['port']}: {type(e).__name__}: {e}"
+    ok = strategy.all_gather_object(store is not None)
+    if not all(ok):
+        if error or strategy.rank == 0:
+            print(f"distkit: rank {strategy.rank}: no stall watchdog ({error or 'a rank cannot reach the store'}); "
+                  f"a stopped rank is noticed only by the engine's timeout", file=sys.stderr, flush=True)
+        return None
+    watchdog = Watchdog(store, strategy.rank, strategy.world_size, timeout_s, strategy.end_job)
+    watchdog.run()
+    _ACTIVE = watchdog
+    return watchdog
+
+
+def explain_stall() -> None:
+    """Where a rank gives up waiting for a peer (a collective timed out, an engine's watchdog fired):
+    if some rank's heartbeat is late and will reach ``timeout_s`` within two intervals and 1 s, wait
+    until the judge names it (at most that, plus one interval and 0.5 s); the judge then ends the job
+    and this never returns. Returns at once otherwise: every heartbeat fresh (the peer is alive: hung
+    in Python, or failed on its own, which its launcher reports), or no watchdog runs. Not collective."""
+    if _ACTIVE is not None:
+        _ACTIVE.explain()

@@ -1,0 +1,223 @@
+"""A stalled rank never hangs the job, and is named (issue 10, item 6; :mod:`distkit.watchdog`).
+
+A rank that stops (SIGSTOP: every thread frozen, as a process that is stopped or cut off) does not
+fail, it stops answering. With ``distributed.timeout_s = T`` every other rank and the launching
+command must exit non-zero within ``T + 5`` seconds of the stop, with a line naming the stopped
+rank ("rank K stopped responding"), and no process of the job may be left (not even the stopped
+one). Faults are real: ``DISTKIT_FAULT=K:STEP:stop`` makes rank K SIGSTOP itself after step STEP,
+after writing its pid and the time to ``DISTKIT_FAULT_STAMP`` (:mod:`distkit.faults`), from which
+the time to the launcher's exit is measured (start-up excluded).
+
+One run per engine (the representative launcher of each): ddp and deepspeed ZeRO-2 under
+``--nprocs`` (distkit's spawner), mpi and horovod under ``mpirun``; and rank 0 (the host of the
+heartbeat store) stopped, under ddp. The full sweep (every engine x launcher x SIGSTOP of rank 1
+and of rank 0, SIGKILL, exception, a live hang) is ``benchmarks/stall_matrix.py``. Fast checks
+in one process: the watchdog never names a live rank (a busy main thread included) and names a
+silent one after T; the spawner kills a stopped rank at once; groups created later (DeepSpeed's)
+get ``timeout_s``. About 75 s in all on a 2-core machine.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from conftest import BIN, base_env, run
+
+from distkit import launch
+from distkit.watchdog import Watchdog
+
+T = 4.0  # distributed.timeout_s of these runs
+LIMIT_S = T + 5  # the contract: everything has exited this long after the stop
+STARTUP_S = 60.0  # allowance for starting two ranks (imports) on a busy 2-core machine
+FAULT_STEP = 5
+
+CONFIG = """\
+task = "digits"
+num_epochs = 100
+max_steps = 2000
+batch_size = 16
+log_every = 1
+progress_bar = False
+output_dir = {out!r}
+"""
+
+ENGINES = {
+    "ddp": ["++torch_distributed", "{}"],
+    "mpi": ["++distributed", "{'backend': 'mpi'}"],
+    "horovod": ["++use_horovod", "1", "++horovod_require", "True"],
+    "deepspeed": ["--deepspeed_config", "DS_JSON"],
+}
+ZERO2 = {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 2}}
+
+
+def _command(engine: str, launcher: str, tmp_path: Path) -> tuple[list[str], Path]:
+    out = tmp_path / "out"
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(CONFIG.format(out=str(out)))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(ZERO2))
+    flags = [str(ds) if f == "DS_JSON" else f for f in ENGINES[engine]]
+    train = ["-m", "distkit", "train", str(cfg), *flags, "++distributed.timeout_s", str(T)]
+    if launcher == "nprocs":
+        return [sys.executable, *train, "--nprocs", "2"], out
+    assert launcher == "mpirun", launcher
+    return [str(BIN / "mpirun"), "--oversubscribe", "--bind-to", "none", "-np", "2", "-x", "DISTKIT_FAULT",
+            "-x", "DISTKIT_FAULT_STAMP", sys.executable, *train], out
+
+
+def _gone(pid: int) -> bool:
+    """True when ``pid`` no longer exists (or is a zombie about to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _stall(engine: str, launcher: str, rank: int, tmp_path: Path) -> tuple[str, float]:
+    """Run with ``rank`` stopping itself; check the contract; return (output, s from the stop to the exit)."""
+    cmd, out = _command(engine, launcher, tmp_path)
+    stamp = tmp_path / "stamp"
+    t0 = time.monotonic()
+    # run() kills the whole process group at its own timeout: a hang fails the test, never the suite.
+    res = run(cmd, timeout=STARTUP_S + LIMIT_S + 30, DISTKIT_FAULT=f"{rank}:{FAULT_STEP}:stop",
+              DISTKIT_FAULT_STAMP=str(stamp))
+    ended, elapsed = time.time(), time.monotonic() - t0
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, f"{engine}/{launcher} exited 0 although rank {rank} was stopped:\n{text[-4000:]}"
+    assert stamp.exists(), f"the fault never fired (exit {res.returncode}):\n{text[-4000:]}"
+    pid_s, when_s = stamp.read_text().split()
+    waited = ended - float(when_s)
+    assert waited < LIMIT_S, f"{engine}/{launcher}: {waited:.1f}s from the stop to the exit:\n{text[-4000:]}"
+    assert elapsed < STARTUP_S + LIMIT_S, f"{engine}/{launcher} took {elapsed:.1f}s in all:\n{text[-4000:]}"
+    # Named: the stopped rank, by the rank that noticed (not "timed out", not the surviving rank).
+    assert f"distkit: rank {rank} stopped responding: no heartbeat for " in res.stderr, text[-4000:]
+    assert f"distkit: rank {1 - rank} failed" not in res.stderr, text[-4000:]
+    assert not (out / "summary.json").exists(), "a failed run must not write summary.json"
+    # The stopped rank is gone with the launcher (a stopped process ignores SIGTERM); the autouse
+    # fixture then checks that no process of the test is left at all.
+    deadline = time.monotonic() + 2
+    while not _gone(int(pid_s)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(int(pid_s)), f"the stopped rank (pid {pid_s}) outlived the launcher by 2 s"
+    print(f"{engine}/{launcher} rank {rank} stopped: launcher exited {waited:.1f}s later (T = {T:g})")
+    return text, waited
+
+
+def test_watchdog_spares_live_ranks_and_names_a_silent_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one process, two watchdogs (ranks 0 and 1) on a real TCPStore, timeout 1 s. While both beat,
+    nothing fires, not even with the main thread busy in Python for 3 timeouts (liveness only, not
+    progress); when rank 1's beats stop, rank 0 names it between T and T + 2 intervals, records it
+    for the spawner, and the spawner's culprit is rank 1, not rank 0."""
+    monkeypatch.setenv(launch.FAILURE_DIR_VAR, str(tmp_path))
+    timeout_s = 1.0
+    delta = datetime.timedelta(seconds=timeout_s)
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=delta)
+    fired: list[tuple[int, float]] = []
+    ended = threading.Event()
+
+    def end_job(code: int) -> None:  # record instead of ending the test process; never return
+        fired.append((code, time.monotonic()))
+        ended.set()
+        threading.Event().wait()
+
+    w0 = Watchdog(server, 0, 2, timeout_s, end_job)
+    w1 = Watchdog(client, 1, 2, timeout_s, end_job)
+    w0.run()
+    w1.run()
+    try:
+        busy_until = time.monotonic() + 3 * timeout_s
+        while time.monotonic() < busy_until:  # a long step: the main thread never sleeps
+            sum(range(1000))
+        assert not fired and w0.stalled() == [] and w1.stalled() == []
+        time.sleep(2 * w0.interval_s)
+        t0 = time.monotonic()
+        w0.explain()  # every heartbeat fresh: returns at once (or as soon as a late beat arrives)
+        assert time.monotonic() - t0 < 2 * w0.interval_s
+        w1._stop.set()  # rank 1 goes silent (both its threads end, as if stopped)
+        silent = time.monotonic()
+        assert ended.wait(timeout_s + 3 * w0.interval_s), "rank 0 never named the silent rank"
+        assert fired[0][0] == 1
+        assert timeout_s - w0.interval_s <= fired[0][1] - silent <= timeout_s + 2 * w0.interval_s + 0.2
+        assert launch._culprit(str(tmp_path), [(0, 1)]) == (1, 1)
+        assert launch._stalls(str(tmp_path))[0]["stalled"] == [1]
+    finally:
+        w0._stop.set()
+        w1._stop.set()
+
+
+def test_spawner_kills_a_stopped_rank_at_once() -> None:
+    """SIGTERM stays pending on a stopped process: distkit's spawner SIGKILLs stopped ranks at once
+    instead of waiting GRACE_S for them, and terminates the running ones as before."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=base_env()) for _ in range(2)]
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        while not launch._is_stopped(procs[1].pid):
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        launch._stop(procs)
+        assert time.monotonic() - t0 < launch.GRACE_S / 2
+        assert [p.returncode for p in procs] == [-signal.SIGTERM, -signal.SIGKILL]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_ddp_nprocs_names_stopped_rank(tmp_path: Path) -> None:
+    text, _ = _stall("ddp", "nprocs", 1, tmp_path)
+    # distkit's spawner names the stopped rank too, not rank 0 that noticed and exited first.
+    assert "distkit: rank 1 stopped responding (no heartbeat for distributed.timeout_s; noticed by rank 0)" in text
+    assert "timed out" not in text, text[-4000:]
+
+
+def test_ddp_nprocs_rank0_stopped(tmp_path: Path) -> None:
+    """Rank 0 hosts the heartbeat store: the others notice that it stops answering."""
+    text, _ = _stall("ddp", "nprocs", 0, tmp_path)
+    assert "distkit: rank 0 stopped responding (no heartbeat for distributed.timeout_s; noticed by rank 1)" in text
+
+
+def test_mpi_mpirun_names_stopped_rank(tmp_path: Path) -> None:
+    text, _ = _stall("mpi", "mpirun", 1, tmp_path)
+    assert "did not complete within distributed.timeout_s" not in text, text[-4000:]
+
+
+def test_horovod_mpirun_names_stopped_rank(tmp_path: Path) -> None:
+    """Before the watchdog this run never ended: Horovod's stall check waits in MPI for the stopped rank."""
+    _stall("horovod", "mpirun", 1, tmp_path)
+
+
+def test_deepspeed_zero2_nprocs_names_stopped_rank(tmp_path: Path) -> None:
+    _stall("deepspeed", "nprocs", 1, tmp_path)
+
+
+
+def test_groups_created_later_get_timeout_s() -> None:
+    """ZeRO reduces on DeepSpeed's own clone of the world group (``dist.new_group`` without a timeout),
+    which torch gives its 30-minute default: a rank that hangs alive (heartbeat beating, so not a
+    stall) then held the job for 30 minutes. Groups created while distkit's ddp/deepspeed process
+    group exists get ``distributed.timeout_s``; torch's default comes back at ``close``. (The real
+    ZeRO-2 run: ``benchmarks/stall_matrix.py --faults hang``, "Timed out waiting 4000ms" in
+    stage_1_and_2.py.)"""
+    import torch
+
+    import distkit
+
+    dk = distkit.init({"distributed": {"backend": "ddp", "timeout_s": 4}})
+    try:
+        group = dist.new_group([0])
+        assert group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=4)
+    finally:
+        dk.close()
+    assert dist.distributed_c10d.default_pg_timeout == datetime.timedelta(minutes=30)
