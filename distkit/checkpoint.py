@@ -71,7 +71,9 @@ def _agree_on_error(strategy: "Strategy", error: Optional[str]) -> None:
     """Collective: rank 0's error (or None) becomes every rank's, so all ranks raise together (no hang)."""
     error = strategy.broadcast_object(error, 0)
     if error:
-        raise CheckpointError(error)
+        agreed = CheckpointError(error)
+        agreed.agreed = True
+        raise agreed
 
 
 def _is_no_space(e: BaseException) -> bool:

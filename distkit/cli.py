@@ -169,6 +169,10 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
         if e.exit_code == 2 and env.world_size == 1:  # bad input in a single process: main prints the one line
             raise
         record_failure(env.rank, e)
+        if e.agreed:  # every rank stops with this same error: one line, from rank 0
+            if env.rank == 0:
+                print(f"distkit: error: {e}", file=sys.stderr, flush=True)
+            return e.exit_code
         print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         settle_if_peer(e, env.world_size)
         return e.exit_code

@@ -10,6 +10,9 @@ class DistkitError(Exception):
     """Base class of every error distkit raises on purpose."""
 
     exit_code: int = 2
+    #: every rank raised this same error at the same point, agreed by a collective (a full disk while
+    #: saving, a checkpoint that does not fit): rank 0 reports it once, the others end quietly
+    agreed: bool = False
 
 
 class ConfigError(DistkitError):

@@ -44,7 +44,8 @@ def record_failure(rank: int, exc: BaseException) -> None:
     text, peer = f"{type(exc).__name__}: {exc}", lost_a_peer(exc)
     try:
         with open(os.path.join(directory, f"rank-{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "time": time.time(), "peer": peer, "error": text[:300]}, f)
+            json.dump({"rank": rank, "time": time.time(), "peer": peer, "error": text[:300],
+                       "agreed": bool(getattr(exc, "agreed", False))}, f)
     except OSError:
         pass  # best effort: the spawner then names the first rank it saw fail
 
@@ -118,6 +119,18 @@ def _culprit(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int]:
         first = min(records, key=lambda rc: rc[0]["time"])
         return first[0]["rank"], first[1]
     return failed[0]
+
+
+def _all_agreed(directory: str, nprocs: int) -> bool:
+    """Whether every rank recorded the same agreed error (:attr:`DistkitError.agreed`)."""
+    for rank in range(nprocs):
+        try:
+            with open(os.path.join(directory, f"rank-{rank}.json")) as f:
+                if not json.load(f).get("agreed"):
+                    return False
+        except (OSError, ValueError):
+            return False
+    return True
 
 
 def free_port() -> int:
@@ -244,6 +257,8 @@ def spawn(cmd: list[str], nprocs: int) -> int:
                     time.sleep(0.05)
                 codes = [p.poll() for p in procs]
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if len(failed) == nprocs and _all_agreed(failures, nprocs):
+                    return failed[0][1]  # one error every rank agreed on: rank 0 printed it, nothing to add
                 rank, code = _culprit(failures, failed)
                 stalls = _stalls(failures)
                 stalled = frozenset(r for s in stalls for r in s["stalled"])

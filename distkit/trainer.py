@@ -154,6 +154,8 @@ class TrainingRun:
                 choice = (None, [], e)
         path, notes, error = self.dk.broadcast_object(choice, 0) if self.dk.world_size > 1 else choice
         if error is not None:
+            if isinstance(error, DistkitError):
+                error.agreed = True  # every rank raises rank 0's finding: reported once
             raise error
         for note in notes:
             self.dk.print(f"distkit: {note}")
@@ -213,6 +215,7 @@ class TrainingRun:
         if self.dk.world_size > 1:
             error = self.dk.broadcast_object(error, 0)
         if error is not None:
+            error.agreed = True  # every rank raises it here: reported once
             raise error
         self._call("on_checkpoint", path)
 
