@@ -33,6 +33,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -136,6 +137,8 @@ class PendingCheckpoint:
                  job: Optional[portable.Job], manifest: dict[str, Any], background: bool) -> None:
         self._strategy, self.path, self._tmp, self.step = strategy, final, tmp, step
         self._job, self._manifest = job, manifest
+        #: called with the seconds :meth:`commit` took (the Session adds them to ``checkpoint_stall_s``)
+        self.on_commit: Optional[Callable[[float], None]] = None
         self._result: list[Any] = []
         self._thread: Optional[threading.Thread] = None
         if background:
@@ -151,6 +154,14 @@ class PendingCheckpoint:
 
     def commit(self) -> str:
         """Collective: wait for every rank's files, then complete the checkpoint; returns its path."""
+        t0 = time.perf_counter()
+        try:
+            return self._commit()
+        finally:
+            if self.on_commit is not None:
+                self.on_commit(time.perf_counter() - t0)
+
+    def _commit(self) -> str:
         if self._thread is not None:
             self._thread.join()
         strategy, final, tmp, step = self._strategy, self.path, self._tmp, self.step

@@ -231,6 +231,8 @@ class Session:
         self.compute_time_s = 0.0
         self._t_created = self._t_start = time.perf_counter()
         self._setup_time_s = 0.0  # init to the end of setup (summary's setup_time_s)
+        #: per checkpoint, in order: seconds this process was blocked in save (or save_async + commit)
+        self.checkpoint_stalls_s: list[float] = []
         self._unscaled = False  # 16-mixed: this step's gradients were already unscaled (by clip_grad_norm)
         self._last_loss: Optional[torch.Tensor] = None
         # fp16 autocast needs loss scaling; bf16 does not; DeepSpeed does its own (its bf16/fp16 blocks)
@@ -525,7 +527,11 @@ class Session:
         counters, the averager and the RNG states, which :meth:`load` restores. Each rank writes its
         own file (ranks differ in param mode and in RNG state).
         """
-        return self._start_save(path, state, background=False).commit()
+        t0 = time.perf_counter()
+        try:
+            return self._start_save(path, state, background=False).commit()
+        finally:
+            self.checkpoint_stalls_s.append(time.perf_counter() - t0)
 
     def save_async(self, path: str, state: dict[str, Any]) -> checkpoint.PendingCheckpoint:
         """Collective: start writing ``state`` as checkpoint ``path`` (as :meth:`save`) and return as soon
@@ -534,7 +540,16 @@ class Session:
         every rank, e.g. before the next save) waits for them and completes the checkpoint, returning its
         path; until then it does not exist (a kill leaves the previous ones). Memory: one more copy of
         this rank's checkpoint state until the files are written."""
-        return self._start_save(path, state, background=True)
+        t0 = time.perf_counter()
+        pending = self._start_save(path, state, background=True)
+        self.checkpoint_stalls_s.append(time.perf_counter() - t0)
+        index = len(self.checkpoint_stalls_s) - 1
+
+        def count_commit(seconds: float) -> None:  # waiting for the files is this checkpoint's stall too
+            self.checkpoint_stalls_s[index] += seconds
+
+        pending.on_commit = count_commit
+        return pending
 
     def _start_save(self, path: str, state: dict[str, Any], background: bool) -> checkpoint.PendingCheckpoint:
         if not isinstance(state, dict):
@@ -725,6 +740,8 @@ class Session:
             "eval_loss": None, "eval_accuracy": None, "best_eval_loss": None, "best_eval_step": None,
             "param_checksum": checksum, "ranks_in_sync": in_sync,
             "wall_time_s": wall, "setup_time_s": self._setup_time_s,
+            "checkpoints": len(self.checkpoint_stalls_s), "checkpoint_stall_s": sum(self.checkpoint_stalls_s),
+            "checkpoint_stalls_s": [round(t, 6) for t in self.checkpoint_stalls_s],
             "total_time_s": time.perf_counter() - self._t_created, "samples_per_s": self.num_samples / max(wall, 1e-9),
             "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_bytes": s.comm_bytes,
             "stopped_early": False,

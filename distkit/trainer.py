@@ -77,7 +77,6 @@ class TrainingRun:
         self.callbacks = list(cfg.callbacks)
         self._stop = False
         self._pending: Optional[checkpoint.PendingCheckpoint] = None  # checkpoint_async: the one being written
-        self.checkpoint_stall_s, self.checkpoints = 0.0, 0  # loop time spent in checkpoint calls; periodic checkpoints
         self._data_offset = 0  # data steps ahead of the step count: nonzero after a resume with another global batch
         scheduler = build_scheduler(cfg, self.total_steps)
         made = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size), scheduler)
@@ -186,8 +185,7 @@ class TrainingRun:
     def _save(self, final: bool = False) -> None:
         """Collective: a checkpoint of the current step. With ``checkpoint_async`` (not for the ``final``
         one) its files are written in the background and it is completed (``latest`` moved to it) at the
-        next checkpoint; the time the loop spends here is ``checkpoint_stall_s`` in the summary."""
-        t0 = time.perf_counter()
+        next checkpoint. The time the loop stops is in the summary (``checkpoint_stalls_s``)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._completed(pending.commit())
@@ -195,12 +193,7 @@ class TrainingRun:
         if self.cfg.checkpoint_async and not final:
             self._pending = self.dk.save_async(path, self._state())
         else:
-            t_final = time.perf_counter()
             self._completed(self.dk.save(path, self._state()))
-            if final:  # the checkpoint after training is not a stall of the loop
-                t0 += time.perf_counter() - t_final
-        self.checkpoint_stall_s += time.perf_counter() - t0
-        self.checkpoints += 0 if final else 1
 
     def _completed(self, path: str) -> None:
         """Collective: point ``latest`` at the complete checkpoint ``path`` (rank 0; every rank raises its
@@ -312,8 +305,7 @@ class TrainingRun:
         dk.finish()
         evaluated = self.evaluate()
         self._save(final=True)
-        summary = dk.summary(final_train_loss=train_loss, **evaluated, **self.best,
-                             checkpoint_stall_s=self.checkpoint_stall_s, checkpoints=self.checkpoints)
+        summary = dk.summary(final_train_loss=train_loss, **evaluated, **self.best)
         if "accuracy" not in self.task.metrics:  # e.g. a regression: an accuracy would mean nothing
             summary.pop("eval_accuracy", None)
         summary["stopped_early"] = stopped
