@@ -165,11 +165,10 @@ class PendingCheckpoint:
         if self._thread is not None:
             self._thread.join()
         strategy, final, tmp, step = self._strategy, self.path, self._tmp, self.step
-        mine, written = self._result[0]
         faults.maybe_fire(strategy.rank, step, "checkpoint")
-        results = strategy.all_gather_object((mine, written))  # also the barrier: every rank's files are complete
-        failed = [m for m, _ in results if isinstance(m, str)]
-        failed += [_describe(w, os.path.join(final, portable.DIR)) for _, w in results if isinstance(w, BaseException)]
+        results = strategy.all_gather_object(self._result[0])  # also the barrier: every rank's files are complete
+        failed = [m for m, _, _ in results if isinstance(m, str)]
+        failed += [_describe(w, os.path.join(final, portable.DIR)) for _, w, _ in results if isinstance(w, BaseException)]
         parent, name = os.path.split(final)
         error = None
         if strategy.is_main:
@@ -177,8 +176,8 @@ class PendingCheckpoint:
                 if failed:
                     raise CheckpointError(failed[0])
                 if self._job is not None:
-                    self._job.finish([w for _, w in results])  # DCP's .metadata
-                hashed = {n: {"size": s, "sha256": h} for (n, s, h), _ in results}
+                    self._job.finish([w for _, w, _ in results])  # DCP's .metadata
+                hashed = {n: {"size": s, "sha256": h} for mine, _, hashes in results for n, s, h in [mine, *hashes]}
                 files = {}
                 for d, _, names in os.walk(tmp):
                     for f in names:
@@ -267,14 +266,22 @@ def start(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
     if portable_part is not None:  # collective, every rank (also one that failed above): no rank waits alone
         job = portable.plan(strategy, os.path.join(tmp, portable.DIR), *portable_part, copy=background)
 
-    def work() -> tuple[Any, Any]:
+    def work() -> tuple[Any, Any, list[tuple[str, int, str]]]:
         mine: Any = failure
         if mine is None:
             try:
                 mine = _write_rank_file(tmp, strategy.rank, state, step)
             except Exception as e:
                 mine = _describe(e, os.path.join(final, _rank_file(strategy.rank)))
-        return mine, (job.write() if job is not None else None)
+        written = job.write() if job is not None else None
+        hashes = []  # this rank's portable files, hashed here (in parallel, in the background) and not by rank 0
+        if job is not None and not isinstance(written, BaseException):
+            directory = os.path.join(tmp, portable.DIR)
+            for f in sorted(os.listdir(directory)):
+                if f.startswith(f"__{strategy.rank}_") and f.endswith(".distcp"):
+                    full = os.path.join(directory, f)
+                    hashes.append((os.path.join(portable.DIR, f), os.path.getsize(full), sha256_file(full)))
+        return mine, written, hashes
 
     d = strategy.cfg.distributed
     manifest = {"format": 3, "step": step, "samples": samples, "global_batch": global_batch,
