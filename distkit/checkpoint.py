@@ -178,13 +178,7 @@ class PendingCheckpoint:
                 if self._job is not None:
                     self._job.finish([w for _, w, _ in results])  # DCP's .metadata
                 hashed = {n: {"size": s, "sha256": h} for mine, _, hashes in results for n, s, h in [mine, *hashes]}
-                files = {}
-                for d, _, names in os.walk(tmp):
-                    for f in names:
-                        rel = os.path.relpath(os.path.join(d, f), tmp)
-                        files[rel] = hashed.get(rel) or {"size": os.path.getsize(os.path.join(d, f)),
-                                                         "sha256": sha256_file(os.path.join(d, f))}
-                manifest = {**self._manifest, "files": dict(sorted(files.items()))}
+                manifest = {**self._manifest, "files": file_entries(tmp, hashed)}
                 with open(os.path.join(tmp, "manifest.json.part"), "w") as f:
                     json.dump(manifest, f)
                     f.flush()
@@ -211,6 +205,18 @@ class PendingCheckpoint:
                          "keep_checkpoints, then continue with ++resume auto")
         _agree_on_error(strategy, error)
         return final
+
+
+def file_entries(directory: str, known: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, dict[str, Any]]:
+    """The manifest's ``files``: size and sha256 of every file under ``directory`` by relative path,
+    sorted; files in ``known`` (hashed already, by the rank that wrote them) are not read again."""
+    files = {}
+    for d, _, names in os.walk(directory):
+        for f in names:
+            full = os.path.join(d, f)
+            rel = os.path.relpath(full, directory)
+            files[rel] = (known or {}).get(rel) or {"size": os.path.getsize(full), "sha256": sha256_file(full)}
+    return dict(sorted(files.items()))
 
 
 def _describe(e: BaseException, where: str) -> str:

@@ -68,16 +68,11 @@ def to_checkpoint(path: str, out: str) -> dict[str, Any]:
     try:
         tensors = {k: v for k, v in entries.items() if k != portable.META}
         portable.save(_OneProcess(), os.path.join(tmp, portable.DIR), tensors, meta)  # type: ignore[arg-type]
-        files = {}
-        for d, _, names in os.walk(tmp):
-            for f in names:
-                full = os.path.join(d, f)
-                files[os.path.relpath(full, tmp)] = {"size": os.path.getsize(full), "sha256": checkpoint.sha256_file(full)}
         model = portable.model_state(entries)
         manifest = {"format": 3, "step": progress["step"], "samples": progress["samples"],
                     "global_batch": progress.get("global_batch"), "portable": True,
                     "world_size": meta.get("world_size", 1), "engine": "portable", "reduce_type": meta.get("reduce_type"),
-                    "zero_stage": None, "files": dict(sorted(files.items())),
+                    "zero_stage": None, "files": checkpoint.file_entries(tmp),
                     "shapes": {k: list(v.shape) for k, v in model.items()}}
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f)
