@@ -4,10 +4,13 @@
 
 Per engine: one uninterrupted reference run (``distkit train configs/returnn_ddp.py --nprocs 2``,
 Adam, a checkpoint after every step), then ``--trials`` trials. A trial starts the same run in a
-fresh output directory and, at a moment drawn uniformly from the reference's wall time (start-up
-and the final save included), sends SIGKILL either to one rank drawn at random (found in the
-launcher's process tree by its ``RANK``/``OMPI_COMM_WORLD_RANK``) or to the whole process group
-(``--group-fraction`` of the trials). Then ``++resume auto`` is run until the run completes (at
+fresh output directory and sends SIGKILL either to one rank drawn at random (found in the launcher's
+process tree by its ``RANK``/``OMPI_COMM_WORLD_RANK``) or to the whole process group
+(``--group-fraction`` of the trials). The moment: for ``--startup-fraction`` of the trials uniformly
+inside start-up (before the first checkpoint, as long as the reference's start-up took), for the
+rest uniformly inside the training, saving and shutdown that follow the trial's first checkpoint
+(as long as the reference's took), so most kills land where checkpoints are being written. A run
+that finished before its kill is not counted and is drawn again. Then ``++resume auto`` is run until the run completes (at
 most 3 times). A trial counts as recovered when the final ``summary.json`` has the reference's
 ``param_checksum`` (sha256 of the fp32 parameters: bit-identical) and ``steps``; a resume that
 fails, a wrong checksum, or a run that started over from step 0 while checkpoints existed are
@@ -107,13 +110,33 @@ def summary(out: str) -> Optional[dict[str, Any]]:
         return json.load(f)  # type: ignore[no-any-return]
 
 
-def trial(engine: str, steps: int, wall: float, rng: random.Random, ref: dict[str, Any], work: str) -> dict[str, Any]:
+def wait_for_first_checkpoint(out: str, proc: "subprocess.Popen[str]") -> float:
+    """Seconds from now until ``out`` has a complete checkpoint (``latest``) or ``proc`` ended."""
+    t0 = time.perf_counter()
+    pointer = os.path.join(out, "checkpoints", "latest")
+    while not os.path.isfile(pointer) and proc.poll() is None:
+        time.sleep(0.01)
+    return time.perf_counter() - t0
+
+
+def trial(engine: str, steps: int, timing: tuple[float, float], rng: random.Random, ref: dict[str, Any],
+          work: str) -> dict[str, Any]:
+    """One kill and its resumes. ``timing`` is the reference's (seconds to its first checkpoint, seconds
+    from then to its end): a share ``--startup-fraction`` of the kills falls into start-up, the rest
+    uniformly into the training and saving that follows the first checkpoint (where the checkpoint
+    protocol is exercised), timed from the moment this trial's first checkpoint appears."""
     out = tempfile.mkdtemp(prefix=f"kill-{engine}-", dir=work)
-    at = rng.uniform(0.2, wall)
+    to_first, training = timing
+    during_startup = rng.random() < ARGS.startup_fraction
+    delay = rng.uniform(0.2, to_first) if during_startup else rng.uniform(0.0, training)
     whole = rng.random() < ARGS.group_fraction
     proc = subprocess.Popen(command(engine, steps, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env(), cwd=ROOT, start_new_session=True)
-    time.sleep(at)
+    t0 = time.perf_counter()
+    if not during_startup:
+        wait_for_first_checkpoint(out, proc)
+    time.sleep(delay)
+    at = time.perf_counter() - t0
     victim: Any = "group"
     if proc.poll() is None:
         if whole:
@@ -126,7 +149,7 @@ def trial(engine: str, steps: int, wall: float, rng: random.Random, ref: dict[st
             else:  # not started yet: kill the launch itself
                 os.killpg(proc.pid, signal.SIGKILL)
     else:
-        victim = "none (the run had finished)"
+        victim = None  # the run had finished: no kill happened (not counted as a trial)
     try:
         proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -166,6 +189,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--group-fraction", type=float, default=0.25, help="share of trials that kill every process")
+    p.add_argument("--startup-fraction", type=float, default=0.1,
+                   help="share of kills timed inside start-up (before the first checkpoint); the rest fall after it")
     p.add_argument("--work", default=None, help="where trial output goes (default: a temporary directory)")
     p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results")
     ARGS = p.parse_args()
@@ -174,26 +199,37 @@ def main() -> int:
     for engine in ARGS.engines.split(","):
         ref_out = os.path.join(work, f"ref-{engine}")
         t0 = time.perf_counter()
-        res = run(command(engine, ARGS.steps, ref_out))
+        proc = subprocess.Popen(command(engine, ARGS.steps, ref_out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env(), cwd=ROOT)
+        to_first = wait_for_first_checkpoint(ref_out, proc)
+        _, stderr = proc.communicate(timeout=300)
         wall = time.perf_counter() - t0
-        if res.returncode != 0:
-            print(f"{engine}: the reference run failed:\n{res.stderr[-2000:]}", file=sys.stderr)
+        if proc.returncode != 0:
+            print(f"{engine}: the reference run failed:\n{stderr[-2000:]}", file=sys.stderr)
             return 1
         ref = summary(ref_out)
         assert ref is not None
         rng = random.Random(f"{ARGS.seed}-{engine}")
-        results = []
-        for i in range(ARGS.trials):
-            results.append(trial(engine, ARGS.steps, wall, rng, ref, work))
-            r = results[-1]
-            print(f"  {engine} trial {i + 1}/{ARGS.trials}: kill {r['victim']} at {r['at_s']:.2f} s -> "
-                  f"{'recovered' if r['ok'] else 'FAILED: ' + r['why']}", flush=True)
+        results: list[dict[str, Any]] = []
+        finished_first = 0
+        while len(results) < ARGS.trials and finished_first < ARGS.trials:
+            r = trial(engine, ARGS.steps, (to_first, wall - to_first), rng, ref, work)
+            if r["victim"] is None:
+                finished_first += 1
+                continue
+            results.append(r)
+            print(f"  {engine} trial {len(results)}/{ARGS.trials}: kill {r['victim']} at {r['at_s']:.2f} s "
+                  f"(latest: {r['checkpoint_at_kill']}) -> {'recovered' if r['ok'] else 'FAILED: ' + r['why']}",
+                  flush=True)
         good = sum(r["ok"] for r in results)
-        failed += len(results) - good
+        failed += ARGS.trials - good
         report = {"engine": engine, "trials": len(results), "recovered": good, "steps": ARGS.steps,
-                  "reference_wall_s": round(wall, 2), "reference_checksum": ref["param_checksum"], "results": results}
+                  "reference_wall_s": round(wall, 2), "reference_first_checkpoint_s": round(to_first, 2),
+                  "runs_that_finished_before_the_kill": finished_first,
+                  "reference_checksum": ref["param_checksum"], "results": results}
         print(f"{engine}: {good}/{len(results)} killed runs resumed to the uninterrupted run's checksum "
-              f"(reference {wall:.1f} s, {ARGS.steps} steps, a checkpoint every step)", flush=True)
+              f"(reference {wall:.1f} s, first checkpoint at {to_first:.1f} s, {ARGS.steps} steps, a checkpoint "
+              f"every step; {finished_first} runs finished before their kill and were drawn again)", flush=True)
         if not ARGS.no_save:
             os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
             with open(os.path.join(HERE, "results", f"kill_trials_{engine}.json"), "w") as f:

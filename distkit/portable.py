@@ -220,3 +220,27 @@ def optimizer_state(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
             name, key = k[len("optim/"):].rsplit("/", 1)
             state.setdefault(name, {})[key] = v
     return state
+
+
+def group_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Each of ``optimizer``'s param groups as ``module``'s parameter names."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def restore(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], sd: dict[str, torch.Tensor],
+            optim_state: dict[str, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """Load a plain (unsharded) ``module`` and ``optimizer`` from name-keyed state; the optimizer is left
+    as it is when it is None or the checkpoint holds none (``groups`` empty)."""
+    module.load_state_dict(sd)
+    if optimizer is not None and groups:
+        optimizer.load_state_dict(optimizer_state_from_names(optim_state, groups, group_names(module, optimizer)))
+
+
+def load_into(checkpoint_dir: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    """Load a distkit checkpoint into a plain PyTorch ``model`` (and ``optimizer``) in one process, no
+    engine and no process group needed; returns the checkpoint's ``meta`` (progress, other entries).
+    The checkpoint's integrity is not checked here (``distkit inspect`` does)."""
+    entries = read(checkpoint_dir)
+    restore(model, optimizer, model_state(entries), optimizer_state(entries), entries[META]["optim_groups"])
+    return entries[META]  # type: ignore[no-any-return]

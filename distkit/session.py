@@ -521,8 +521,9 @@ class Session:
         """Collective: write ``state`` as checkpoint directory ``path``, atomically (see
         :func:`distkit.checkpoint.write`); returns its absolute path.
 
-        Values that are the set-up model, optimizer or scheduler are saved the engine's way (the
-        whole bare model, the optimizer state; DeepSpeed's own checkpoint files); other values with
+        Values that are the set-up model and optimizer go into the engine-neutral ``portable/`` part
+        (grad mode: each tensor written once, by one rank) and, in param mode, where replicas differ,
+        into each rank's own file too; DeepSpeed adds its own checkpoint files. Other values with
         a ``state_dict()`` are saved through it; anything else is pickled as is. distkit adds its own
         counters, the averager and the RNG states, which :meth:`load` restores. Each rank writes its
         own file (ranks differ in param mode and in RNG state).
@@ -554,7 +555,14 @@ class Session:
     def _start_save(self, path: str, state: dict[str, Any], background: bool) -> checkpoint.PendingCheckpoint:
         if not isinstance(state, dict):
             raise UsageError(f"dk.save(path, state): state must be a dict, got {type(state).__name__}")
-        engine = self._engine_state() if self._model is not None else {}
+        # Grad mode: the replicas are equal, and the portable part holds them once, each tensor written
+        # by one rank; the rank files then carry no model or optimizer (no rank gathers a ZeRO-3 model,
+        # and the N copies are not written). Param mode: the replicas differ between syncs, each rank
+        # file keeps its own (the portable part has rank 0's only).
+        engine: dict[str, Any] = {}
+        if self._model is not None:
+            engine = (self._engine_state() if self.cfg.distributed.reduce_type == "param"
+                      else {"model": None, "optimizer": None})
         out: dict[str, Any] = {}
         for key, value in state.items():
             if self._model is not None and value is self._model:
@@ -566,9 +574,8 @@ class Session:
             else:
                 out[key] = value
         out["distkit"] = self._internal_state()
-        model = engine.get("model")
-        shapes = ({k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
-                  if isinstance(model, dict) else None)  # in the manifest: a resume checks them first
+        # in the manifest: a resume checks them before anything is restored
+        shapes = checkpoint.model_shapes(self.unwrap()) if self._model is not None else None
         return checkpoint.start(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes,
                                 samples=self.num_samples, portable_part=self._portable_part(state, out),
                                 global_batch=self.global_batch, background=background)
@@ -631,8 +638,12 @@ class Session:
         opt_key = next((k for k, v in state.items() if v is self._optimizer and v is not None), None)
         if model_key is not None:
             self._strategy.load_engine_files(path, self._model)  # type: ignore[arg-type]
-            engine = {"model": saved.get(model_key), "optimizer": saved.get(opt_key) if opt_key else None}
-            self._strategy.load_state_dict(self._model, self._optimizer, engine)  # type: ignore[arg-type]
+            if saved.get(model_key) is None and not self._strategy.engine_files:
+                # grad mode: the rank files hold no replica; the portable part has it (exactly: fp32 as trained)
+                self._restore_portable(self._read_portable(path), opt_key)
+            else:
+                engine = {"model": saved.get(model_key), "optimizer": saved.get(opt_key) if opt_key else None}
+                self._strategy.load_state_dict(self._model, self._optimizer, engine)  # type: ignore[arg-type]
         rest = {}
         for key, value in saved.items():
             if key in (model_key, opt_key, "distkit"):
@@ -651,6 +662,24 @@ class Session:
         self.num_steps, self.num_samples = internal["progress"]["step"], internal["progress"]["samples"]
         return rest
 
+    @staticmethod
+    def _read_portable(path: str) -> dict[str, Any]:
+        """The portable part of checkpoint ``path``, verified against the manifest first."""
+        problem = checkpoint.verify(path, under=portable.DIR)
+        if problem:
+            raise CheckpointError(f"checkpoint '{path}' is damaged: {problem}; resume from another checkpoint "
+                                  "(++resume auto falls back to the newest complete one)")
+        return portable.read(path)
+
+    def _restore_portable(self, entries: dict[str, Any], opt_key: Optional[str]) -> None:
+        """Collective (ZeRO): the set-up model, and the optimizer when ``opt_key`` names it and the
+        checkpoint holds one, from a checkpoint's portable ``entries``."""
+        meta = entries[portable.META]
+        with self._collective("loading the checkpoint's portable part"):
+            self._strategy.load_portable_state(
+                self._model, self._optimizer if opt_key and meta["optimizer_key"] else None,  # type: ignore[arg-type]
+                portable.model_state(entries), portable.optimizer_state(entries), meta["optim_groups"])
+
     def _same_layout(self, manifest: dict[str, Any]) -> bool:
         """Whether checkpoint ``manifest`` was written by this engine, mode, ZeRO stage and number of
         ranks (then each rank's own file and the engine's files restore it exactly)."""
@@ -664,19 +693,12 @@ class Session:
         ZeRO stage wrote (see :mod:`distkit.portable`); RNG states come from the rank of the same
         number when the writer had one. Param mode's averager starts a new period from the loaded
         weights (its outer optimizer's momentum is not carried across layouts)."""
-        problem = checkpoint.verify(path, under=portable.DIR)
-        if problem:
-            raise CheckpointError(f"checkpoint '{path}' is damaged: {problem}; resume from another checkpoint "
-                                  "(++resume auto falls back to the newest complete one)")
-        entries = portable.read(path)
+        entries = self._read_portable(path)
         meta = entries[portable.META]
         model_key = next((k for k, v in state.items() if v is self._model and v is not None), None)
         opt_key = next((k for k, v in state.items() if v is self._optimizer and v is not None), None)
         if model_key is not None:
-            with self._collective("loading the checkpoint's portable part"):
-                self._strategy.load_portable_state(
-                    self._model, self._optimizer if opt_key and meta["optimizer_key"] else None,  # type: ignore[arg-type]
-                    portable.model_state(entries), portable.optimizer_state(entries), meta["optim_groups"])
+            self._restore_portable(entries, opt_key)
         rest = {}
         for key, value in meta["entries"].items():
             target = state.get(key)

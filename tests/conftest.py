@@ -64,10 +64,14 @@ def summary(out_dir: Path) -> dict[str, Any]:
 
 
 def final_params(out_dir: Path, rank: int = 0) -> dict[str, torch.Tensor]:
-    """Model state of ``rank`` in the newest checkpoint (training always saves at the end)."""
+    """Model state of ``rank`` in the newest checkpoint (training always saves at the end): its own
+    rank file's copy in param mode, the one portable copy in grad mode (where the rank files hold none)."""
+    from distkit import portable
+
     root = out_dir / "checkpoints"
-    latest = (root / "latest").read_text().strip()
-    return torch.load(root / latest / f"rank-{rank:05d}.pt", weights_only=False)["model"]  # type: ignore[no-any-return]
+    ckpt = root / (root / "latest").read_text().strip()
+    own = torch.load(ckpt / f"rank-{rank:05d}.pt", weights_only=False)["model"]
+    return own if own is not None else portable.model_state(portable.read(str(ckpt)))
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -65,6 +65,10 @@ def test_sources_agree_and_hold_a_sharded_portable_part(sources: dict[str, Path]
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its share
     sizes = [(ckpt / "portable" / f).stat().st_size for f in files[1:]]
     assert min(sizes) > 0.3 * max(sizes)  # dealt out by size, not all on one rank
+    # grad mode: the rank files hold no replica (no rank gathered the ZeRO-3 model); the portable part is it
+    for engine in sources:
+        own = torch.load(sources[engine] / "checkpoints" / "step-0000010" / "rank-00001.pt", weights_only=False)
+        assert own["model"] is None and own["optimizer"] is None, engine
     entries = portable.read(str(ckpt))
     names = {n for n, _ in torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
                                                torch.nn.ReLU(), torch.nn.Linear(64, 10)).named_parameters()}

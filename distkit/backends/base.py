@@ -19,7 +19,8 @@ from torch import nn
 from distkit.config import RunConfig
 from distkit.env import ClusterEnv
 from distkit.errors import DistkitError, UnsupportedCombination
-from distkit.portable import optimizer_state_by_name, optimizer_state_from_names
+from distkit import portable
+from distkit.portable import optimizer_state_by_name
 
 
 class Strategy(ABC):
@@ -161,7 +162,7 @@ class Strategy(ABC):
         sd = {k: v for k, v in module.state_dict().items() if keep(k)}
         if optimizer is None:
             return sd, {}, []
-        state, groups = optimizer_state_by_name(optimizer.state_dict(), self._group_names(module, optimizer))
+        state, groups = optimizer_state_by_name(optimizer.state_dict(), portable.group_names(module, optimizer))
         return sd, {n: s for n, s in state.items() if keep(n)}, groups
 
     def load_portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -169,15 +170,11 @@ class Strategy(ABC):
                             groups: list[dict[str, Any]]) -> None:
         """Collective where state is sharded: restore what :meth:`portable_state` returned (every name),
         whichever engine, world size and mode wrote it."""
-        module = self.unwrap(model)
-        module.load_state_dict(sd)
-        if optimizer is not None and groups:
-            optimizer.load_state_dict(optimizer_state_from_names(optim_state, groups, self._group_names(module, optimizer)))
+        portable.restore(self.unwrap(model), optimizer, sd, optim_state, groups)
 
-    @staticmethod
-    def _group_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-        names = {id(p): n for n, p in module.named_parameters()}
-        return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    #: True where :meth:`save_engine_files` writes the whole resumable model and optimizer state
+    #: (DeepSpeed): a same-layout resume then reads nothing else for them.
+    engine_files: bool = False
 
     def save_engine_files(self, directory: str, model: nn.Module) -> None:
         """Collective: engines with their own checkpoint format write it into ``directory`` (default: nothing)."""

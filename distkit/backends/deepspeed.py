@@ -477,8 +477,9 @@ class DeepSpeedStrategy(DDPStrategy):
         yield from named
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole model in fp32 (collective under ZeRO-3) for inspection; the resumable state is the
-        engine checkpoint written by :meth:`save_engine_files`."""
+        """Param mode only (the replica groups differ between syncs): this group's whole model in fp32
+        (collective inside the group under ZeRO-3) for the rank file; the resumable state is the engine
+        checkpoint written by :meth:`save_engine_files`. Grad mode writes no such copy."""
         module = self.unwrap(model)
         with self._gathered(module):
             sd = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
@@ -626,6 +627,8 @@ class DeepSpeedStrategy(DDPStrategy):
     def _engine_dir(self, directory: str) -> str:
         sub = f"group-{self.mpu.index}" if self.mpu is not None else "all"
         return os.path.join(directory, ENGINE_DIR, sub)
+
+    engine_files = True
 
     def save_engine_files(self, directory: str, model: nn.Module) -> None:
         """Collective: ``engine.save_checkpoint`` into distkit's temporary checkpoint directory, without

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from distkit import portable
 from distkit.compat.perceptrain.config import TrainConfig, install_error_hook
 from distkit.compat.perceptrain.loss import get_loss
 from distkit.compat.perceptrain.optimize_step import DistkitOptimizer, _to
@@ -210,10 +211,8 @@ class Trainer:
                 raise err
             with open(result_path) as f:
                 result = json.load(f)
-            ckpt = torch.load(os.path.join(result["checkpoint"], "rank-00000.pt"), map_location="cpu", weights_only=False)
-            self.model.load_state_dict(ckpt["model"])
-            if self.optimizer is not None and ckpt.get("optimizer") is not None:
-                self.optimizer.load_state_dict(ckpt["optimizer"])
+            # the ranks' final state (in sync: fit ends on a sync in param mode) into the caller's objects
+            portable.load_into(result["checkpoint"], self.model, self.optimizer)
             self.summary = result["summary"]
             self.current_epoch, self.global_step = result["epoch"], result["summary"]["steps"]
         finally:
