@@ -33,6 +33,7 @@ import contextlib
 import math
 import os
 import random
+import socket
 import sys
 import time
 import warnings
@@ -45,6 +46,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
 from distkit import checkpoint, portable
+from distkit.netif import host_identity
 from distkit.backends import check_backend, strategy_class
 from distkit.backends.base import Strategy, persistent_buffers
 from distkit.components import pick_device
@@ -209,6 +211,11 @@ class Session:
         self._strategy: Strategy = strategy_class(cfg.distributed.backend)(cfg, env, device)
         self._strategy.init()
         self._watchdog = start_watchdog(self._strategy, cfg.distributed.timeout_s)  # names a stalled rank
+        # every rank's (host name, host identity), in rank order: one object all-gather at start-up; the
+        # identity tells apart hosts that share a name (containers, network namespaces)
+        me = (socket.gethostname(), host_identity())
+        self._rank_hosts: list[tuple[str, str]] = (self._strategy.all_gather_object(me) if env.is_distributed
+                                                   else [me])
         Session.current = self
         set_current_strategy(self._strategy)
         atexit.register(self.close)
@@ -241,6 +248,23 @@ class Session:
             self._scaler = torch.amp.GradScaler(self.device.type)
 
     # -- topology -----------------------------------------------------------------------
+    @property
+    def hosts(self) -> list[str]:
+        """The job's hosts' names, one per host in the order of their lowest rank (node rank order);
+        hosts that share a name appear once each."""
+        return [name for name, _ in dict.fromkeys(self._rank_hosts)]
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """Each rank's node rank (index into :attr:`hosts`), in rank order."""
+        nodes = list(dict.fromkeys(self._rank_hosts))
+        return [nodes.index(h) for h in self._rank_hosts]
+
+    def topology(self) -> dict[str, Any]:
+        """``hosts``, ``num_nodes`` and ``node_ranks`` (per rank), as summary.json and
+        config.resolved.json record them (from the host names the ranks reported, not the launcher's)."""
+        return {"hosts": self.hosts, "num_nodes": len(self.hosts), "node_ranks": self.node_ranks}
+
     @property
     def rank(self) -> int:
         return self._strategy.rank
@@ -757,7 +781,8 @@ class Session:
         out = {
             "backend": d.backend, "backend_impl": s.backend_impl(), "reduce_type": d.reduce_type,
             "param_sync_step": d.param_sync_step if d.reduce_type == "param" else None,
-            "world_size": self.world_size, "launcher": self.env.launcher, "zero_stage": getattr(s, "zero_stage", None),
+            "world_size": self.world_size, **self.topology(), "launcher": self.env.launcher,
+            "zero_stage": getattr(s, "zero_stage", None),
             "steps": self.num_steps, "samples": self.num_samples, "final_train_loss": loss,
             "eval_loss": None, "eval_accuracy": None, "best_eval_loss": None, "best_eval_step": None,
             "param_checksum": checksum, "ranks_in_sync": in_sync,

@@ -88,7 +88,8 @@ class TrainingRun:
         if dk.is_main:
             os.makedirs(cfg.output_dir, exist_ok=True)
             with open(os.path.join(cfg.output_dir, "config.resolved.json"), "w") as f:
-                json.dump({**cfg.to_json(), "world_size": dk.world_size, "launcher": dk.env.launcher}, f, indent=2)
+                json.dump({**cfg.to_json(), "world_size": dk.world_size, **dk.topology(), "launcher": dk.env.launcher},
+                          f, indent=2)
             d = cfg.distributed
             print(f"distkit: {d.backend}/{d.reduce_type} on {dk.world_size} rank(s) via {dk.env.launcher}, "
                   f"task {self.task.name}, batch {cfg.batch_size}/rank, {self.total_steps} steps; "

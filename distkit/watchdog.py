@@ -46,6 +46,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from distkit.errors import RankStalled
+from distkit.netif import host_identity, reachable_address
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
@@ -96,7 +97,7 @@ class Watchdog:
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> None:
         """Publish where this rank runs, then start both threads. Not collective."""
-        self.store.set(f"who/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        self.store.set(f"who/{self.rank}", f"{host_identity()} {os.getpid()}")
         self._beater.start()
         self._judge.start()
 
@@ -170,7 +171,7 @@ class Watchdog:
                     f"distributed.timeout_s = {self.timeout_s:g}); ending all {self.world_size} ranks")
             print(f"distkit: {text}", file=sys.__stderr__ or sys.stderr, flush=True)
             record_stall(self.rank, RankStalled(text, ranks))
-            here = socket.gethostname()
+            here = host_identity()  # (not the host name: hosts may share one)
             for r in ranks:
                 host, pid = self._where.get(r, ("", 0))
                 if host == here and pid > 0 and pid != os.getpid():
@@ -217,13 +218,15 @@ def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]
     if strategy.rank == 0:
         try:
             store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
-            where = {"host": socket.gethostname(), "addr": os.environ.get("MASTER_ADDR") or _my_address(),
-                     "port": int(store.port)}
+            # The address the others reach: the interface toward MASTER_ADDR (a host name may resolve
+            # to loopback), else the host's own address.
+            where = {"host": host_identity(), "port": int(store.port),
+                     "addr": reachable_address(os.environ.get("MASTER_ADDR")) or _my_address()}
         except Exception as e:  # noqa: BLE001 - reported below, the run goes on without a watchdog
             error = f"{type(e).__name__}: {e}"
     where = strategy.broadcast_object(where, 0)
     if strategy.rank != 0 and where is not None:
-        addr = "127.0.0.1" if where["host"] == socket.gethostname() else where["addr"]
+        addr = "127.0.0.1" if where["host"] == host_identity() else where["addr"]
         try:
             store = dist.TCPStore(addr, where["port"], None, False, timeout=timeout)
         except Exception as e:  # noqa: BLE001

@@ -99,6 +99,19 @@ def _marked_pids() -> list[int]:
     return pids
 
 
+#: The short digits run that the engine modules compare their grad mode against (20 steps, 8 per rank).
+SHORT = ["++max_steps", "20", "++progress_bar", "False", "++log_every", "5", "++batch_size", "8"]
+
+
+@pytest.fixture(scope="session")
+def ddp_short_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DDP grad mode, ``configs/returnn_ddp.py`` with :data:`SHORT`, 2 ranks (``--nprocs``): the reference
+    every engine's grad mode must reproduce. One run per test session, shared by the modules."""
+    out = tmp_path_factory.mktemp("ddp_short_ref") / "ddp"
+    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(out), *SHORT))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _no_leftovers() -> Any:
     saved = dict(os.environ)

@@ -90,6 +90,8 @@ def test_zero_stage_grad_mode_equals_ddp(tmp_path: Path, ddp_ref: Path, stage: i
     resolved = json.loads((out / "deepspeed_config.resolved.json").read_text())
     assert resolved["train_batch_size"] == 32 and resolved["gradient_clipping"] == 0.0  # not DeepSpeed's 1.0
     assert resolved["zero_optimization"]["stage"] == stage
+    if stage != 3:  # export reads the engine-neutral part, the same for every stage: checked once, partitioned
+        return
     # export: a plain state_dict that loads into the bare model and equals the trained parameters
     sd = export(out, tmp_path / "model.pt")
     bare = make_model()
@@ -110,11 +112,15 @@ def test_engine_accumulation_and_clipping_equal_ddp(tmp_path: Path) -> None:
     assert max_abs_diff(final_params(ds), final_params(unclipped)) > 1e-4
 
 
+@pytest.fixture(scope="module")
+def charlm_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train(tmp_path_factory.mktemp("charlm"), "ddp", None, task="charlm", steps=6)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_charlm_zero_stages_equal_ddp(tmp_path: Path, stage: int) -> None:
-    ref = train(tmp_path, "ddp", None, task="charlm", steps=6)
+def test_charlm_zero_stages_equal_ddp(tmp_path: Path, charlm_ref: Path, stage: int) -> None:
     out = train(tmp_path, f"z{stage}", zero(stage), "++eval_every", "3", task="charlm", steps=6)
-    assert max_abs_diff(final_params(out), final_params(ref)) <= TOL
+    assert max_abs_diff(final_params(out), final_params(charlm_ref)) <= TOL
     s = summary(out)
     assert s["zero_stage"] == stage and s["ranks_in_sync"] is True and s["eval_loss"] < 4.6  # < ln(100): it learned
 

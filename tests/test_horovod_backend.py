@@ -17,14 +17,13 @@ from typing import Any
 
 import pytest
 
-from conftest import BIN, ROOT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
+from conftest import BIN, ROOT, SHORT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
 
 TOL = 1e-5
 MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none"]
 HOROVODRUN = [str(BIN / "horovodrun"), "-np", "2", "--gloo"]
 # the DDP reference config, re-pointed at Horovod the way RETURNN users write it
 HVD = ["++torch_distributed", "None", "++use_horovod", "1"]
-SHORT = ["++max_steps", "20", "++progress_bar", "False", "++log_every", "5", "++batch_size", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +61,9 @@ def shadow_horovod(tmp_path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def ref(ddp_short_ref: Path) -> dict[str, Path]:
     """DDP grad mode (--nprocs 2): the reference every engine's grad mode must reproduce."""
-    root = tmp_path_factory.mktemp("ref")
-    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(root / "ddp"), *SHORT))
-    return {"ddp": root / "ddp"}
+    return {"ddp": ddp_short_ref}
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 
-from conftest import BIN, ROOT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
+from conftest import BIN, ROOT, SHORT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
 
 TOL = 1e-5
 MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none"]
 # the DDP reference config, re-pointed at the mpi engine
 MPI = ["++torch_distributed", "None", "++distributed.backend", "mpi"]
-SHORT = ["++max_steps", "20", "++progress_bar", "False", "++log_every", "5", "++batch_size", "8"]
 
 
 def mpirun(*args: str, timeout: float = 180, **env: str) -> Any:
@@ -34,11 +33,9 @@ def train_mpi(out: Path, *overrides: str, **env: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def ref(tmp_path_factory: pytest.TempPathFactory, ddp_short_ref: Path) -> dict[str, Path]:
     """Runs several tests compare against: DDP grad mode (--nprocs 2) and mpi grad mode."""
-    root = tmp_path_factory.mktemp("ref")
-    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(root / "ddp"), *SHORT))
-    return {"ddp": root / "ddp", "mpi": train_mpi(root / "mpi")}
+    return {"ddp": ddp_short_ref, "mpi": train_mpi(tmp_path_factory.mktemp("ref") / "mpi")}
 
 
 def test_grad_mode_reproduces_ddp(ref: dict[str, Path]) -> None:

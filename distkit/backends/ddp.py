@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distkit.averaging import ParamAverager
 from distkit.env import resolve_rendezvous
+from distkit.netif import prepare_gloo
 
 from .base import Strategy, parameters_and_float_buffers
 
@@ -39,6 +40,8 @@ class DDPStrategy(Strategy):
         if dist.is_initialized():  # the user's script initialised it already (SpeechBrain style)
             return
         addr, port = resolve_rendezvous(self.env)
+        if self.pg_backend == "gloo":  # across hosts: the interface that reaches MASTER_ADDR, not the host name's
+            prepare_gloo(addr)
         # A TCPStore on rank 0; timeout_s bounds both rendezvous and every collective, so a
         # vanished rank surfaces as an error instead of gloo's 30-minute default hang.
         # Under torchrun the agent already serves the store on MASTER_PORT; rank 0 only connects.

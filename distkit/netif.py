@@ -1,0 +1,119 @@
+"""Which network interface the ranks of a multi-host job talk over, chosen from the rendezvous address.
+
+gloo picks its interface by resolving the host name; where the host name resolves to a loopback
+address (Debian's ``127.0.1.1``, containers and network namespaces sharing one name) it then
+advertises ``127.0.0.1`` to the other hosts, which dial themselves and fail with "connection
+refused". The interface the kernel routes to the rendezvous address (``MASTER_ADDR``) is the one
+the other hosts can reach, so distkit sets ``GLOO_SOCKET_IFNAME`` to it before the process group is
+created, unless the user set it. A wrong ``GLOO_SOCKET_IFNAME`` (no such interface here) is a
+ConfigError naming the variable and the interfaces this host has, instead of gloo's abort.
+
+Open MPI picks its own interfaces (every non-loopback one); across hosts with several, give
+``mpirun --mca btl_tcp_if_include <CIDR or name>`` (see docs/multinode.md).
+"""
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import MutableMapping
+from typing import Optional
+
+from distkit.errors import ConfigError
+
+_SIOCGIFADDR = 0x8915  # <linux/sockios.h>: the IPv4 address of an interface
+
+
+def interface_addresses() -> dict[str, str]:
+    """``{interface name: IPv4 address}`` of this host's interfaces that have one (Linux)."""
+    out: dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address (or down without one)
+                continue
+            out[name] = socket.inet_ntoa(packed[20:24])
+    return out
+
+
+def route_to(host: str) -> tuple[str, str]:
+    """``(interface, local address)`` the kernel uses to reach ``host`` (a name or an IPv4 address).
+
+    A UDP ``connect`` selects the route and sends nothing. ConfigError when ``host`` does not
+    resolve or no interface holds the chosen source address."""
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as e:
+        raise ConfigError(f"the rendezvous address MASTER_ADDR={host!r} does not resolve on host "
+                          f"{socket.gethostname()} ({e}); export MASTER_ADDR as an IP address, or add the name to "
+                          "/etc/hosts") from None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, 9))
+        except OSError as e:
+            raise ConfigError(f"host {socket.gethostname()} has no route to the rendezvous address {host} ({ip}): "
+                              f"{e}; check the network, or export MASTER_ADDR as an address this host reaches") from None
+        local = s.getsockname()[0]
+    for name, addr in interface_addresses().items():
+        if addr == local:
+            return name, local
+    raise ConfigError(f"no interface of host {socket.gethostname()} holds {local}, the address it reaches "
+                      f"{host} from; export GLOO_SOCKET_IFNAME=<interface>")
+
+
+def prepare_gloo(master_addr: str, environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+    """Set ``GLOO_SOCKET_IFNAME`` to the interface that routes to ``master_addr`` when it is unset and
+    the rendezvous is not on loopback (a one-host job needs nothing); check it when it is set. Call
+    on every rank before the gloo process group is created. Returns the interface, or None where
+    nothing was set."""
+    env = os.environ if environ is None else environ
+    given = env.get("GLOO_SOCKET_IFNAME")
+    if given:
+        have = sorted(interface_addresses())
+        missing = [n for n in given.split(",") if n not in have]
+        if missing:
+            raise ConfigError(f"GLOO_SOCKET_IFNAME={given}: no interface {', '.join(missing)} on host "
+                              f"{socket.gethostname()} (it has {', '.join(have)}); unset it to let distkit choose "
+                              "the interface that routes to MASTER_ADDR, or name one of these")
+        return None
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(master_addr)).is_loopback:
+            return None
+    except OSError:
+        pass  # route_to names the failure
+    name, _ = route_to(master_addr)
+    if name == "lo":
+        return None
+    env["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
+def host_identity() -> str:
+    """A string equal on two processes exactly when they share a host and its network: the host name,
+    the kernel's boot id and the network namespace. Hosts that share a name (containers, network
+    namespaces, cloned VMs) still differ."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
+    except OSError:
+        parts.append("")
+    return "|".join(parts)
+
+
+def reachable_address(master_addr: Optional[str]) -> Optional[str]:
+    """This host's address on the interface that routes to ``master_addr``: where the other ranks can
+    reach a server of this process (None when ``master_addr`` is None or cannot be routed)."""
+    if not master_addr:
+        return None
+    try:
+        return route_to(master_addr)[1]
+    except ConfigError:
+        return None
