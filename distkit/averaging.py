@@ -46,6 +46,7 @@ class ParamAverager:
         self.sync_time_diff = sync_time_diff
         self.steps_since_sync = 0
         self.num_syncs = 0
+        self.wait_s = 0.0  #: seconds spent in the averaging exchange (blocked on communication)
         self._last_sync = time.monotonic()
         self._outer: Optional[torch.optim.Optimizer] = None
         self._anchor: list[torch.Tensor] = []
@@ -73,7 +74,9 @@ class ParamAverager:
 
     def sync(self) -> None:
         """Collective: average now (and apply the outer optimizer if configured)."""
+        t0 = time.perf_counter()
         self.strategy.average_parameters(self.tensors)
+        self.wait_s += time.perf_counter() - t0  # the exchange, counted as waiting on communication
         if self._outer is not None:
             with torch.no_grad():
                 for a, t in zip(self._anchor, self.tensors, strict=True):

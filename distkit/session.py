@@ -236,6 +236,11 @@ class Session:
         self._last_batch: Optional[tuple[int, float]] = None  # (samples, fetch start) of the newest batch
         self._t_batch: Optional[float] = None  # when fetching this step's first micro-batch began
         self.compute_time_s = 0.0
+        #: seconds this rank was blocked on the training collectives (gradient all-reduce, averaging):
+        #: excluded from compute_time_s
+        self.comm_wait_s = 0.0
+        self._step_wait_s = 0.0  # of the step in progress
+        self._t_grad_ready: Optional[float] = None  # when the newest gradient was accumulated
         self._t_created = self._t_start = time.perf_counter()
         self._setup_time_s = 0.0  # init to the end of setup (summary's setup_time_s)
         #: per checkpoint, in order: seconds this process was blocked in save (or save_async + commit)
@@ -328,6 +333,10 @@ class Session:
                              "'optimizer' block may leave it out)")
         given = optimizer
         self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler)
+        if self._strategy.reduces_in_backward:  # DDP/DeepSpeed wait for the all-reduce inside backward
+            for p in self.unwrap().parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._gradient_ready)
         self._scheduler = getattr(self._strategy, "lr_scheduler", None)
         if self._scheduler is None and callable(lr_scheduler):  # a factory: over the optimizer the engine returned
             self._scheduler = lr_scheduler(self._optimizer)
@@ -443,7 +452,15 @@ class Session:
         self._last_loss = loss.detach()
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
+        self._t_grad_ready = None
         self._strategy.backward(loss, self._model)  # type: ignore[arg-type]
+        if self._t_grad_ready is not None:
+            # The engine waited for its all-reduce inside backward: from the last gradient computed to
+            # the return is waiting on communication (DDP's reducer finalising its buckets).
+            self._step_wait_s += max(0.0, time.perf_counter() - self._t_grad_ready)
+
+    def _gradient_ready(self, _param: torch.Tensor) -> None:
+        self._t_grad_ready = time.perf_counter()
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """Context for gradient-accumulation micro-steps: backward inside it does not communicate;
@@ -463,6 +480,7 @@ class Session:
         scheduler, and in param mode the parameter averaging when due."""
         self._require_setup("step()")
         s, model = self._strategy, self._model
+        waited = s.comm_wait_s + (s.averager.wait_s if s.averager is not None else 0.0)
         if self.cfg.gradient_clip is not None:
             self._unscale()
             s.clip_grad_norm(model, self._optimizer, self.cfg.gradient_clip)  # type: ignore[arg-type]
@@ -478,9 +496,12 @@ class Session:
         self.num_steps += 1
         self.num_samples += self._pending_samples * self.world_size
         self._pending_samples = 0
+        self._step_wait_s += s.comm_wait_s + (s.averager.wait_s if s.averager is not None else 0.0) - waited
         if self._t_batch is not None:
-            self.compute_time_s += time.perf_counter() - self._t_batch
+            self.compute_time_s += time.perf_counter() - self._t_batch - self._step_wait_s
             self._t_batch = None
+        self.comm_wait_s += self._step_wait_s
+        self._step_wait_s = 0.0
 
     def _unscale(self) -> None:
         """fp16: divide the reduced gradients by the loss scale, once per step, before clipping or stepping."""
@@ -760,8 +781,10 @@ class Session:
         0's in summary.json); ``ranks_in_sync``: every rank holds rank 0's parameters *and* persistent
         buffers (BatchNorm statistics), bit for bit (the same answer on every rank); ``final_train_loss``: the last backward's loss, mean over ranks; ``comm_bytes``:
         payload bytes this rank handed to collectives; ``compute_fraction``: time from the fetch of a
-        step's first micro-batch to the end of its step, summed, over wall time since setup (this
-        process's clock). ``wall_time_s``: seconds from the end of :meth:`setup` to now (the loop);
+        step's first micro-batch to the end of its step, less ``comm_wait_s``, summed, over wall time
+        since setup (this process's clock); ``comm_wait_s``: seconds blocked on the training
+        collectives (DDP/DeepSpeed: from the last gradient computed to backward's return; the mpi
+        engine's and Horovod's gradient waits; param mode's averaging). ``wall_time_s``: seconds from the end of :meth:`setup` to now (the loop);
         ``setup_time_s``: from :func:`init` to the end of setup (process group, engine, model wrap);
         ``total_time_s``: from :func:`init` to now. ``extra`` keys are added (the Trainer's eval results).
         """
@@ -790,7 +813,8 @@ class Session:
             "checkpoints": len(self.checkpoint_stalls_s), "checkpoint_stall_s": sum(self.checkpoint_stalls_s),
             "checkpoint_stalls_s": [round(t, 6) for t in self.checkpoint_stalls_s],
             "total_time_s": time.perf_counter() - self._t_created, "samples_per_s": self.num_samples / max(wall, 1e-9),
-            "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_bytes": s.comm_bytes,
+            "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_wait_s": self.comm_wait_s,
+            "comm_bytes": s.comm_bytes,
             "stopped_early": False,
         }
         out.update(extra)

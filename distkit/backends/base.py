@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Iterator, Optional
@@ -44,6 +45,10 @@ class Strategy(ABC):
         self.reduce_type = cfg.distributed.reduce_type
         #: payload bytes this rank handed to collectives (not wire bytes), for summary.json
         self.comm_bytes = 0
+        #: seconds this rank was blocked waiting for gradient collectives outside ``backward`` (the
+        #: mpi engine's and Horovod's waits; DDP and DeepSpeed wait inside backward, which the
+        #: Session times); param mode's averaging counts in ``averager.wait_s``
+        self.comm_wait_s = 0.0
         self.averager: Any = None  # set by setup() in param mode
 
     @property
@@ -114,6 +119,20 @@ class Strategy(ABC):
     def wait_for_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Return when the gradients of this step are reduced (grad mode) and may be read or rescaled;
         engines that reduce asynchronously until their step (Horovod, the mpi engine) finish that here."""
+
+    #: True where the gradient collective is waited for inside ``backward`` (DDP's reducer, DeepSpeed's
+    #: engine): the Session then counts the time from the last gradient computed to backward's return
+    #: as waiting on communication.
+    reduces_in_backward: bool = False
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Time spent inside counts as blocked on communication (:attr:`comm_wait_s`)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.comm_wait_s += time.perf_counter() - t0
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         """Clip the (already reduced, in grad mode) gradients to ``max_norm``; returns the norm before."""

@@ -33,6 +33,7 @@ class DDPStrategy(Strategy):
     """torch.distributed + DistributedDataParallel."""
 
     name = "ddp"
+    reduces_in_backward = True
 
     def init(self) -> None:
         d = self.cfg.distributed

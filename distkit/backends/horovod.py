@@ -150,7 +150,8 @@ class HorovodEngine(Strategy):
 
     def wait_for_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self._distributed(optimizer) and not self._synchronized:
-            optimizer.synchronize()  # type: ignore[attr-defined]
+            with self.waiting():
+                optimizer.synchronize()  # type: ignore[attr-defined]
             self._synchronized = True  # step() must then skip Horovod's own synchronize
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
@@ -161,10 +162,8 @@ class HorovodEngine(Strategy):
         if not self._distributed(optimizer):
             super().step(model, optimizer)
             return
-        if self._synchronized:
-            with optimizer.skip_synchronize():  # type: ignore[attr-defined]
-                optimizer.step()
-        else:
+        self.wait_for_gradients(model, optimizer)  # Horovod's own synchronize, timed as waiting
+        with optimizer.skip_synchronize():  # type: ignore[attr-defined]
             optimizer.step()
         self._synchronized = False
         optimizer.zero_grad()  # Horovod's own (no set_to_none argument); sets grads to None

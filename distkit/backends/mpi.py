@@ -164,7 +164,7 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
             self._next += 1
-        with self.s.watch("Iallreduce (gradient buckets)"):
+        with self.s.watch("Iallreduce (gradient buckets)"), self.s.waiting():
             self.s.MPI.Request.Waitall([b.request for b in self.buckets if b.request is not None])
         for b in self.buckets:
             b.request = None
