@@ -189,24 +189,17 @@ def test_link_down_ends_every_rank_and_resume_is_bit_identical(ddp_short_ref: Pa
     assert "rank 1 stopped responding" in host0, host0[-3000:]
     assert "rank 0 stopped responding" in host1, host1[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-0000005"  # it fired before step 10's save
-    # the shared checkpoint directory resumes on both hosts (link back up) to the uninterrupted result
-    with nethosts.Hosts(2) as h:
+    # The shared checkpoint directory resumes on both hosts to the uninterrupted result. The link is
+    # now 2 Mbit/s: each step's all-reduce moves the whole gradient (69 KB) once, at least 0.28 s,
+    # while its compute takes milliseconds; the time blocked in it is communication, not compute.
+    rate_mbit = 2.0
+    with nethosts.Hosts(2, rate_mbit=rate_mbit) as h:
         resumed = [ok(res) for res in torchrun_on_hosts(h, [*args, "++resume", "auto"], per_host=1)]
         assert "resumed from" in resumed[0].stdout and "at step 5" in resumed[0].stdout
-        check_two_hosts(tmp_path / "run", h, per_host=1)
-    assert summary(tmp_path / "run")["param_checksum"] == summary(ddp_short_ref)["param_checksum"]
-
-
-def test_compute_fraction_counts_waiting_on_a_slow_link(tmp_path: Path) -> None:
-    # 2 hosts x 1 rank on a 2 Mbit/s link: each step's gradient all-reduce moves the whole gradient
-    # (69 KB) once, at least 0.28 s on this link, while the step's compute takes milliseconds. The
-    # time blocked in the all-reduce is communication, not compute.
-    rate_mbit, steps = 2.0, 10
-    with nethosts.Hosts(2, rate_mbit=rate_mbit) as h:
-        for res in torchrun_on_hosts(h, [*TRAIN, "++output_dir", str(tmp_path), "++max_steps", str(steps)], per_host=1):
-            ok(res)
-    s = summary(tmp_path)
-    grad_bytes = sum(t.numel() * 4 for t in final_params(tmp_path).values())
-    floor_s = steps * grad_bytes * 8 / (rate_mbit * 1e6)  # the link's own limit: no step can be faster
+        s = check_two_hosts(tmp_path / "run", h, per_host=1)
+    assert s["param_checksum"] == summary(ddp_short_ref)["param_checksum"]
+    grad_bytes = sum(t.numel() * 4 for t in final_params(tmp_path / "run").values())
+    floor_s = 15 * grad_bytes * 8 / (rate_mbit * 1e6)  # steps 6-20 through this link: none can be faster
     assert s["comm_wait_s"] >= 0.8 * floor_s, (s["comm_wait_s"], floor_s)
     assert s["compute_fraction"] < 0.3, s["compute_fraction"]  # it read 0.86 before waits were separated
+
