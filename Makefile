@@ -8,7 +8,7 @@ STAMP := $(VENV)/.distkit-installed
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: demo test bench install horovod
+.PHONY: demo test bench install horovod slurm
 
 install: $(STAMP)
 
@@ -29,8 +29,13 @@ demo: $(STAMP)
 horovod: $(STAMP)
 	scripts/build_horovod.sh $(VENV)
 
+# A real SLURM (slurmctld, slurmd, munge from apt; ~15 s) for tests/test_slurm.py, which starts its own
+# daemons with a test-owned config; does nothing when it is installed.
+slurm:
+	scripts/install_slurm.sh
+
 # pytest exit 5 (no tests collected) is a failure here, never a silent pass.
-test: $(STAMP) horovod
+test: $(STAMP) horovod slurm
 	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
 

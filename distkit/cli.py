@@ -28,6 +28,7 @@ examples:
   distkit export runs/x/checkpoints/step-0000040 model.pt
   distkit convert runs/x state.pt
   distkit inspect runs/x                      # what the latest checkpoint holds; is it intact
+  distkit sbatch configs/returnn_ddp.py --nodes 2 --ntasks-per-node 4 --submit
 """
 
 
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     from distkit.convert import add_parser as add_convert_parser
 
     add_convert_parser(sub)
+    from distkit.sbatch import add_parser as add_sbatch_parser
+
+    add_sbatch_parser(sub)
     return parser
 
 
@@ -212,6 +216,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from distkit.convert import run as convert
 
             return convert(args)
+        if args.command == "sbatch":
+            from distkit.sbatch import run as sbatch
+
+            return sbatch(args, overrides)
         return train(args, overrides, argv)
     except DistkitError as e:
         print(f"distkit: error: {e}", file=sys.stderr, flush=True)

@@ -1,0 +1,135 @@
+"""``distkit sbatch CONFIG``: a SLURM batch script that runs ``distkit train CONFIG`` on N nodes.
+
+    distkit sbatch configs/returnn_ddp.py --nodes 2 --ntasks-per-node 4 [--partition P] [--time 1:00:00]
+                   [--engine ddp|deepspeed|mpi|horovod] [--dry-run | --submit] [++key value ...]
+
+The script requests the nodes and tasks, takes the first host of the allocation as the rendezvous
+address (``scontrol show hostnames``), derives the port from the job id (two jobs on one node get
+different ports), and gives every job its own output directory (``<output_dir>/job-<id>``, SLURM's
+log ``slurm-<id>.out`` beside it). DDP and DeepSpeed start one task per rank with ``srun`` (distkit
+reads the rank layout from SLURM); the mpi engine and Horovod start under ``mpirun`` inside the
+allocation (Open MPI reads the allocation from SLURM). ``--bind-to none`` keeps Open MPI from binding
+every rank of a node to one core.
+
+``--dry-run`` prints the script and writes nothing; ``--submit`` writes it and submits it with
+``sbatch``; with neither, it is written and its path printed. The config is loaded and checked
+first: a bad config or flag is one line and exit status 2, nothing written.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from distkit.errors import ConfigError, UsageError
+
+ENGINES = ("ddp", "deepspeed", "mpi", "horovod")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("sbatch", help="write (and submit) a SLURM batch script for a training run", allow_abbrev=False,
+                       description=(__doc__ or "").split("\n\n")[0].strip() + " Overrides (++key value) pass through.")
+    p.add_argument("configs", nargs="+", metavar="CONFIG", help="config files, as for `distkit train`")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes to allocate (default 1)")
+    p.add_argument("--ntasks-per-node", dest="ntasks_per_node", type=int, default=1, metavar="M",
+                   help="ranks per node (default 1)")
+    p.add_argument("--partition", default=None, metavar="P", help="SLURM partition (default: the cluster's)")
+    p.add_argument("--time", default=None, metavar="T", help="time limit, SLURM syntax (e.g. 1:00:00)")
+    p.add_argument("--engine", choices=ENGINES, default=None, help="distributed.backend (default: the config's)")
+    p.add_argument("--job-name", dest="job_name", default=None, help="job name (default distkit-<config name>)")
+    p.add_argument("--script", default=None, metavar="PATH",
+                   help="where to write the script (default <output_dir>/distkit-<job name>.sbatch)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the script, write nothing")
+    mode.add_argument("--submit", action="store_true", help="write the script and submit it with sbatch")
+
+
+def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[str, str]:
+    """``(script text, output base directory)`` for ``args``; ConfigError for bad input."""
+    from distkit.config import load_config
+
+    if args.nodes < 1 or args.ntasks_per_node < 1:
+        raise ConfigError(f"--nodes and --ntasks-per-node must be at least 1 (got {args.nodes} and {args.ntasks_per_node})")
+    if args.time is not None and not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", args.time):
+        raise ConfigError(f"--time {args.time!r} is not a SLURM time (minutes, H:MM:SS or D-HH:MM:SS)")
+    configs = [os.path.abspath(c) for c in args.configs]
+    extra = list(overrides)
+    if args.engine is not None:
+        extra.append(("distributed.backend", args.engine))
+    cfg = load_config(configs, extra)  # checks files, keys and values now, before anything is written
+    engine = cfg.distributed.backend
+    base = os.path.abspath(cfg.output_dir)
+    name = args.job_name or f"distkit-{os.path.splitext(os.path.basename(configs[0]))[0]}"
+    if not re.fullmatch(r"[\w.-]+", name):
+        raise ConfigError(f"--job-name {name!r}: use letters, digits, '.', '_' and '-'")
+    # the overrides as values distkit parses back to the same thing (repr of a literal is a literal)
+    pass_on = [tok for key, value in extra if key != "output_dir" for tok in (f"++{key}", _token(value))]
+    train = [sys.executable, "-m", "distkit", "train", *configs]
+    train_line = " ".join(shlex.quote(a) for a in train) + ' ++output_dir "$OUT"' + \
+        "".join(" " + shlex.quote(a) for a in pass_on)
+    if engine in ("mpi", "horovod"):
+        run = f'mpirun -np "$SLURM_NTASKS" --bind-to none {train_line}'
+    else:
+        run = f"srun --kill-on-bad-exit=1 {train_line}"
+    heads = [f"--job-name={name}", f"--nodes={args.nodes}", f"--ntasks-per-node={args.ntasks_per_node}",
+             f"--output={base}/slurm-%j.out"]
+    if args.partition:
+        heads.append(f"--partition={args.partition}")
+    if args.time:
+        heads.append(f"--time={args.time}")
+    from distkit import __version__
+
+    text = "\n".join([
+        "#!/bin/bash",
+        f"# written by distkit {__version__} sbatch on {datetime.date.today().isoformat()}: "
+        f"{engine}, {args.nodes} node(s) x {args.ntasks_per_node} rank(s)",
+        *(f"#SBATCH {h}" for h in heads),
+        "set -euo pipefail",
+        "# rendezvous: the allocation's first host; a port of this job's own (20000-29999)",
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        'export MASTER_PORT="$((20000 + SLURM_JOB_ID % 10000))"',
+        f'OUT={shlex.quote(base)}/job-"$SLURM_JOB_ID"',
+        f"cd {shlex.quote(os.getcwd())}",
+        run,
+        "",
+    ])
+    return text, base
+
+
+def _token(value: Any) -> str:
+    """An override value as a command-line token that distkit parses back to ``value``."""
+    from distkit.config import parse_value
+
+    return value if isinstance(value, str) and parse_value(value) == value else repr(value)
+
+
+def run(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
+    text, base = script(args, overrides)
+    if args.dry_run:
+        print(text, end="")
+        return 0
+    name = re.search(r"--job-name=(\S+)", text).group(1)  # type: ignore[union-attr]
+    path = os.path.abspath(args.script or os.path.join(base, f"{name}.sbatch"))
+    if args.submit and shutil.which("sbatch") is None:
+        raise UsageError("--submit needs SLURM's sbatch on PATH (this machine has none); write the script without "
+                         "--submit and submit it where SLURM runs")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".part", "w") as f:
+        f.write(text)
+    os.chmod(path + ".part", 0o755)
+    os.replace(path + ".part", path)
+    if not args.submit:
+        print(f"distkit: wrote {path}; submit it with: sbatch {path}")
+        return 0
+    res = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise UsageError(f"sbatch refused {path}: {res.stderr.strip() or res.stdout.strip()}")
+    job = res.stdout.strip().split(";")[0]
+    print(f"distkit: submitted job {job} ({path}); output in {base}/job-{job}, SLURM's log {base}/slurm-{job}.out")
+    return 0

@@ -1,0 +1,80 @@
+"""Real SLURM (issue 11, item 5): ``srun`` of distkit, ``srun`` with torchrun inside, ``distkit sbatch``.
+
+The module starts a one-node SLURM (``slurmctld`` + ``slurmd``, ``tests/slurm.py``) with a config of
+its own and stops it at the end. Every run trains the short digits config that ``ddp_short_ref``
+(``--nprocs 2``) trained, so each must end with its parameters bit for bit. Where SLURM is not
+installed or the tests are not root, they fail with the reason (``scripts/install_slurm.sh``)."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import slurm as testslurm
+from conftest import BIN, ROOT, SHORT, distkit, ok, run, summary
+from distkit.cli import main
+
+CONFIG = str(ROOT / "configs" / "returnn_ddp.py")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testslurm.Slurm]:
+    reason = testslurm.unavailable()
+    if reason:
+        pytest.fail(f"SLURM tests cannot run on this machine: {reason}")
+    with testslurm.Slurm(str(tmp_path_factory.mktemp("slurm"))) as cluster:
+        yield cluster
+
+
+def same_as_reference(out: Path, ref: Path, launcher: str) -> None:
+    s = summary(out)
+    assert (s["launcher"], s["world_size"], s["steps"], s["ranks_in_sync"]) == (launcher, 2, 20, True), s
+    assert s["param_checksum"] == summary(ref)["param_checksum"]
+
+
+def test_srun_starts_the_ranks(cluster: testslurm.Slurm, ddp_short_ref: Path, tmp_path: Path) -> None:
+    ok(run(["srun", "-n", "2", sys.executable, "-m", "distkit", "train", CONFIG, *SHORT, "++output_dir", str(tmp_path)],
+           SLURM_CONF=cluster.conf))
+    same_as_reference(tmp_path, ddp_short_ref, "slurm")
+
+
+def test_srun_with_torchrun_inside(cluster: testslurm.Slurm, ddp_short_ref: Path, tmp_path: Path) -> None:
+    # perceptrain's documented pattern: one srun task per node, torchrun starts the ranks
+    ok(run(["srun", "-n", "1", "-c", "2", str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "distkit",
+            "train", CONFIG, *SHORT, "++output_dir", str(tmp_path)], SLURM_CONF=cluster.conf))
+    same_as_reference(tmp_path, ddp_short_ref, "torchrun")
+
+
+def test_sbatch_script_reviewed_then_submitted(cluster: testslurm.Slurm, ddp_short_ref: Path, tmp_path: Path) -> None:
+    args = ["sbatch", CONFIG, "--nodes", "1", "--ntasks-per-node", "2", "--time", "10", *SHORT,
+            "++output_dir", str(tmp_path / "runs")]
+    dry = ok(distkit(*args, "--dry-run"))
+    text = dry.stdout
+    assert text.startswith("#!/bin/bash\n") and "#SBATCH --nodes=1\n" in text and "#SBATCH --ntasks-per-node=2\n" in text
+    assert "#SBATCH --time=10\n" in text and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    assert 'MASTER_PORT="$((20000 + SLURM_JOB_ID % 10000))"' in text and "srun --kill-on-bad-exit=1 " in text
+    assert f'OUT={tmp_path / "runs"}/job-"$SLURM_JOB_ID"' in text
+    assert not (tmp_path / "runs").exists()  # --dry-run writes nothing
+    sub = ok(distkit(*args, "--submit", SLURM_CONF=cluster.conf))
+    job = re.search(r"submitted job (\d+)", sub.stdout)
+    assert job is not None, sub.stdout
+    assert cluster.wait(job.group(1)) == "COMPLETED", (tmp_path / "runs" / f"slurm-{job.group(1)}.out").read_text()
+    assert (tmp_path / "runs" / "distkit-returnn_ddp.sbatch").read_text() == text
+    same_as_reference(tmp_path / "runs" / f"job-{job.group(1)}", ddp_short_ref, "slurm")
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["missing.py"], "does not exist"),
+    ([CONFIG, "--nodes", "0"], "--nodes and --ntasks-per-node must be at least 1"),
+    ([CONFIG, "--time", "soon"], "is not a SLURM time"),
+    ([CONFIG, "++no_such_key", "1"], "no_such_key"),
+])
+def test_sbatch_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         bad: list[str], needle: str) -> None:
+    code = main(["sbatch", *bad, "++output_dir", str(tmp_path / "out"), "--submit"])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
