@@ -162,10 +162,9 @@ class Hosts:
     def shape(self, rate_mbit: float) -> None:
         """Limit every host's link to ``rate_mbit`` Mbit/s in both directions (tbf)."""
         for i, ns in enumerate(self.names):
-            for args in (["-n", ns, "eth0"], ["", f"{self.tag}p{i}"]):
-                dev = args[-1]
-                netns = ["ip", "netns", "exec", ns] if args[0] else []
-                subprocess.run([*netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+            # tbf shapes what leaves an interface: the host's eth0 (host -> bridge) and its bridge-side end
+            for inside, dev in ((["ip", "netns", "exec", ns], "eth0"), ([], f"{self.tag}p{i}")):
+                subprocess.run([*inside, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
                                 "burst", "32kbit", "latency", "400ms"], check=True, capture_output=True)
 
     def link_down(self, i: int) -> None:

@@ -78,7 +78,7 @@ def ddp_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # -- 6. grad mode parity: ZeRO 0-3 == DDP (digits, SGD, fp32, 20 steps) ---------------------------------
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [3])  # stages 0-2: test_charlm_zero_stages_equal_ddp
 def test_zero_stage_grad_mode_equals_ddp(tmp_path: Path, ddp_ref: Path, stage: int) -> None:
     out = train(tmp_path, f"z{stage}", zero(stage))
     s = summary(out)
@@ -117,7 +117,7 @@ def charlm_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train(tmp_path_factory.mktemp("charlm"), "ddp", None, task="charlm", steps=6)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])  # stage 3: test_zero_stage_grad_mode_equals_ddp
 def test_charlm_zero_stages_equal_ddp(tmp_path: Path, charlm_ref: Path, stage: int) -> None:
     out = train(tmp_path, f"z{stage}", zero(stage), "++eval_every", "3", task="charlm", steps=6)
     assert max_abs_diff(final_params(out), final_params(charlm_ref)) <= TOL
@@ -126,13 +126,6 @@ def test_charlm_zero_stages_equal_ddp(tmp_path: Path, charlm_ref: Path, stage: i
 
 
 # -- 4. param mode ----------------------------------------------------------------------------------
-def test_param_sync_every_step_equals_grad_zero2(tmp_path: Path, ddp_ref: Path) -> None:
-    out = train(tmp_path, "p1", zero(2), "++distributed", "{'reduce_type': 'param', 'param_sync_step': 1}")
-    s = summary(out)
-    assert s["reduce_type"] == "param" and s["param_sync_step"] == 1 and s["ranks_in_sync"] is True
-    assert max_abs_diff(final_params(out), final_params(ddp_ref)) <= TOL
-
-
 def test_param_groups_4_ranks_zero2(tmp_path: Path) -> None:
     # 2 replica groups of 2 ranks: ZeRO-2 inside a group, averaging across groups every step == grad mode.
     par = {"reduce_type": "param", "param_sync_step": 1, "param_sync_group_size": 2}
@@ -167,7 +160,7 @@ def test_param_mode_bf16_averages_fp32_masters(tmp_path: Path) -> None:
 
 
 # -- 5. checkpoints: kill, resume bit-identically; the offload example config runs on CPU ---------------------
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2])  # ZeRO-3: test_real_models' GPT-2 resume
 def test_sigkill_then_resume_is_bit_identical(tmp_path: Path, stage: int) -> None:
     common = ["++checkpoint_every", "5", "++optimizer", "{'class': 'sgd', 'momentum': 0.9}"]
     ref = train(tmp_path, "ref", zero(stage), *common)
@@ -204,18 +197,15 @@ def test_zero3_offload_example_config_runs_on_cpu(tmp_path: Path) -> None:
 
 
 # -- 1. launchers ------------------------------------------------------------------------------------
-def test_torchrun_and_deepspeed_launcher(tmp_path: Path, ddp_ref: Path) -> None:
+def test_deepspeed_launcher(tmp_path: Path, ddp_ref: Path) -> None:
     cfg, js = _files(tmp_path, "z2", zero(2), "digits")
     common = ["train", str(cfg), "--deepspeed", "--deepspeed_config", str(js), "++max_steps", "20"]
-    tr = tmp_path / "torchrun"
-    ok(run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "distkit", *common,
-            "++output_dir", str(tr)], timeout=300))
+    # (DeepSpeed under torchrun: test_session's BYO matrix and test_multihost run it)
     dsl = tmp_path / "dslaunch"
     ok(run([str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()), "--module", "distkit", *common,
             "++output_dir", str(dsl)], timeout=300, DS_ACCELERATOR="cpu"))
-    assert summary(tr)["launcher"] == "torchrun" and summary(dsl)["launcher"] == "deepspeed"
-    for out in (tr, dsl):
-        assert max_abs_diff(final_params(out), final_params(ddp_ref)) <= TOL
+    assert summary(dsl)["launcher"] == "deepspeed"
+    assert max_abs_diff(final_params(dsl), final_params(ddp_ref)) <= TOL
 
 
 # -- 2. config: overlapping keys must agree; impossible combinations refused before start ---------------

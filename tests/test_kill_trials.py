@@ -15,7 +15,7 @@ from conftest import ROOT, run
 
 def test_killed_runs_resume_to_the_uninterrupted_checksum(tmp_path: Path) -> None:
     res = run([sys.executable, str(ROOT / "benchmarks" / "kill_trials.py"), "--engines", "ddp", "--trials", "2",
-               "--steps", "24", "--seed", "8", "--no-save", "--work", str(tmp_path)], timeout=400)
+               "--steps", "12", "--seed", "8", "--no-save", "--work", str(tmp_path)], timeout=400)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}"
     trials = re.findall(r"trial \d/2: kill (\S+) at [\d.]+ s \(latest: (\S+)\) -> (\S+)", res.stdout)
     assert len(trials) == 2 and all(outcome == "recovered" for _, _, outcome in trials), res.stdout

@@ -90,7 +90,8 @@ def assert_tied(sd: dict[str, torch.Tensor]) -> None:
 
 
 # -- GPT-2 ------------------------------------------------------------------------------------------
-GPT2_GRAD = ["ddp", "mpi", "horovod", "deepspeed-z2", "deepspeed-z3"]
+# (Horovod and ZeRO-2 grad mode on GPT-2 were cut for test time: the ResNet cases run both)
+GPT2_GRAD = ["ddp", "mpi", "deepspeed-z3"]
 
 
 @pytest.mark.parametrize("engine", GPT2_GRAD)
@@ -187,7 +188,8 @@ def test_gpt2_in_process_tied_after_training_and_resume(tmp_path: Path) -> None:
     assert all(a[k].equal(b[k]) for k in a)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "mpi", "horovod", "deepspeed-z2"])
+# (mpi and Horovod param mode on GPT-2 were cut for test time: the ResNet and BYO cases run both)
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed-z2"])
 def test_gpt2_param_mode_ranks_in_sync(runs: Runs, engine: str) -> None:
     """Local AdamW steps (the config's own optimizer) + averaging every 3 steps: after the final sync
     every rank holds the same model, tied embeddings included."""
