@@ -34,14 +34,20 @@ class ParamAverager:
         outer_optimizer: ``{"class": "nesterov", "lr": 0.7, "momentum": 0.9}`` (DiLoCo/SlowMo):
             the averaged update ``anchor - mean`` is applied to the anchor as a pseudo-gradient
             with Nesterov SGD instead of being taken as is. None = plain averaging.
+        names: the model's name for each of ``tensors`` (``state_dict`` keys), so that the averager's
+            state can go into a checkpoint's portable part by name (:meth:`portable_state`).
     """
 
     def __init__(self, strategy: "Strategy", tensors: list[torch.Tensor], sync_step: int,
-                 sync_time_diff: Optional[float] = None, outer_optimizer: Optional[dict[str, Any]] = None) -> None:
+                 sync_time_diff: Optional[float] = None, outer_optimizer: Optional[dict[str, Any]] = None,
+                 names: Optional[list[str]] = None) -> None:
         if sync_step < 1:
             raise ValueError(f"sync_step must be >= 1, got {sync_step}")
+        if names is not None and len(names) != len(tensors):
+            raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
         self.strategy = strategy
         self.tensors = tensors
+        self.names = names
         self.sync_step = sync_step
         self.sync_time_diff = sync_time_diff
         self.steps_since_sync = 0
@@ -111,6 +117,55 @@ class ParamAverager:
             state["anchor"] = [a.detach().clone() for a in self._anchor]
             state["outer"] = self._outer.state_dict()
         return state
+
+    # -- the portable part of a checkpoint (by name: any engine, world size) ------------------------
+    def portable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Collective where the tensors are sharded (ZeRO): ``(tensors, counters)`` for a checkpoint's
+        portable part. ``tensors``: with the outer optimizer, ``anchor/<name>`` (the model as of the last
+        sync, after the outer step) and ``momentum/<name>`` (its momentum buffer, once a sync made one),
+        whole, on the CPU; the same on every rank (both change only at a sync, identically everywhere).
+        ``counters``: steps since the last sync, syncs so far, whether an outer optimizer ran."""
+        counters = {"steps_since_sync": self.steps_since_sync, "num_syncs": self.num_syncs,
+                    "outer": self._outer is not None}
+        if self._outer is None:
+            return {}, counters
+        tensors = {f"anchor/{n}": t for n, t in self._by_name(self._anchor).items()}
+        momentum = [self._outer.state.get(a, {}).get("momentum_buffer") for a in self._anchor]
+        if all(m is not None for m in momentum):
+            tensors.update({f"momentum/{n}": t for n, t in self._by_name(momentum).items()})  # type: ignore[arg-type]
+        return tensors, counters
+
+    def load_portable_state(self, tensors: dict[str, torch.Tensor], counters: dict[str, Any]) -> None:
+        """Collective where the tensors are sharded: continue from :meth:`portable_state`'s output, which
+        any engine and world size may have written, after the model was loaded. The period continues
+        (steps since the last sync); the anchor and momentum are restored when both sides use the outer
+        optimizer, else the anchor is the loaded model (a new outer optimizer starts without momentum)."""
+        self.restart()
+        self.steps_since_sync = int(counters["steps_since_sync"])
+        self.num_syncs = int(counters["num_syncs"])
+        if self._outer is None or not any(k.startswith("anchor/") for k in tensors):
+            return
+        with torch.no_grad():
+            self._from_name({k[len("anchor/"):]: v for k, v in tensors.items() if k.startswith("anchor/")}, self._anchor)
+            momentum = {k[len("momentum/"):]: v for k, v in tensors.items() if k.startswith("momentum/")}
+            if momentum:
+                buffers = [torch.zeros_like(a) for a in self._anchor]
+                self._from_name(momentum, buffers)
+                for a, b in zip(self._anchor, buffers, strict=True):
+                    self._outer.state[a]["momentum_buffer"] = b
+
+    def _by_name(self, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``values`` (one per averaged tensor, the same shapes) by the model's names, whole, on the CPU."""
+        if self.names is None:
+            raise NotImplementedError(f"{type(self).__name__} was built without tensor names")
+        return {n: v.detach().cpu().clone() for n, v in zip(self.names, values, strict=True)}
+
+    def _from_name(self, by_name: dict[str, torch.Tensor], into: list[torch.Tensor]) -> None:
+        """The inverse of :meth:`_by_name`: copy ``by_name`` into ``into`` (one per averaged tensor)."""
+        if self.names is None:
+            raise NotImplementedError(f"{type(self).__name__} was built without tensor names")
+        for n, t in zip(self.names, into, strict=True):
+            t.copy_(by_name[n].to(t.device, t.dtype).view_as(t))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps_since_sync = int(state["steps_since_sync"])

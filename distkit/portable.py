@@ -5,6 +5,8 @@ Every checkpoint directory holds, next to each rank's own file, ``portable/``: a
 
     model/<state_dict key>                    every tensor of the bare model (fp32 masters on DeepSpeed)
     optim/<parameter name>/<state key>        optimizer state by parameter name (exp_avg, step, ...)
+    averager/anchor/<name>, .../momentum/<name>   param mode's outer optimizer (DiLoCo): the model as of
+                                              the last sync and the outer momentum, by state_dict key
     meta                                      (object) optimizer param_groups by parameter name,
                                               progress (step, global samples, global batch), the
                                               user's other entries (scheduler state, epoch, ...)
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
 
 #: the portable part's directory inside a checkpoint directory
 DIR = "portable"
+#: the prefix of param mode's averager state (its counters are in ``meta["averager"]``)
+AVERAGER = "averager"
 #: the key of the one pickled object (optimizer groups, progress, the user's other entries)
 META = "meta"
 
@@ -220,6 +224,12 @@ def optimizer_state(entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
             name, key = k[len("optim/"):].rsplit("/", 1)
             state.setdefault(name, {})[key] = v
     return state
+
+
+def averager_state(entries: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Param mode's averager tensors (``anchor/<name>``, ``momentum/<name>``) from :func:`read`'s entries."""
+    prefix = AVERAGER + "/"
+    return {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix)}
 
 
 def group_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:

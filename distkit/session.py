@@ -650,11 +650,16 @@ class Session:
             if self.world_size > 1:  # optimizer values that are not tensors live in rank 0's meta
                 for part in self._strategy.all_gather_object(scalars):
                     scalars.update(part)
+        averager, averager_counters = self._strategy.averager, None
+        if averager is not None:  # param mode: the same on every rank; rank 0 writes it
+            averager_tensors, averager_counters = averager.portable_state()  # collective under ZeRO
+            if self.rank == 0:
+                tensors.update({f"{portable.AVERAGER}/{k}": v for k, v in averager_tensors.items()})
         meta = {"format": 1, "model_key": model_key, "optimizer_key": opt_key, "optim_groups": groups,
                 "optim_scalars": scalars, "engine": self._strategy.name, "world_size": self.world_size,
                 "reduce_type": self.cfg.distributed.reduce_type,
                 "progress": {"step": self.num_steps, "samples": self.num_samples, "global_batch": self.global_batch},
-                "entries": {k: v for k, v in out.items() if k not in (model_key, opt_key, "distkit")}}
+                "averager": averager_counters, "entries": {k: v for k, v in out.items() if k not in (model_key, opt_key, "distkit")}}
         hf = getattr(self.unwrap(), "config", None) if model_key is not None else None
         if hf is not None and callable(getattr(hf, "to_dict", None)):  # a Hugging Face model: for `distkit export DIR/`
             meta["hf_config"] = {**hf.to_dict(), "architectures": [type(self.unwrap()).__name__]}
@@ -736,8 +741,9 @@ class Session:
     def _load_portable(self, path: str, manifest: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         """Restore ``state`` from the portable part of a checkpoint another engine, world size, mode or
         ZeRO stage wrote (see :mod:`distkit.portable`); RNG states come from the rank of the same
-        number when the writer had one. Param mode's averager starts a new period from the loaded
-        weights (its outer optimizer's momentum is not carried across layouts)."""
+        number when the writer had one. Param mode's averager continues the writer's period (steps since
+        the last sync, the outer optimizer's anchor and momentum) when the writer was in param mode too,
+        else it starts a new period from the loaded weights."""
         entries = self._read_portable(path)
         meta = entries[portable.META]
         model_key = next((k for k, v in state.items() if v is self._model and v is not None), None)
@@ -751,8 +757,12 @@ class Session:
                 target.load_state_dict(value)
             else:
                 rest[key] = value
-        if self._strategy.averager is not None:
-            self._strategy.averager.restart()
+        averager = self._strategy.averager
+        if averager is not None and meta.get("averager") is not None:
+            with self._collective("loading the averager's state from the checkpoint's portable part"):
+                averager.load_portable_state(portable.averager_state(entries), meta["averager"])
+        elif averager is not None:
+            averager.restart()
         if os.path.isfile(os.path.join(path, f"rank-{self.rank:05d}.pt")):  # (a converted checkpoint has none)
             own = torch.load(os.path.join(path, f"rank-{self.rank:05d}.pt"), map_location="cpu", weights_only=False, mmap=True)
             rng = (own.get("distkit") or own).get("rng")

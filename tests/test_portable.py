@@ -117,6 +117,41 @@ def test_grad_checkpoint_continues_in_param_mode(sources: dict[str, Path], tmp_p
     assert 0 < max_diff(final_model(out), final_model(sources["ddp"])) < 0.05
 
 
+def test_param_mode_continues_its_period_and_outer_momentum_on_another_engine(tmp_path: Path) -> None:
+    """param -> param on another engine: the averager's state (steps since the sync, DiLoCo's anchor and
+    outer momentum) travels by name in the portable part, written by ZeRO-2 (flat master partitions,
+    assembled by DeepSpeed) and read by the mpi engine (plain tensors) and by ZeRO-3 (partitions again).
+    With SGD (no per-rank optimizer state) and a checkpoint at a sync, where the ranks agree, the resumed
+    runs end exactly where the uninterrupted one ends (measured: bit-identical); clearing the momentum,
+    as a new period would, moves the result."""
+    param = ("'reduce_type': 'param', 'param_sync_step': 5, "
+             "'outer_optimizer': {'class': 'nesterov', 'lr': 0.7, 'momentum': 0.9}")
+    engines = {"zero2": "'backend': 'deepspeed', 'deepspeed_config': {'zero_optimization': {'stage': 2}}",
+               "mpi": "'backend': 'mpi'",
+               "zero3": "'backend': 'deepspeed', 'deepspeed_config': {'zero_optimization': {'stage': 3}}"}
+
+    def run(engine: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        return distkit(*ARGS, "--nprocs", "2", "++batch_size", "12", "++optimizer", "{'class': 'sgd'}",
+                       "++learning_rate", "0.05", "++distributed", "{" + engines[engine] + ", " + param + "}",
+                       "++output_dir", str(out), *extra)
+
+    ok(run("zero2", tmp_path / "source"))
+    entries = portable.read(str(tmp_path / "source" / "checkpoints" / "step-0000010"))
+    assert entries[portable.META]["averager"] == {"steps_since_sync": 0, "num_syncs": 2, "outer": True}
+    averager = portable.averager_state(entries)
+    assert averager.keys() == {f"{k}/{n}" for k in ("anchor", "momentum") for n in portable.model_state(entries)}
+    assert averager["anchor/0.weight"].shape == (128, 64) and float(averager["momentum/0.weight"].abs().sum()) > 0
+    want = final_model(tmp_path / "source")
+    for engine in ("mpi", "zero3"):
+        res = ok(run(engine, tmp_path / engine, "++resume", str(tmp_path / "source" / "checkpoints" / "step-0000010")))
+        assert "written by deepspeed ZeRO-2 on 2 ranks in param mode; loaded its portable part" in res.stdout
+        got = summary(tmp_path / engine)
+        assert got["steps"] == 20 and got["ranks_in_sync"], engine
+        last = portable.read_meta(str(tmp_path / engine / "checkpoints" / "step-0000020"))["averager"]
+        assert last["num_syncs"] == 4 and last["steps_since_sync"] == 0, engine  # the count went on from 2
+        assert max_diff(final_model(tmp_path / engine), want) < 1e-6, engine
+
+
 def test_global_batch_change_continues_at_the_same_sample(sources: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "smaller"
     res = ok(distkit(*ARGS, "--nprocs", "2", "++batch_size", "6", "++output_dir", str(out),

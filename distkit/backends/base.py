@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, Iterator, Optional
 import torch
 from torch import nn
 
+from distkit.averaging import ParamAverager
 from distkit.config import RunConfig
 from distkit.env import ClusterEnv
 from distkit.errors import DistkitError, UnsupportedCombination
@@ -279,9 +280,19 @@ def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def parameters_and_float_buffers(module: nn.Module) -> Iterator[torch.Tensor]:
-    """What parameter averaging averages: every parameter and every floating-point buffer."""
-    yield from module.parameters()
-    for b in module.buffers():
+def parameters_and_float_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What parameter averaging averages, with the model's names: every parameter and every
+    floating-point buffer (each tensor once: tied parameters under their first name)."""
+    yield from module.named_parameters()
+    for n, b in module.named_buffers():
         if b.is_floating_point():
-            yield b
+            yield n, b
+
+
+def param_averager(strategy: "Strategy", module: nn.Module) -> ParamAverager:
+    """The :class:`~distkit.averaging.ParamAverager` of ``module``'s parameters and floating buffers,
+    configured from ``strategy.cfg.distributed`` (param mode on the ddp, mpi and Horovod engines)."""
+    named = list(parameters_and_float_buffers(module))
+    d = strategy.cfg.distributed
+    return ParamAverager(strategy, [t for _, t in named], d.param_sync_step, d.param_sync_time_diff,
+                         d.outer_optimizer, names=[n for n, _ in named])

@@ -18,11 +18,10 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distkit.averaging import ParamAverager
 from distkit.env import resolve_rendezvous
 from distkit.netif import prepare_gloo
 
-from .base import Strategy, parameters_and_float_buffers
+from .base import Strategy, param_averager
 
 #: seconds the GIL is left to gloo's worker threads before the process group is torn down (see teardown)
 _DRAIN_S = 0.05
@@ -86,9 +85,8 @@ class DDPStrategy(Strategy):
             wrapped = DistributedDataParallel(model, device_ids=ids, **d.options)
             self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
             return wrapped, optimizer
-        tensors = list(parameters_and_float_buffers(model))
-        self.broadcast_tensors(tensors + [b for b in model.buffers() if not b.is_floating_point()])
-        self.averager = ParamAverager(self, tensors, d.param_sync_step, d.param_sync_time_diff, d.outer_optimizer)
+        self.averager = param_averager(self, model)
+        self.broadcast_tensors(self.averager.tensors + [b for b in model.buffers() if not b.is_floating_point()])
         return model, optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -137,13 +137,62 @@ class _ReplicaGroups:
 
 class _MasterAverager(ParamAverager):
     """ParamAverager whose tensors are optimizer master copies; after every sync the model's
-    weights are rewritten from them (``refresh``), so the next step starts from the average."""
+    weights are rewritten from them (``refresh``), so the next step starts from the average.
 
-    def __init__(self, strategy: DeepSpeedStrategy, masters: list[torch.Tensor], buffers: list[torch.Tensor],
-                 refresh: Any, **kwargs: Any) -> None:
-        self._n_masters, self._refresh, self._ds = len(masters), refresh, strategy
-        super().__init__(strategy, masters + buffers, **kwargs)
+    ``params``: the named model parameters the masters hold, or None when the masters are the
+    parameters themselves (fp32 without ZeRO). Under ZeRO the masters are flat partitions, so the
+    averager's state goes by name through DeepSpeed's own assembly (``safe_get/set_full_fp32_param``):
+    the state is put in the masters' place for the time of the (collective) assembly."""
+
+    def __init__(self, strategy: DeepSpeedStrategy, masters: list[torch.Tensor], buffers: list[tuple[str, torch.Tensor]],
+                 refresh: Any, params: Optional[list[tuple[str, nn.Parameter]]], **kwargs: Any) -> None:
+        self._n_masters, self._refresh, self._ds, self._params = len(masters), refresh, strategy, params
+        self._buffer_names = [n for n, _ in buffers]
+        names = None if params is not None else [n for n, _ in strategy.engine.module.named_parameters()] + self._buffer_names
+        super().__init__(strategy, masters + [b for _, b in buffers], names=names, **kwargs)
         self.strategy = self  # type: ignore[assignment]  # average_parameters/all_reduce below
+
+    @contextlib.contextmanager
+    def _in_masters_place(self, values: Optional[list[torch.Tensor]]) -> Iterator[list[torch.Tensor]]:
+        """``values`` copied into the masters (None: the masters as they are), restored on exit; yields the masters."""
+        masters = self.tensors[:self._n_masters]
+        saved = [m.detach().clone() for m in masters]
+        try:
+            with torch.no_grad():
+                for m, v in zip(masters, values or [], strict=False):
+                    m.copy_(v)
+            yield masters
+        finally:
+            with torch.no_grad():
+                for m, v in zip(masters, saved, strict=True):
+                    m.copy_(v)
+
+    def _by_name(self, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._params is None:
+            return super()._by_name(values)
+        from deepspeed.utils import safe_get_full_fp32_param  # type: ignore[import-untyped]
+
+        n = self._n_masters
+        out = {name: v.detach().cpu().clone() for name, v in zip(self._buffer_names, values[n:], strict=True)}
+        with self._in_masters_place(values[:n]):
+            for name, p in self._params:  # collective, every rank in the same order
+                out[name] = safe_get_full_fp32_param(p).detach().cpu().reshape(tuple(getattr(p, "ds_shape", p.shape))).clone()
+        return out
+
+    def _from_name(self, by_name: dict[str, torch.Tensor], into: list[torch.Tensor]) -> None:
+        if self._params is None:
+            super()._from_name(by_name, into)
+            return
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        n = self._n_masters
+        for name, t in zip(self._buffer_names, into[n:], strict=True):
+            t.copy_(by_name[name].to(t.device, t.dtype).view_as(t))
+        with self._in_masters_place(None) as masters:
+            for name, p in self._params:
+                safe_set_full_fp32_param(p, by_name[name].to(self._ds.device))
+            for t, m in zip(into[:n], masters, strict=True):
+                t.copy_(m)
 
     def average_parameters(self, tensors: list[torch.Tensor]) -> None:
         s = self._ds
@@ -369,10 +418,14 @@ class DeepSpeedStrategy(DDPStrategy):
                                        for a in args))
         if self.mpu is not None:
             masters, refresh = self._masters(engine)
-            buffers = [b for b in engine.module.buffers() if b.is_floating_point()]
+            buffers = [(n, b) for n, b in engine.module.named_buffers() if b.is_floating_point()]
+            groups = self._zero_groups(engine)
+            names = {id(p): n for n, p in engine.module.named_parameters()}
             d = cfg.distributed
-            self.averager = _MasterAverager(self, masters, buffers, refresh, sync_step=d.param_sync_step,
-                                            sync_time_diff=d.param_sync_time_diff, outer_optimizer=d.outer_optimizer)
+            self.averager = _MasterAverager(self, masters, buffers, refresh,
+                                            None if groups is None else [(names[id(p)], p) for g in groups for p in g],
+                                            sync_step=d.param_sync_step, sync_time_diff=d.param_sync_time_diff,
+                                            outer_optimizer=d.outer_optimizer)
         return engine, ds_opt
 
     def engine_defines_optimizer(self) -> bool:

@@ -24,10 +24,9 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
-from distkit.averaging import ParamAverager
 from distkit.errors import BackendUnavailable, UnsupportedCombination
 
-from .base import Strategy, parameters_and_float_buffers, persistent_buffers, report_failure
+from .base import Strategy, param_averager, persistent_buffers, report_failure
 from .mpi import MPIStrategy, mpi_impl
 
 INSTALL_HINT = "build and install it with `make horovod` (runs scripts/build_horovod.sh .venv, ~3 min once, then cached)"
@@ -119,8 +118,7 @@ class HorovodEngine(Strategy):
         # cost one Horovod broadcast (a negotiation round with the background thread) per step for nothing.
         self._buffers = persistent_buffers(model)
         if self.reduce_type == "param":
-            self.averager = ParamAverager(self, list(parameters_and_float_buffers(model)), d.param_sync_step,
-                                          d.param_sync_time_diff, d.outer_optimizer)
+            self.averager = param_averager(self, model)
             return model, optimizer
         if self._buffers and self.world_size > 1:
             self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)

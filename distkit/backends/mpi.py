@@ -29,11 +29,10 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from distkit.averaging import ParamAverager
 from distkit.errors import BackendUnavailable, UnsupportedCombination
 from distkit.watchdog import explain_stall
 
-from .base import Strategy, parameters_and_float_buffers, persistent_buffers, report_failure
+from .base import Strategy, param_averager, persistent_buffers, report_failure
 
 INSTALL_HINT = "pip install 'distkit[mpi]' (mpi4py + the Open MPI wheel), then launch with mpirun -np N"
 
@@ -302,8 +301,7 @@ class MPIStrategy(Strategy):
             if self._buffers and self.world_size > 1:
                 self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)
             return model, optimizer
-        self.averager = ParamAverager(self, list(parameters_and_float_buffers(model)), d.param_sync_step,
-                                      d.param_sync_time_diff, d.outer_optimizer)
+        self.averager = param_averager(self, model)
         return model, optimizer
 
     def _sync_buffers(self, module: nn.Module, args: Any) -> None:
