@@ -1,0 +1,286 @@
+"""The slow-link study: grad mode vs param mode (H = 10, 100, 500) vs DiLoCo across two hosts joined by a
+shaped link.
+
+    python benchmarks/slow_link.py [--rates 25,100,1000,0] [--speed-steps 40] [--quality-steps 1500]
+                                   [--engines ddp,mpi] [--outer 0.7:0.9,...] [--only speed|quality]
+
+Root is needed (network namespaces; ``tests/hosts.py``). Two parts:
+
+**Speed** (2 hosts x 1 rank, each a network namespace on a private bridge, ``tbf`` on both ends of every
+host's link at ``--rates`` Mbit/s, 0 = unshaped): charlm medium (1.83M parameters, 7.3 MB per full
+exchange), one ``torchrun`` per host (DDP) or one ``mpirun`` across both (the mpi engine). A run lasts
+``max(--speed-steps, H)`` steps, so that param mode syncs at least once. Reported per run: samples/s
+(distkit's ``samples_per_s``: the training loop's wall time), the bytes each host's ``eth0`` sent
+per step (``/sys/class/net/eth0/statistics/tx_bytes`` inside the namespace, before and after the
+run, divided by the steps: start-up's model broadcast and the end's checks included), distkit's own
+payload count, and ``comm_wait_s``.
+
+**Quality** (unshaped, one host, ``--nprocs 2``: grad and param mode compute the same numbers whatever
+the link, so quality is measured at full length without shaping, and speed on the shorter shaped
+runs): ``--quality-steps`` steps of each mode with the same seed, data and global batch, eval loss at
+the end (equal number of samples). DiLoCo is swept over ``--outer`` (outer lr : momentum).
+
+**Step-time model**: ``t(mode, R) = t(mode, unshaped) + E / H * 8 * framing / R``: the unshaped
+step time holds compute and latency; ``E`` is one full exchange (the gradient bytes DDP reduces per
+step, 7.3 MB), ``H`` the steps per exchange (1 in grad mode), ``framing`` the bytes each host's
+interface sent per payload byte on the unshaped grad run (TCP/IP headers, ACKs, start-up's model
+broadcast amortised). A 2-rank ring all-reduce sends ``E`` bytes each way at once, so the link adds
+``E * 8 / R`` seconds per exchange. Each shaped run's step time is compared with the model's (error in %).
+
+Writes ``benchmarks/results/slow_link.json`` and ``benchmarks/results/slow_link.png`` (samples/s and
+eval loss against link speed, one line per mode). Needs matplotlib (``pip install -e '.[bench]'``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import hosts as nethosts  # noqa: E402  (tests/hosts.py: the network-namespace harness)
+
+BIN = os.path.dirname(sys.executable)
+RESULTS = os.path.join(HERE, "results")
+WORKLOAD = ["train", os.path.join(ROOT, "configs", "charlm.json"), "++charlm_size", "medium", "++batch_size", "16",
+            "++optimizer", "{'class': 'adam'}", "++learning_rate", "0.003", "++checkpoint_every", "None",
+            "++progress_bar", "False", "++resume", "none", "++seed", "42"]
+
+
+def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[str, Any]:
+    """``grad``, ``param<H>`` or ``diloco<H>`` as a ``distributed`` block (engine added by the caller)."""
+    if mode == "grad":
+        return {"reduce_type": "grad"}
+    h = int(mode.lstrip("paramdilco"))
+    d: dict[str, Any] = {"reduce_type": "param", "param_sync_step": h}
+    if mode.startswith("diloco"):
+        lr, momentum = outer or (0.7, 0.9)
+        d["outer_optimizer"] = {"class": "nesterov", "lr": lr, "momentum": momentum}
+    return d
+
+
+def sync_period(mode: str) -> int:
+    return 1 if mode == "grad" else int(mode.lstrip("paramdilco"))
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    e.update(extra)
+    return e
+
+
+def tx_bytes(h: nethosts.Hosts, i: int) -> int:
+    """Bytes host ``i``'s eth0 has sent (the namespace's own sysfs)."""
+    out = subprocess.run(["ip", "netns", "exec", h.names[i], "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+def finish(procs: list["subprocess.Popen[str]"], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(map(str, p.args))}") from None
+        if p.returncode != 0:
+            raise RuntimeError(f"exit {p.returncode}: {' '.join(map(str, p.args))}\n{out[-2000:]}\n{err[-3000:]}")
+
+
+def speed_run(h: nethosts.Hosts, engine: str, mode: str, steps: int, out: str, work: str) -> dict[str, Any]:
+    """One training run across the two hosts; its summary plus the interface counts."""
+    dist = {"backend": engine, **mode_args(mode)}
+    args = [*WORKLOAD, "++max_steps", str(steps), "++eval_every", "None", "++log_every", str(steps),
+            "++distributed", json.dumps(dist), "++output_dir", out]
+    before = [tx_bytes(h, i) for i in range(h.n)]
+    if engine == "mpi":
+        agent = h.rsh_agent(work)
+        cmd = [os.path.join(BIN, "mpirun"), "-np", str(h.n), "--host", ",".join(f"{n}:1" for n in h.names),
+               *h.mpirun_args(agent), "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+               sys.executable, "-m", "distkit", *args]
+        procs = [h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env())]
+    else:
+        procs = [h.popen(i, [os.path.join(BIN, "torchrun"), "--nnodes", str(h.n), "--nproc-per-node", "1",
+                             "--rdzv-backend", "c10d", "--rdzv-id", "slowlink", "--rdzv-endpoint", f"{h.names[0]}:29400",
+                             "-m", "distkit", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env())
+                 for i in range(h.n)]
+    finish(procs, 60 + steps * 10)
+    sent = [tx_bytes(h, i) - b for i, b in zip(range(h.n), before)]
+    with open(os.path.join(out, "summary.json")) as f:
+        s = json.load(f)
+    return {"samples_per_s": s["samples_per_s"], "step_time_s": s["wall_time_s"] / s["steps"], "steps": s["steps"],
+            "iface_bytes_per_step": sum(sent) / len(sent) / s["steps"],
+            "payload_bytes_per_step": s["comm_bytes"] / s["steps"], "comm_wait_s": s["comm_wait_s"],
+            "compute_fraction": s["compute_fraction"], "num_nodes": s["num_nodes"]}
+
+
+def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, float]] = None) -> dict[str, Any]:
+    dist = {"backend": "ddp", **mode_args(mode, outer)}
+    cmd = [sys.executable, "-m", "distkit", *WORKLOAD, "--nprocs", "2", "++max_steps", str(steps),
+           "++eval_every", str(steps), "++log_every", str(max(1, steps // 10)), "++distributed", json.dumps(dist),
+           "++output_dir", out]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env())
+    if res.returncode != 0:
+        raise RuntimeError(f"exit {res.returncode}: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+    with open(os.path.join(out, "summary.json")) as f:
+        s = json.load(f)
+    return {"eval_loss": s["eval_loss"], "steps": s["steps"], "samples": s["samples"],
+            "syncs": steps // sync_period(mode) if mode != "grad" else steps}
+
+
+def model(results: dict[str, Any]) -> None:
+    """Add each shaped run's predicted samples/s (see the module docstring) and the error."""
+    speed = results["speed"]
+    for engine, by_mode in speed.items():
+        unshaped_grad = by_mode["grad"].get("0")
+        if unshaped_grad is None:
+            continue
+        exchange = speed.get("ddp", by_mode)["grad"]["0"]["payload_bytes_per_step"]  # DDP counts gradients only
+        framing = unshaped_grad["iface_bytes_per_step"] / exchange
+        results.setdefault("framing", {})[engine] = framing
+        for mode, by_rate in by_mode.items():
+            base = by_rate.get("0")
+            if base is None:
+                continue
+            payload = exchange / sync_period(mode)
+            for rate, r in by_rate.items():
+                if rate == "0":
+                    continue
+                t = base["step_time_s"] + payload * 8 * framing / (float(rate) * 1e6)
+                r["model_step_time_s"] = t
+                r["model_error_pct"] = 100 * (r["step_time_s"] - t) / t
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rates = sorted({float(r) for e in results["speed"].values() for m in e.values() for r in m if r != "0"})
+    unshaped_x = max(rates) * 10 if rates else 10000.0
+    for engine, by_mode in results["speed"].items():
+        for mode, by_rate in by_mode.items():
+            xs = sorted(by_rate, key=lambda r: float(r) or unshaped_x)
+            ax1.plot([float(r) or unshaped_x for r in xs], [by_rate[r]["samples_per_s"] for r in xs], marker="o",
+                     linestyle="-" if engine == "ddp" else "--", label=f"{mode} ({engine})")
+    ax1.set_xscale("log")
+    ax1.set_xlabel(f"link speed, Mbit/s ({unshaped_x:g} = unshaped)")
+    ax1.set_ylabel("samples/s (2 hosts x 1 rank)")
+    ax1.set_title("speed (charlm medium)")
+    ax1.legend(fontsize=7)
+    quality = results.get("quality", {})
+    xs = [*rates, unshaped_x]
+    for mode, q in quality.items():
+        ax2.plot(xs, [q["eval_loss"]] * len(xs), marker=".", label=f"{mode}: {q['eval_loss']:.3f}")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("link speed, Mbit/s (the result does not depend on it)")
+    ax2.set_ylabel(f"eval loss after {next(iter(quality.values()))['steps'] if quality else '?'} steps")
+    ax2.set_title("quality at an equal number of samples")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--rates", default="25,100,1000,0", help="link speeds in Mbit/s; 0 = unshaped")
+    p.add_argument("--modes", default="grad,param10,param100,param500,diloco100")
+    p.add_argument("--engines", default="ddp,mpi", help="speed runs: ddp (torchrun) and/or mpi (mpirun); "
+                                                        "the mpi engine runs grad mode only")
+    p.add_argument("--speed-steps", type=int, default=40, help="steps of a speed run (at least H in param mode)")
+    p.add_argument("--quality-steps", type=int, default=1500)
+    p.add_argument("--outer", default="0.7:0.9,1.0:0.5,0.5:0.0", help="DiLoCo outer lr:momentum values to sweep")
+    p.add_argument("--only", choices=("speed", "quality"), default=None)
+    p.add_argument("--out", default=os.path.join(RESULTS, "slow_link.json"))
+    a = p.parse_args()
+    rates = [r.strip() for r in a.rates.split(",") if r.strip()]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m != "grad" and not (m.startswith(("param", "diloco")) and m.lstrip("paramdilco").isdigit())]
+    if bad:
+        print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {"workload": "charlm medium, batch 16 per rank, Adam lr 0.003, seed 42",
+                               "speed": {}, "quality": {}}
+    if os.path.exists(a.out):  # keep the part not re-run
+        with open(a.out) as f:
+            old = json.load(f)
+        results.update({k: v for k, v in old.items() if k in ("speed", "quality", "diloco_sweep")})
+    work = tempfile.mkdtemp(prefix="slow_link_")
+    try:
+        if a.only != "quality":
+            problem = nethosts.unavailable()
+            if problem:
+                print(f"slow_link: {problem}", file=sys.stderr)
+                return 2
+            results["speed"] = {}
+            for rate in rates:
+                with nethosts.Hosts(2, rate_mbit=float(rate) or None) as h:
+                    for engine in a.engines.split(","):
+                        for mode in modes if engine == "ddp" else ["grad"]:
+                            steps = max(a.speed_steps, sync_period(mode))
+                            out = os.path.join(work, f"{engine}-{mode}-{rate}")
+                            r = speed_run(h, engine, mode, steps, out, work)
+                            shutil.rmtree(out, ignore_errors=True)
+                            results["speed"].setdefault(engine, {}).setdefault(mode, {})[rate] = r
+                            print(f"{rate or 'unshaped':>8} Mbit/s {engine:4} {mode:10} {r['samples_per_s']:7.1f} samples/s "
+                                  f"{r['step_time_s']:.3f} s/step  {r['iface_bytes_per_step'] / 1e6:6.2f} MB/step on eth0 "
+                                  f"(distkit payload {r['payload_bytes_per_step'] / 1e6:.2f})", flush=True)
+        if a.only != "speed":
+            results["quality"], results["diloco_sweep"] = {}, {}
+            outers = [tuple(float(x) for x in o.split(":")) for o in a.outer.split(",") if o]
+            for mode in modes:
+                for outer in outers if mode.startswith("diloco") else [None]:
+                    out = os.path.join(work, f"q-{mode}-{outer}")
+                    q = quality_run(mode, a.quality_steps, out, outer)  # type: ignore[arg-type]
+                    shutil.rmtree(out, ignore_errors=True)
+                    label = mode if outer is None else f"{mode} lr {outer[0]:g} m {outer[1]:g}"
+                    print(f"quality {label:26} eval loss {q['eval_loss']:.4f} after {q['steps']} steps", flush=True)
+                    if outer is None:
+                        results["quality"][mode] = q
+                    else:
+                        results["diloco_sweep"][label] = {**q, "outer_lr": outer[0], "outer_momentum": outer[1]}
+            for mode in {m for m in modes if m.startswith("diloco")}:  # the best of the sweep stands for DiLoCo
+                best = min((v for k, v in results["diloco_sweep"].items() if k.startswith(mode + " ")),
+                           key=lambda v: v["eval_loss"])
+                results["quality"][mode] = best
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    model(results)
+    q = results["quality"]
+    if "grad" in q:
+        results["quality_vs_grad"] = {m: v["eval_loss"] / q["grad"]["eval_loss"] for m, v in q.items()}
+    s = results["speed"].get("ddp", {})
+    if "grad" in s:
+        results["speed_vs_grad"] = {m: {r: v[r]["samples_per_s"] / s["grad"][r]["samples_per_s"] for r in v if r in s["grad"]}
+                                    for m, v in s.items()}
+        results["speed_vs_unshaped"] = {m: {r: v[r]["samples_per_s"] / v["0"]["samples_per_s"] for r in v}
+                                        for m, v in s.items() if "0" in v}
+    if "mpi" in results["speed"] and "grad" in s:
+        results["mpi_vs_ddp_grad"] = {r: v["samples_per_s"] / s["grad"][r]["samples_per_s"]
+                                      for r, v in results["speed"]["mpi"]["grad"].items() if r in s["grad"]}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, os.path.splitext(a.out)[0] + ".png")
+    print(json.dumps({k: results[k] for k in ("quality_vs_grad", "speed_vs_grad", "speed_vs_unshaped", "mpi_vs_ddp_grad",
+                                              "framing") if k in results}, indent=1))
+    print(f"wrote {a.out} and {os.path.splitext(a.out)[0]}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
