@@ -9,8 +9,11 @@ Root is needed (network namespaces; ``tests/hosts.py``). Two parts:
 **Speed** (2 hosts x 1 rank, each a network namespace on a private bridge, ``tbf`` on both ends of every
 host's link at ``--rates`` Mbit/s, 0 = unshaped): charlm medium (1.83M parameters, 7.3 MB per full
 exchange), one ``torchrun`` per host (DDP) or one ``mpirun`` across both (the mpi engine). A run lasts
-``max(--speed-steps, H)`` steps, so that param mode syncs at least once. Reported per run: samples/s
-(distkit's ``samples_per_s``: the training loop's wall time), the bytes each host's ``eth0`` sent
+``max(--speed-steps, H + 10)`` steps. Reported per run: samples/s after the first 10 steps (warm-up;
+from distkit's metrics.jsonl, logged every 10 steps: samples between the lines at step 10 and the
+last step over the time between them),
+so a param-mode run's measured window holds exactly H steps and one sync and runs of different
+lengths compare fairly; the bytes each host's ``eth0`` sent
 per step (``/sys/class/net/eth0/statistics/tx_bytes`` inside the namespace, before and after the
 run, divided by the steps: start-up's model broadcast and the end's checks included), distkit's own
 payload count, and ``comm_wait_s``.
@@ -48,6 +51,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import hosts as nethosts  # noqa: E402  (tests/hosts.py: the network-namespace harness)
 
 BIN = os.path.dirname(sys.executable)
+#: steps left out of the speed measurement (start-up, the first steps' allocations); also the logging interval
+WARMUP = 10
 RESULTS = os.path.join(HERE, "results")
 WORKLOAD = ["train", os.path.join(ROOT, "configs", "charlm.json"), "++charlm_size", "medium", "++batch_size", "16",
             "++optimizer", "{'class': 'adam'}", "++learning_rate", "0.003", "++checkpoint_every", "None",
@@ -102,7 +107,7 @@ def finish(procs: list["subprocess.Popen[str]"], timeout: float) -> None:
 def speed_run(h: nethosts.Hosts, engine: str, mode: str, steps: int, out: str, work: str) -> dict[str, Any]:
     """One training run across the two hosts; its summary plus the interface counts."""
     dist = {"backend": engine, **mode_args(mode)}
-    args = [*WORKLOAD, "++max_steps", str(steps), "++eval_every", "None", "++log_every", str(steps),
+    args = [*WORKLOAD, "++max_steps", str(steps), "++eval_every", "None", "++log_every", str(WARMUP),
             "++distributed", json.dumps(dist), "++output_dir", out]
     before = [tx_bytes(h, i) for i in range(h.n)]
     if engine == "mpi":
@@ -120,7 +125,15 @@ def speed_run(h: nethosts.Hosts, engine: str, mode: str, steps: int, out: str, w
     sent = [tx_bytes(h, i) - b for i, b in zip(range(h.n), before)]
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
-    return {"samples_per_s": s["samples_per_s"], "step_time_s": s["wall_time_s"] / s["steps"], "steps": s["steps"],
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    # a log line's samples_per_s is the samples so far over the loop's time so far: its time is the ratio
+    logged = [(x["samples"], x["samples"] / x["samples_per_s"]) for x in lines if "samples_per_s" in x and x["step"] >= WARMUP]
+    (n0, t0), (n1, t1) = logged[0], logged[-1]
+    sps = (n1 - n0) / (t1 - t0)
+    per_step = s["samples"] / s["steps"]
+    return {"samples_per_s": sps, "step_time_s": per_step / sps, "steps": s["steps"],
+            "samples_per_s_whole_run": s["samples_per_s"],
             "iface_bytes_per_step": sum(sent) / len(sent) / s["steps"],
             "payload_bytes_per_step": s["comm_bytes"] / s["steps"], "comm_wait_s": s["comm_wait_s"],
             "compute_fraction": s["compute_fraction"], "num_nodes": s["num_nodes"]}
@@ -175,12 +188,16 @@ def plot(results: dict[str, Any], path: str) -> None:
     for engine, by_mode in results["speed"].items():
         for mode, by_rate in by_mode.items():
             xs = sorted(by_rate, key=lambda r: float(r) or unshaped_x)
-            ax1.plot([float(r) or unshaped_x for r in xs], [by_rate[r]["samples_per_s"] for r in xs], marker="o",
-                     linestyle="-" if engine == "ddp" else "--", label=f"{mode} ({engine})")
+            line, = ax1.plot([float(r) or unshaped_x for r in xs], [by_rate[r]["samples_per_s"] for r in xs], marker="o",
+                             linestyle="-" if engine == "ddp" else "--", label=f"{mode} ({engine})")
+            modelled = [r for r in xs if "model_step_time_s" in by_rate[r]]
+            ax1.plot([float(r) for r in modelled], [by_rate[r]["samples_per_s"] * by_rate[r]["step_time_s"]
+                                                    / by_rate[r]["model_step_time_s"] for r in modelled],
+                     marker="x", linestyle="none", color=line.get_color())
     ax1.set_xscale("log")
     ax1.set_xlabel(f"link speed, Mbit/s ({unshaped_x:g} = unshaped)")
     ax1.set_ylabel("samples/s (2 hosts x 1 rank)")
-    ax1.set_title("speed (charlm medium)")
+    ax1.set_title("speed (charlm medium); x = step-time model")
     ax1.legend(fontsize=7)
     quality = results.get("quality", {})
     xs = [*rates, unshaped_x]
@@ -231,7 +248,7 @@ def main() -> int:
                 with nethosts.Hosts(2, rate_mbit=float(rate) or None) as h:
                     for engine in a.engines.split(","):
                         for mode in modes if engine == "ddp" else ["grad"]:
-                            steps = max(a.speed_steps, sync_period(mode))
+                            steps = max(a.speed_steps, sync_period(mode) + WARMUP)
                             out = os.path.join(work, f"{engine}-{mode}-{rate}")
                             r = speed_run(h, engine, mode, steps, out, work)
                             shutil.rmtree(out, ignore_errors=True)

@@ -480,7 +480,7 @@ class Session:
         scheduler, and in param mode the parameter averaging when due."""
         self._require_setup("step()")
         s, model = self._strategy, self._model
-        waited = s.comm_wait_s + (s.averager.wait_s if s.averager is not None else 0.0)
+        waited = s.blocked_s
         if self.cfg.gradient_clip is not None:
             self._unscale()
             s.clip_grad_norm(model, self._optimizer, self.cfg.gradient_clip)  # type: ignore[arg-type]
@@ -496,7 +496,7 @@ class Session:
         self.num_steps += 1
         self.num_samples += self._pending_samples * self.world_size
         self._pending_samples = 0
-        self._step_wait_s += s.comm_wait_s + (s.averager.wait_s if s.averager is not None else 0.0) - waited
+        self._step_wait_s += s.blocked_s - waited
         if self._t_batch is not None:
             self.compute_time_s += time.perf_counter() - self._t_batch - self._step_wait_s
             self._t_batch = None

@@ -126,6 +126,11 @@ class Strategy(ABC):
     #: as waiting on communication.
     reduces_in_backward: bool = False
 
+    @property
+    def blocked_s(self) -> float:
+        """Seconds blocked on the training collectives so far: :attr:`comm_wait_s` plus param mode's averaging."""
+        return self.comm_wait_s + (self.averager.wait_s if self.averager is not None else 0.0)
+
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
         """Time spent inside counts as blocked on communication (:attr:`comm_wait_s`)."""
