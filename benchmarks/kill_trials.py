@@ -32,6 +32,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from runenv import child_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DISTKIT = [sys.executable, "-m", "distkit"]
@@ -48,13 +50,6 @@ def command(engine: str, steps: int, out: str, *extra: str) -> list[str]:
             "++max_steps", str(steps), "++checkpoint_every", "1", "++log_every", "1", "++eval_every", "None",
             "++progress_bar", "False", "++optimizer", "{'class': 'adam'}", "++learning_rate", "0.002",
             "++distributed", json.dumps(ENGINES[engine]), "++output_dir", out, *extra]
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return e
 
 
 def children(pid: int) -> list[int]:
@@ -99,7 +94,7 @@ def ranks(launcher: int) -> dict[int, int]:
 
 
 def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=ROOT)
 
 
 def summary(out: str) -> Optional[dict[str, Any]]:
@@ -131,7 +126,7 @@ def trial(engine: str, steps: int, timing: tuple[float, float], rng: random.Rand
     delay = rng.uniform(0.2, to_first) if during_startup else rng.uniform(0.0, training)
     whole = rng.random() < ARGS.group_fraction
     proc = subprocess.Popen(command(engine, steps, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env(), cwd=ROOT, start_new_session=True)
+                            env=child_env(), cwd=ROOT, start_new_session=True)
     t0 = time.perf_counter()
     if not during_startup:
         wait_for_first_checkpoint(out, proc)
@@ -200,7 +195,7 @@ def main() -> int:
         ref_out = os.path.join(work, f"ref-{engine}")
         t0 = time.perf_counter()
         proc = subprocess.Popen(command(engine, ARGS.steps, ref_out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env(), cwd=ROOT)
+                                text=True, env=child_env(), cwd=ROOT)
         to_first = wait_for_first_checkpoint(ref_out, proc)
         _, stderr = proc.communicate(timeout=300)
         wall = time.perf_counter() - t0

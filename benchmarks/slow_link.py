@@ -49,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import hosts as nethosts  # noqa: E402  (tests/hosts.py: the network-namespace harness)
+from runenv import child_env  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 #: steps left out of the speed measurement (start-up, the first steps' allocations); also the logging interval
@@ -63,8 +64,7 @@ def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[st
     """``grad``, ``param<H>`` or ``diloco<H>`` as a ``distributed`` block (engine added by the caller)."""
     if mode == "grad":
         return {"reduce_type": "grad"}
-    h = int(mode.lstrip("paramdilco"))
-    d: dict[str, Any] = {"reduce_type": "param", "param_sync_step": h}
+    d: dict[str, Any] = {"reduce_type": "param", "param_sync_step": sync_period(mode)}
     if mode.startswith("diloco"):
         lr, momentum = outer or (0.7, 0.9)
         d["outer_optimizer"] = {"class": "nesterov", "lr": lr, "momentum": momentum}
@@ -72,16 +72,18 @@ def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[st
 
 
 def sync_period(mode: str) -> int:
-    return 1 if mode == "grad" else int(mode.lstrip("paramdilco"))
+    """Steps per exchange of ``grad`` (1), ``param<H>`` or ``diloco<H>`` (H); ValueError for another name."""
+    if mode == "grad":
+        return 1
+    for prefix in ("param", "diloco"):
+        if mode.startswith(prefix) and mode[len(prefix):].isdigit() and int(mode[len(prefix):]) >= 1:
+            return int(mode[len(prefix):])
+    raise ValueError(mode)
 
 
-def env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    e.update(extra)
-    return e
+def env() -> dict[str, str]:
+    """:func:`runenv.child_env` with the venv's ``bin/`` first on PATH (mpirun starts ranks by name)."""
+    return child_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
 
 
 def tx_bytes(h: nethosts.Hosts, i: int) -> int:
@@ -150,7 +152,7 @@ def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, fl
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
     return {"eval_loss": s["eval_loss"], "steps": s["steps"], "samples": s["samples"],
-            "syncs": steps // sync_period(mode) if mode != "grad" else steps}
+            "syncs": steps // sync_period(mode)}
 
 
 def model(results: dict[str, Any]) -> None:
@@ -226,7 +228,12 @@ def main() -> int:
     a = p.parse_args()
     rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m != "grad" and not (m.startswith(("param", "diloco")) and m.lstrip("paramdilco").isdigit())]
+    bad = []
+    for m in modes:
+        try:
+            sync_period(m)
+        except ValueError:
+            bad.append(m)
     if bad:
         print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>", file=sys.stderr)
         return 2

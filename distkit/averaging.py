@@ -119,20 +119,22 @@ class ParamAverager:
         return state
 
     # -- the portable part of a checkpoint (by name: any engine, world size) ------------------------
-    def portable_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def portable_state(self, keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Collective where the tensors are sharded (ZeRO): ``(tensors, counters)`` for a checkpoint's
         portable part. ``tensors``: with the outer optimizer, ``anchor/<name>`` (the model as of the last
         sync, after the outer step) and ``momentum/<name>`` (its momentum buffer, once a sync made one),
-        whole, on the CPU; the same on every rank (both change only at a sync, identically everywhere).
-        ``counters``: steps since the last sync, syncs so far, whether an outer optimizer ran."""
+        whole, on the CPU; the same on every rank (both change only at a sync, identically everywhere),
+        so one rank writes them and the others pass ``keep=False`` (they take no copies; under ZeRO they
+        still join the assembly). ``counters``: steps since the last sync, syncs so far, whether an
+        outer optimizer ran."""
         counters = {"steps_since_sync": self.steps_since_sync, "num_syncs": self.num_syncs,
                     "outer": self._outer is not None}
         if self._outer is None:
             return {}, counters
-        tensors = {f"anchor/{n}": t for n, t in self._by_name(self._anchor).items()}
+        tensors = {f"anchor/{n}": t for n, t in self._by_name(self._anchor, keep).items()}
         momentum = [self._outer.state.get(a, {}).get("momentum_buffer") for a in self._anchor]
         if all(m is not None for m in momentum):
-            tensors.update({f"momentum/{n}": t for n, t in self._by_name(momentum).items()})  # type: ignore[arg-type]
+            tensors.update({f"momentum/{n}": t for n, t in self._by_name(momentum, keep).items()})  # type: ignore[arg-type]
         return tensors, counters
 
     def load_portable_state(self, tensors: dict[str, torch.Tensor], counters: dict[str, Any]) -> None:
@@ -154,11 +156,12 @@ class ParamAverager:
                 for a, b in zip(self._anchor, buffers, strict=True):
                     self._outer.state[a]["momentum_buffer"] = b
 
-    def _by_name(self, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``values`` (one per averaged tensor, the same shapes) by the model's names, whole, on the CPU."""
+    def _by_name(self, values: list[torch.Tensor], keep: bool = True) -> dict[str, torch.Tensor]:
+        """``values`` (one per averaged tensor, the same shapes) by the model's names, whole, on the CPU
+        (empty when not ``keep``)."""
         if self.names is None:
             raise NotImplementedError(f"{type(self).__name__} was built without tensor names")
-        return {n: v.detach().cpu().clone() for n, v in zip(self.names, values, strict=True)}
+        return {n: v.detach().cpu().clone() for n, v in zip(self.names, values, strict=True)} if keep else {}
 
     def _from_name(self, by_name: dict[str, torch.Tensor], into: list[torch.Tensor]) -> None:
         """The inverse of :meth:`_by_name`: copy ``by_name`` into ``into`` (one per averaged tensor)."""

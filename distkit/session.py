@@ -652,9 +652,8 @@ class Session:
                     scalars.update(part)
         averager, averager_counters = self._strategy.averager, None
         if averager is not None:  # param mode: the same on every rank; rank 0 writes it
-            averager_tensors, averager_counters = averager.portable_state()  # collective under ZeRO
-            if self.rank == 0:
-                tensors.update({f"{portable.AVERAGER}/{k}": v for k, v in averager_tensors.items()})
+            averager_tensors, averager_counters = averager.portable_state(keep=self.rank == 0)  # collective under ZeRO
+            tensors.update({f"{portable.AVERAGER}/{k}": v for k, v in averager_tensors.items()})
         meta = {"format": 1, "model_key": model_key, "optimizer_key": opt_key, "optim_groups": groups,
                 "optim_scalars": scalars, "engine": self._strategy.name, "world_size": self.world_size,
                 "reduce_type": self.cfg.distributed.reduce_type,

@@ -167,16 +167,18 @@ class _MasterAverager(ParamAverager):
                 for m, v in zip(masters, saved, strict=True):
                     m.copy_(v)
 
-    def _by_name(self, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _by_name(self, values: list[torch.Tensor], keep: bool = True) -> dict[str, torch.Tensor]:
         if self._params is None:
-            return super()._by_name(values)
+            return super()._by_name(values, keep)
         from deepspeed.utils import safe_get_full_fp32_param  # type: ignore[import-untyped]
 
         n = self._n_masters
-        out = {name: v.detach().cpu().clone() for name, v in zip(self._buffer_names, values[n:], strict=True)}
+        out = {name: v.detach().cpu().clone() for name, v in zip(self._buffer_names, values[n:], strict=True)} if keep else {}
         with self._in_masters_place(values[:n]):
             for name, p in self._params:  # collective, every rank in the same order
-                out[name] = safe_get_full_fp32_param(p).detach().cpu().reshape(tuple(getattr(p, "ds_shape", p.shape))).clone()
+                full = safe_get_full_fp32_param(p)
+                if keep:
+                    out[name] = full.detach().cpu().reshape(tuple(getattr(p, "ds_shape", p.shape))).clone()
         return out
 
     def _from_name(self, by_name: dict[str, torch.Tensor], into: list[torch.Tensor]) -> None:
