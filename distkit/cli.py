@@ -15,6 +15,7 @@ from typing import Any, NoReturn, Optional
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
 from distkit.errors import CollectiveTimeout, ConfigError, DistkitError
 from distkit.launch import record_failure, settle_if_peer
+from distkit.watchdog import lost_peer_error
 
 EPILOG = """\
 config keys: any top-level key of a config file can be set with ++key value (a Python
@@ -183,6 +184,7 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
     except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
         record_failure(env.rank, e)
         traceback.print_exc()
+        e = lost_peer_error(e) or e  # a peer is gone: name it, not the address the engine's message has
         if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
             e = CollectiveTimeout(f"a collective timed out after distributed.timeout_s={cfg.distributed.timeout_s:g} s: "
                                   f"another rank hung or died (see its output)")

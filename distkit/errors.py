@@ -57,3 +57,9 @@ class RankStalled(RankFailure):
     def __init__(self, message: str, stalled_ranks: list[int]) -> None:
         super().__init__(message)
         self.stalled_ranks = list(stalled_ranks)
+
+
+class RankLost(RankStalled):
+    """A rank is gone: this rank's connection to a peer closed (reset, refused) and a rank's heartbeat
+    stopped with it: it died, was killed, or its host went down or was cut off. The text names it;
+    ``stalled_ranks`` lists the global ranks (see :func:`distkit.watchdog.lost_peer_error`)."""

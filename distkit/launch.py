@@ -30,9 +30,10 @@ GRACE_S = 5.0
 SETTLE_S = 1.0
 #: where a spawned rank records why it failed (set by :func:`spawn`)
 FAILURE_DIR_VAR = "DISTKIT_FAILURE_DIR"
-#: words of errors a rank gets because another rank failed (its peer closed the connection, a collective timed out)
-_PEER_WORDS = ("closed by peer", "connection reset", "connection refused", "broken pipe", "timed out", "timeout",
-               "another rank")
+#: words of errors a rank gets when its connection to another rank broke (that rank died or went away)
+_CLOSED_WORDS = ("closed by peer", "connection reset", "connection refused", "broken pipe")
+#: words of errors a rank gets because another rank failed (its connection broke, a collective timed out)
+_PEER_WORDS = (*_CLOSED_WORDS, "timed out", "timeout", "another rank")
 
 
 def record_failure(rank: int, exc: BaseException) -> None:
@@ -70,7 +71,13 @@ def lost_a_peer(exc: BaseException) -> bool:
     """Whether ``exc`` is what a rank gets when *another* rank failed (its connection closed, a collective
     timed out, it stopped responding), rather than an error of its own."""
     text = f"{type(exc).__name__}: {exc}".lower()
-    return type(exc).__name__ in ("CollectiveTimeout", "RankStalled") or any(w in text for w in _PEER_WORDS)
+    return type(exc).__name__ in ("CollectiveTimeout", "RankStalled", "RankLost") or any(w in text for w in _PEER_WORDS)
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says this rank's connection to another rank broke (closed, reset, refused)."""
+    text = str(exc).lower()
+    return any(w in text for w in _CLOSED_WORDS)
 
 
 def settle_if_peer(exc: BaseException, world_size: int) -> None:

@@ -55,9 +55,9 @@ from distkit.data import BatchPlan, PlanSampler, ShardedLoader
 from distkit.env import ClusterEnv, detect
 from distkit.errors import CheckpointError, CollectiveTimeout, DistkitError, UsageError
 from distkit.evaluation import param_checksum
-from distkit.launch import record_failure, settle_if_peer
+from distkit.launch import record_failure, record_stall, settle_if_peer
 from distkit.main_process import set_current_strategy
-from distkit.watchdog import explain_stall, start_watchdog
+from distkit.watchdog import explain_stall, lost_peer_error, start_watchdog
 
 Source = Union[argparse.Namespace, dict, RunConfig, str, Sequence[str], None]
 
@@ -182,6 +182,10 @@ def _install_excepthook() -> None:
                     raise exc
                 except BaseException:
                     session.abort()  # prints "rank r failed: ..." and ends the job (MPI engines)
+            lost = lost_peer_error(exc)  # (found by abort: at once)
+            if lost is not None:
+                previous(kind, exc, tb)
+                exc = lost
         if isinstance(exc, DistkitError):
             named = session is None or session.world_size == 1 or f"rank {session.rank}" in str(exc)
             where = "" if named else f" (rank {session.rank})"
@@ -835,6 +839,10 @@ class Session:
         call it from an ``except`` block. A later :meth:`close` then leaves without waiting for the others."""
         self._failed = True
         explain_stall()  # a peer stopped responding: name it (distkit.watchdog) rather than "timed out"
+        exc = sys.exc_info()[1]
+        lost = lost_peer_error(exc) if exc is not None else None  # a peer is gone: which (the failure line names it)
+        if lost is not None:
+            record_stall(self.rank, lost)  # distkit's spawner names it too
         self._strategy.abort()
 
     def close(self) -> None:

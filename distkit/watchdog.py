@@ -45,7 +45,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from distkit.errors import RankStalled
+from distkit.errors import RankLost, RankStalled
 from distkit.netif import host_identity, reachable_address
 
 if TYPE_CHECKING:
@@ -53,8 +53,14 @@ if TYPE_CHECKING:
 
 #: seconds between heartbeats at most (also the judge's period)
 MAX_INTERVAL_S = 1.0
+#: a peer whose heartbeat has not changed for this many intervals, after a connection to it broke, is
+#: gone (a live rank is seen to beat about once per interval; twice that allows for a busy machine)
+LOST_AFTER_INTERVALS = 3.0
 
 _ACTIVE: Optional["Watchdog"] = None
+#: what :func:`lost_peer_error` found (kept after the watchdog stops: the failure is reported later)
+_LOST: Optional[RankLost] = None
+_LOOKED = False  # lost_peer_error looked already (it waits once per process)
 
 
 def interval_for(timeout_s: float) -> float:
@@ -180,6 +186,18 @@ class Watchdog:
             self.end_job(1)
             os._exit(1)  # end_job does not return; if an engine's did, this rank still must not
 
+    def lost(self) -> list[int]:
+        """The ranks whose heartbeat has stopped: no change for :data:`LOST_AFTER_INTERVALS` intervals.
+        Waits until one shows or that long has passed (at most ``3.5 * interval_s`` seconds, about 3.5 s)
+        and returns [] when every heartbeat goes on. Not collective."""
+        limit = LOST_AFTER_INTERVALS * self.interval_s
+        deadline = time.monotonic() + limit + 0.5 * self.interval_s
+        while True:
+            gone = sorted(r for r, age in self.ages().items() if age >= limit)
+            if gone or time.monotonic() >= deadline or self._stop.is_set():
+                return gone
+            time.sleep(0.05)
+
     def explain(self) -> None:
         """See :func:`explain_stall`."""
         now = time.monotonic()
@@ -251,3 +269,35 @@ def explain_stall() -> None:
     in Python, or failed on its own, which its launcher reports), or no watchdog runs. Not collective."""
     if _ACTIVE is not None:
         _ACTIVE.explain()
+
+
+def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
+    """Where a rank failed because its connection to a peer broke ("connection closed by peer", reset,
+    refused: :func:`distkit.launch.connection_lost`; not a timeout): the rank that is gone, as a
+    :class:`RankLost` naming it and its host, for this rank to report instead of the engine's message
+    (which names an address at best). Watches the heartbeats until a rank's has stopped
+    (:meth:`Watchdog.lost`, a few seconds at most), once per process: later calls return the same
+    answer at once. None when no heartbeat stopped (the peer is alive: it failed on its own and its
+    launcher reports it), when ``exc`` is not a broken connection, or when no watchdog runs. Not
+    collective."""
+    global _LOST, _LOOKED
+    from distkit.launch import connection_lost
+
+    watchdog = _ACTIVE
+    if _LOOKED or isinstance(exc, RankStalled) or not connection_lost(exc):
+        return _LOST
+    if watchdog is not None:
+        _LOOKED = True
+        ranks = watchdog.lost()
+        if not ranks:
+            return None
+        where = [watchdog._where.get(r, ("", 0)) for r in ranks]
+        hosts = sorted({host.split("|")[0] for host, _ in where if host})
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        on = f" (host {', '.join(hosts)})" if hosts else ""
+        _LOST = RankLost(
+            f"{which}{on} is gone: the connection to it closed and its heartbeat stopped (noticed by rank "
+            f"{watchdog.rank}): it died, was killed, or its host went down; its own output, if any, has "
+            f"the cause (this rank's error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})",
+            ranks)
+    return _LOST

@@ -48,6 +48,8 @@ def test_grad_mode_reproduces_ddp(ref: dict[str, Path]) -> None:
     # 20 steps x every gradient (fp32) at least; the reducer counts what it hands to MPI
     n_grad_bytes = sum(t.numel() * 4 for t in final_params(ref["mpi"]).values())
     assert s["comm_bytes"] >= 20 * n_grad_bytes
+    # both engines hand the same payload to collectives: the start-up broadcast, 20 gradients, the metrics
+    assert s["comm_bytes"] == summary(ref["ddp"])["comm_bytes"]
 
 
 def test_clipped_and_accumulated_grad_mode_reproduces_ddp(tmp_path: Path) -> None:

@@ -116,7 +116,8 @@ def _stall(engine: str, launcher: str, rank: int, tmp_path: Path) -> tuple[str, 
 def test_watchdog_spares_live_ranks_and_names_a_silent_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In one process, two watchdogs (ranks 0 and 1) on a real TCPStore, timeout 1 s. While both beat,
     nothing fires, not even with the main thread busy in Python for 3 timeouts (liveness only, not
-    progress); when rank 1's beats stop, rank 0 names it between T and T + 2 intervals, records it
+    progress), and neither calls the other lost; when rank 1's beats stop, rank 0 finds it lost (what a
+    broken connection then reports) within T, names it between T and T + 2 intervals, records it
     for the spawner, and the spawner's culprit is rank 1, not rank 0."""
     monkeypatch.setenv(launch.FAILURE_DIR_VAR, str(tmp_path))
     timeout_s = 1.0
@@ -144,8 +145,11 @@ def test_watchdog_spares_live_ranks_and_names_a_silent_one(tmp_path: Path, monke
         t0 = time.monotonic()
         w0.explain()  # every heartbeat fresh: returns at once (or as soon as a late beat arrives)
         assert time.monotonic() - t0 < 2 * w0.interval_s
+        assert w0.lost() == [] and w1.lost() == []  # after a broken connection: every heartbeat goes on
         w1._stop.set()  # rank 1 goes silent (both its threads end, as if stopped)
         silent = time.monotonic()
+        assert w0.lost() == [1]  # what a rank whose connection to rank 1 closed reports (RankLost)
+        assert time.monotonic() - silent < timeout_s  # 3 intervals, before the judge's T
         assert ended.wait(timeout_s + 3 * w0.interval_s), "rank 0 never named the silent rank"
         assert fired[0][0] == 1
         assert timeout_s - w0.interval_s <= fired[0][1] - silent <= timeout_s + 2 * w0.interval_s + 0.2

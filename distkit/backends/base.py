@@ -262,9 +262,12 @@ def report_failure(rank: int, world_size: int, engine: str) -> int:
     Called from a Strategy's ``abort`` inside an ``except`` block; returns the exit status
     to abort the job with (the error's own for DistkitError, else 1).
     """
+    from distkit.watchdog import lost_peer_error
+
     exc = sys.exc_info()[1]
     if exc is not None and not isinstance(exc, DistkitError):
         traceback.print_exc()
+        exc = lost_peer_error(exc) or exc  # a peer is gone: name it
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
     print(f"distkit: rank {rank} failed: {what} (aborting all {world_size} {engine} ranks)", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -84,6 +84,8 @@ class DDPStrategy(Strategy):
             ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DistributedDataParallel(model, device_ids=ids, **d.options)
             self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            if self.world_size > 1:  # that broadcast counts as the other engines' start-up broadcast does
+                self.comm_bytes += sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
             return wrapped, optimizer
         self.averager = param_averager(self, model)
         self.broadcast_tensors(self.averager.tensors + [b for b in model.buffers() if not b.is_floating_point()])

@@ -399,6 +399,7 @@ class DeepSpeedStrategy(DDPStrategy):
                               "choose the optimizer: pass None to dk.setup or remove the block")
         # payload per step in grad mode: one gradient reduction (all-reduce or reduce-scatter) of every parameter
         self._grad_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        startup_elements = sum(p.numel() for p in model.parameters())
         conf = self.resolved_deepspeed_config(client)
         if self.is_main:
             os.makedirs(cfg.output_dir, exist_ok=True)
@@ -414,6 +415,8 @@ class DeepSpeedStrategy(DDPStrategy):
         engine, ds_opt, _, self.lr_scheduler = deepspeed.initialize(**kwargs)
         self.engine = engine
         dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
+        if self.mpu is None and self.world_size > 1:  # the engine broadcast rank 0's weights (in its dtype)
+            self.comm_bytes += startup_elements * (4 if dtype is None else 2)
         if dtype is not None:  # the data loader yields fp32 features; the engine's weights are 16-bit
             engine.module.register_forward_pre_hook(
                 lambda _m, args: tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
