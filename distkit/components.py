@@ -5,9 +5,10 @@ these functions build the objects once the model exists.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -57,7 +58,8 @@ def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1) -> torch.o
                           "your own loop (dk.step() after a closure-driven optimizer.step(closure)) or "
                           "distkit.compat.perceptrain's optimize_step")
     try:
-        return cls(params, lr=lr, **kwargs)
+        with _without_dynamo():
+            return cls(params, lr=lr, **kwargs)
     except TypeError as e:  # a keyword the class does not take
         raise ConfigError(f"optimizer = {cfg.optimizer!r}: {cls.__name__} rejected its arguments ({e}): "
                           f"check the keys against torch.optim.{cls.__name__}") from None
@@ -136,10 +138,32 @@ def scheduler_class(name: Any) -> type:
     return found  # type: ignore[no-any-return]
 
 
+@contextlib.contextmanager
+def _without_dynamo() -> Iterator[None]:
+    """While a throw-away optimizer is built: ``Optimizer.add_param_group`` runs unwrapped. torch wraps it
+    in ``torch._disable_dynamo``, whose first call imports ``torch._dynamo``: 1.3 s on a 2-core machine,
+    spent by the process that launches the ranks on a check that never compiles anything. The wrapper
+    calls ``fn.__dynamo_disable`` when set; it is set to ``fn`` itself here and removed afterwards."""
+    fn = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+    if fn is None or "__dynamo_disable" in vars(fn) or "torch._dynamo" in __import__("sys").modules:
+        yield
+        return
+    setattr(fn, "__dynamo_disable", fn)
+    try:
+        yield
+    finally:
+        delattr(fn, "__dynamo_disable")
+
+
 def check_components(cfg: RunConfig) -> None:
     """Up-front check (before any rank starts) of the keys whose names only torch knows: the optimizer
     class and its arguments, the scheduler and its arguments (built once on a throw-away parameter),
     and ``precision`` against the device. ConfigError (exit status 2) naming the key and the fix."""
+    with _without_dynamo():
+        _check_components(cfg)
+
+
+def _check_components(cfg: RunConfig) -> None:
     probe = [torch.nn.Parameter(torch.zeros(1))]
     if not callable(cfg.optimizer):
         build_optimizer(cfg, probe)

@@ -39,7 +39,6 @@ import contextlib
 import datetime
 import os
 import signal
-import socket
 import sys
 import threading
 import time

@@ -112,6 +112,18 @@ def ddp_short_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+#: clipping and accumulation on top of :data:`SHORT` (the engines' grad-mode parity with both at once)
+CLIP_ACCUM = ["++gradient_clip", "0.05", "++accum_grad_multiple_step", "2", "++batch_size", "4"]
+
+
+@pytest.fixture(scope="session")
+def ddp_clip_accum_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`ddp_short_ref` with :data:`CLIP_ACCUM`: what the mpi engine and Horovod must reproduce."""
+    out = tmp_path_factory.mktemp("ddp_clip_accum_ref") / "ddp"
+    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(out), *SHORT, *CLIP_ACCUM))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _no_leftovers() -> Any:
     saved = dict(os.environ)

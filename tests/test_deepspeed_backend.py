@@ -79,7 +79,7 @@ def ddp_ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # -- 6. grad mode parity: ZeRO 0-2 == DDP here (charlm); ZeRO-3 == DDP bit for bit and its export: test_portable.py
 
 
-def test_engine_accumulation_and_clipping_equal_ddp(tmp_path: Path) -> None:
+def test_engine_accumulation_and_clipping_equal_ddp(tmp_path: Path, ddp_ref: Path) -> None:
     # DeepSpeed's own keys drive accumulation and clipping; DDP gets the same through distkit's keys.
     ds = train(tmp_path, "ds", zero(2, gradient_accumulation_steps=2, gradient_clipping=0.05, train_batch_size=32),
                "++batch_size", "8")
@@ -87,9 +87,9 @@ def test_engine_accumulation_and_clipping_equal_ddp(tmp_path: Path) -> None:
                 "++gradient_clip", "0.05")
     assert max_abs_diff(final_params(ds), final_params(ref)) <= TOL
     assert summary(ds)["samples"] == summary(ref)["samples"] == 20 * 32
-    # clipping was active: the unclipped run ends elsewhere
-    unclipped = train(tmp_path, "ddp_noclip", None, "++batch_size", "8", "++accum_grad_multiple_step", "2")
-    assert max_abs_diff(final_params(ds), final_params(unclipped)) > 1e-4
+    # clipping was active: unclipped, the same 32 samples per step are ddp_ref's 16 per rank (2 micro-batches
+    # of 8 accumulated equal one of 16: measured 1.5e-8 apart), which ends elsewhere
+    assert max_abs_diff(final_params(ds), final_params(ddp_ref)) > 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +122,8 @@ def test_param_groups_4_ranks_zero2(tmp_path: Path) -> None:
     assert sorted(p.name for p in (ckpt / "deepspeed").iterdir()) == ["group-0", "group-1"]
     # each group is a 2-rank ZeRO world: two optimizer partitions per group
     assert len(list((ckpt / "deepspeed" / "group-1" / "ds").glob("zero_pp_rank_*_optim_states.pt"))) == 2
-    # sync every 7 steps: groups drift apart between syncs, so this is not grad mode; the final sync re-joins them
-    out7 = train(tmp_path, "g7", zero(2), "++distributed", repr({**par, "param_sync_step": 7}), nprocs=4)
-    assert summary(out7)["ranks_in_sync"] is True
-    assert max_abs_diff(final_params(out7, 0), final_params(out7, 3)) == 0.0
-    assert max_abs_diff(final_params(out7), final_params(ref)) > 1e-4
+    # (that ranks drift apart between syncs and the final sync re-joins them, on ZeRO-2: the bf16 test below
+    # and test_portable's DiLoCo source)
 
 
 def test_param_mode_bf16_averages_fp32_masters(tmp_path: Path) -> None:

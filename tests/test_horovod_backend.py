@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BIN, ROOT, SHORT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
+from conftest import BIN, CLIP_ACCUM, ROOT, SHORT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
 
 TOL = 1e-5
 MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none"]
@@ -85,13 +85,11 @@ def test_grad_mode_under_horovodrun_gloo_reproduces_ddp(horovod: None, ref: dict
     assert (s["backend_impl"], s["launcher"], s["ranks_in_sync"]) == ("horovod 0.28.1 (Gloo)", "horovodrun", True)
 
 
-def test_clipped_and_accumulated_grad_mode_reproduces_ddp(horovod: None, tmp_path: Path) -> None:
+def test_clipped_and_accumulated_grad_mode_reproduces_ddp(horovod: None, tmp_path: Path,
+                                                         ddp_clip_accum_ref: Path) -> None:
     # clipping: synchronize(), clip, step under skip_synchronize(); accumulation: backward_passes_per_step
-    extra = ["++gradient_clip", "0.05", "++accum_grad_multiple_step", "2", "++batch_size", "4"]
-    ddp = tmp_path / "ddp"
-    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(ddp), *SHORT, *extra))
-    out = train(tmp_path / "hvd", *extra)
-    assert max_abs_diff(final_params(out), final_params(ddp)) <= TOL
+    out = train(tmp_path / "hvd", *CLIP_ACCUM)
+    assert max_abs_diff(final_params(out), final_params(ddp_clip_accum_ref)) <= TOL
 
 
 def test_param_sync_every_step_equals_grad(horovod: None, hvd_grad: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BIN, ROOT, SHORT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
+from conftest import BIN, CLIP_ACCUM, ROOT, SHORT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
 
 TOL = 1e-5
 MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none"]
@@ -52,13 +52,10 @@ def test_grad_mode_reproduces_ddp(ref: dict[str, Path]) -> None:
     assert s["comm_bytes"] == summary(ref["ddp"])["comm_bytes"]
 
 
-def test_clipped_and_accumulated_grad_mode_reproduces_ddp(tmp_path: Path) -> None:
+def test_clipped_and_accumulated_grad_mode_reproduces_ddp(tmp_path: Path, ddp_clip_accum_ref: Path) -> None:
     # clipping must see the reduced gradient (the reducer waits first); accumulation must not send early
-    extra = ["++gradient_clip", "0.05", "++accum_grad_multiple_step", "2", "++batch_size", "4"]
-    ddp = tmp_path / "ddp"
-    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(ddp), *SHORT, *extra))
-    mpi = train_mpi(tmp_path / "mpi", *extra)
-    assert max_abs_diff(final_params(mpi), final_params(ddp)) <= TOL
+    mpi = train_mpi(tmp_path / "mpi", *CLIP_ACCUM)
+    assert max_abs_diff(final_params(mpi), final_params(ddp_clip_accum_ref)) <= TOL
 
 
 def test_tiny_buckets_equal_one_bucket(ref: dict[str, Path], tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 import hosts as nethosts
-from conftest import BIN, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, run, summary
+from conftest import BIN, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, summary
 
 TOL = 1e-5
 TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), *SHORT]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any

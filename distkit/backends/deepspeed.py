@@ -388,7 +388,7 @@ class DeepSpeedStrategy(DDPStrategy):
               lr_scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
         import deepspeed  # type: ignore[import-untyped]
 
-        cfg, ds = self.cfg, self.cfg.distributed.deepspeed_config or {}
+        cfg = self.cfg
         model.to(self.device)
         client = not self.engine_defines_optimizer()
         if client and optimizer is None:
