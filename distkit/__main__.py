@@ -1,6 +1,4 @@
 """``python -m distkit`` is the ``distkit`` command."""
-import sys
+from distkit.cli import entry
 
-from distkit.cli import main
-
-sys.exit(main())
+entry()

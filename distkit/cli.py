@@ -106,6 +106,12 @@ def _print_keys(pattern: str) -> int:
     return 0
 
 
+#: this process only started the ranks (``--nprocs``) and waited for them: ``python -m distkit`` then
+#: exits without the interpreter's teardown (0.4-0.8 s of freeing torch's modules on a 2-core machine,
+#: per run); it holds no engine, no open file and no thread whose end matters
+launched_only = False
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     width = max(len(k) for k in summary)
     lines = ["", "summary", "-" * (width + 40)]
@@ -161,7 +167,9 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
 
         if verified is not None:  # the ranks started here need not hash the same files again (seconds per GB)
             os.environ[TRUSTED_ENV] = os.path.abspath(verified)
+        global launched_only
         try:
+            launched_only = True
             return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs,
                              strategy_class(cfg.distributed.backend).local_launcher)
         finally:
@@ -226,3 +234,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except DistkitError as e:
         print(f"distkit: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+
+
+def entry() -> NoReturn:
+    """The ``distkit`` command and ``python -m distkit``: :func:`main`, then exit with its status. A
+    process that only launched the ranks (:data:`launched_only`) skips the interpreter's teardown."""
+    code = main()
+    if launched_only:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
