@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import sys
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -140,12 +141,14 @@ def scheduler_class(name: Any) -> type:
 
 @contextlib.contextmanager
 def _without_dynamo() -> Iterator[None]:
-    """While a throw-away optimizer is built: ``Optimizer.add_param_group`` runs unwrapped. torch wraps it
-    in ``torch._disable_dynamo``, whose first call imports ``torch._dynamo``: 1.3 s on a 2-core machine,
-    spent by the process that launches the ranks on a check that never compiles anything. The wrapper
-    calls ``fn.__dynamo_disable`` when set; it is set to ``fn`` itself here and removed afterwards."""
+    """While an optimizer is constructed (the launching process's throw-away check, a rank's real one):
+    ``Optimizer.add_param_group`` runs unwrapped. torch wraps it in ``torch._disable_dynamo``, whose first
+    call imports ``torch._dynamo``: 1.3 s on a 2-core machine, spent by the process that launches the
+    ranks on a check that never compiles anything (and by mpi/Horovod ranks; DDP imports it anyway). The
+    wrapper calls ``fn.__dynamo_disable`` when set; it is set to ``fn`` itself here and removed afterwards.
+    Nested uses leave it to the outermost."""
     fn = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
-    if fn is None or "__dynamo_disable" in vars(fn) or "torch._dynamo" in __import__("sys").modules:
+    if fn is None or "__dynamo_disable" in vars(fn) or "torch._dynamo" in sys.modules:
         yield
         return
     setattr(fn, "__dynamo_disable", fn)
