@@ -55,6 +55,8 @@ BIN = os.path.dirname(sys.executable)
 #: steps left out of the speed measurement (start-up, the first steps' allocations); also the logging interval
 WARMUP = 10
 RESULTS = os.path.join(HERE, "results")
+#: a quality run's checkpoint interval in steps (its resume point when killed part-way)
+QUALITY_CHECKPOINT_EVERY = 500
 WORKLOAD = ["train", os.path.join(ROOT, "configs", "charlm.json"), "++charlm_size", "medium", "++batch_size", "16",
             "++optimizer", "{'class': 'adam'}", "++learning_rate", "0.003", "++checkpoint_every", "None",
             "++progress_bar", "False", "++resume", "none", "++seed", "42"]
@@ -142,10 +144,17 @@ def speed_run(h: nethosts.Hosts, engine: str, mode: str, steps: int, out: str, w
 
 
 def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, float]] = None) -> dict[str, Any]:
+    """One unshaped ``--nprocs 2`` run of ``steps`` steps in ``out``; its eval loss at the end.
+
+    The run checkpoints every :data:`QUALITY_CHECKPOINT_EVERY` steps and starts with ``++resume auto``, so
+    a long run killed part-way (a 15,000-step run takes about 48 min here) goes on from its last
+    checkpoint when called again with the same ``out``; resume is bit-identical (tests/test_parity.py).
+    """
     dist = {"backend": "ddp", **mode_args(mode, outer)}
     cmd = [sys.executable, "-m", "distkit", *WORKLOAD, "--nprocs", "2", "++max_steps", str(steps),
            "++eval_every", str(steps), "++log_every", str(max(1, steps // 10)), "++distributed", json.dumps(dist),
-           "++output_dir", out]
+           "++output_dir", out, "++checkpoint_every", str(QUALITY_CHECKPOINT_EVERY), "++keep_checkpoints", "1",
+           "++resume", "auto"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env())
     if res.returncode != 0:
         raise RuntimeError(f"exit {res.returncode}: {' '.join(cmd)}\n{res.stderr[-3000:]}")
@@ -214,6 +223,62 @@ def plot(results: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def quality_part(a: argparse.Namespace, modes: list[str], results: dict[str, Any]) -> None:
+    """Run every mode (and DiLoCo's ``--outer`` sweep) for ``--quality-steps`` steps, in ``--work``.
+
+    A result already in ``results`` for the same number of steps is kept, not run again; a run
+    killed part-way resumes from its checkpoint in ``--work``; ``--out`` is rewritten after every
+    run. So the full-length study (about 48 min per run here) can be spread over several sittings:
+    run the same command again.
+    """
+    keep = lambda d: {k: v for k, v in d.items() if v.get("steps") == a.quality_steps}  # noqa: E731
+    results["quality"], results["diloco_sweep"] = keep(results.get("quality", {})), keep(results.get("diloco_sweep", {}))
+    outers = [tuple(float(x) for x in o.split(":")) for o in a.outer.split(",") if o]
+    for mode in modes:
+        for outer in outers if mode.startswith("diloco") else [None]:
+            label = mode if outer is None else f"{mode} lr {outer[0]:g} m {outer[1]:g}"
+            if label in (results["quality"] if outer is None else results["diloco_sweep"]):
+                print(f"quality {label:26} kept from {a.out}", flush=True)
+                continue
+            out = os.path.join(a.work, f"q{a.quality_steps}-{label.replace(' ', '_')}")
+            started = time.monotonic()
+            q = quality_run(mode, a.quality_steps, out, outer)  # type: ignore[arg-type]
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"quality {label:26} eval loss {q['eval_loss']:.4f} after {q['steps']} steps "
+                  f"({time.monotonic() - started:.0f} s)", flush=True)
+            if outer is None:
+                results["quality"][mode] = q
+            else:
+                results["diloco_sweep"][label] = {**q, "outer_lr": outer[0], "outer_momentum": outer[1]}
+                # the best of the sweep so far stands for DiLoCo
+                results["quality"][mode] = min((v for k, v in results["diloco_sweep"].items() if k.startswith(mode + " ")),
+                                               key=lambda v: v["eval_loss"])
+            write(results, a.out)
+
+
+def write(results: dict[str, Any], path: str) -> None:
+    """Derive the model and the ratios, then write ``path`` and its PNG plot."""
+    model(results)
+    q = results["quality"]
+    if "grad" in q:
+        results["quality_vs_grad"] = {m: v["eval_loss"] / q["grad"]["eval_loss"] for m, v in q.items()}
+    s = results["speed"].get("ddp", {})
+    if "grad" in s:
+        results["speed_vs_grad"] = {m: {r: v[r]["samples_per_s"] / s["grad"][r]["samples_per_s"] for r in v if r in s["grad"]}
+                                    for m, v in s.items()}
+        results["speed_vs_unshaped"] = {m: {r: v[r]["samples_per_s"] / v["0"]["samples_per_s"] for r in v}
+                                        for m, v in s.items() if "0" in v}
+    if "mpi" in results["speed"] and "grad" in s:
+        results["mpi_vs_ddp_grad"] = {r: v["samples_per_s"] / s["grad"][r]["samples_per_s"]
+                                      for r, v in results["speed"]["mpi"]["grad"].items() if r in s["grad"]}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)  # a kill mid-write leaves the previous file whole
+    plot(results, os.path.splitext(path)[0] + ".png")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--rates", default="25,100,1000,0", help="link speeds in Mbit/s; 0 = unshaped")
@@ -225,6 +290,8 @@ def main() -> int:
     p.add_argument("--outer", default="0.7:0.9,1.0:0.5,0.5:0.0", help="DiLoCo outer lr:momentum values to sweep")
     p.add_argument("--only", choices=("speed", "quality"), default=None)
     p.add_argument("--out", default=os.path.join(RESULTS, "slow_link.json"))
+    p.add_argument("--work", default=os.path.join(ROOT, "runs", "slow_link_quality"),
+                   help="quality runs' directories (kept until a run finishes, so a killed run resumes)")
     a = p.parse_args()
     rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -264,42 +331,10 @@ def main() -> int:
                                   f"{r['step_time_s']:.3f} s/step  {r['iface_bytes_per_step'] / 1e6:6.2f} MB/step on eth0 "
                                   f"(distkit payload {r['payload_bytes_per_step'] / 1e6:.2f})", flush=True)
         if a.only != "speed":
-            results["quality"], results["diloco_sweep"] = {}, {}
-            outers = [tuple(float(x) for x in o.split(":")) for o in a.outer.split(",") if o]
-            for mode in modes:
-                for outer in outers if mode.startswith("diloco") else [None]:
-                    out = os.path.join(work, f"q-{mode}-{outer}")
-                    q = quality_run(mode, a.quality_steps, out, outer)  # type: ignore[arg-type]
-                    shutil.rmtree(out, ignore_errors=True)
-                    label = mode if outer is None else f"{mode} lr {outer[0]:g} m {outer[1]:g}"
-                    print(f"quality {label:26} eval loss {q['eval_loss']:.4f} after {q['steps']} steps", flush=True)
-                    if outer is None:
-                        results["quality"][mode] = q
-                    else:
-                        results["diloco_sweep"][label] = {**q, "outer_lr": outer[0], "outer_momentum": outer[1]}
-            for mode in {m for m in modes if m.startswith("diloco")}:  # the best of the sweep stands for DiLoCo
-                best = min((v for k, v in results["diloco_sweep"].items() if k.startswith(mode + " ")),
-                           key=lambda v: v["eval_loss"])
-                results["quality"][mode] = best
+            quality_part(a, modes, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    model(results)
-    q = results["quality"]
-    if "grad" in q:
-        results["quality_vs_grad"] = {m: v["eval_loss"] / q["grad"]["eval_loss"] for m, v in q.items()}
-    s = results["speed"].get("ddp", {})
-    if "grad" in s:
-        results["speed_vs_grad"] = {m: {r: v[r]["samples_per_s"] / s["grad"][r]["samples_per_s"] for r in v if r in s["grad"]}
-                                    for m, v in s.items()}
-        results["speed_vs_unshaped"] = {m: {r: v[r]["samples_per_s"] / v["0"]["samples_per_s"] for r in v}
-                                        for m, v in s.items() if "0" in v}
-    if "mpi" in results["speed"] and "grad" in s:
-        results["mpi_vs_ddp_grad"] = {r: v["samples_per_s"] / s["grad"][r]["samples_per_s"]
-                                      for r, v in results["speed"]["mpi"]["grad"].items() if r in s["grad"]}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(results, f, indent=1)
-    plot(results, os.path.splitext(a.out)[0] + ".png")
+    write(results, a.out)
     print(json.dumps({k: results[k] for k in ("quality_vs_grad", "speed_vs_grad", "speed_vs_unshaped", "mpi_vs_ddp_grad",
                                               "framing") if k in results}, indent=1))
     print(f"wrote {a.out} and {os.path.splitext(a.out)[0]}.png")

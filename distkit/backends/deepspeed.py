@@ -67,6 +67,34 @@ def _pos_int(name: str, value: Any) -> int:
     return value
 
 
+@contextlib.contextmanager
+def _without_shm_op() -> Iterator[None]:
+    """Start DeepSpeed's communication backend without its CPU shared-memory all-reduce op.
+
+    On the CPU accelerator ``deepspeed.comm.torch.TorchBackend.__init__`` JIT-builds and loads
+    ``deepspeed_shm_comm_op`` (C++, ninja). Only ``inference_all_reduce`` (AutoTP inference) uses it,
+    and without it that falls back to the process group's ``all_reduce``; training never calls it.
+    The build costs 40-90 s on this 2-core machine the first time per virtual environment (torch's
+    extension cache is keyed by the build's include paths, so every new venv builds again) and loading
+    it 0.2 s per rank per run after that; it also maps a shared-memory segment per run. Restored on
+    exit, so a user's own later ``TorchBackend`` is untouched.
+    """
+    try:
+        import deepspeed.comm.torch as ds_torch  # type: ignore[import-untyped]
+    except ImportError:  # another DeepSpeed layout: leave it as it is
+        yield
+        return
+    original = getattr(ds_torch, "build_shm_op", None)
+    if original is None:
+        yield
+        return
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = original
+
+
 def zero_section(ds: dict[str, Any]) -> dict[str, Any]:
     z = ds.get("zero_optimization") or {}
     if not isinstance(z, dict):
@@ -363,7 +391,8 @@ class DeepSpeedStrategy(DDPStrategy):
         super().init()  # torch.distributed with distkit's timeout; DeepSpeed wraps the existing group
         # DeepSpeed reads LOCAL_RANK from the environment; one plain process (no launcher) sets none
         os.environ.setdefault("LOCAL_RANK", str(self.env.local_rank))
-        deepspeed.init_distributed(dist_backend=self.pg_backend, verbose=False)
+        with _without_shm_op():
+            deepspeed.init_distributed(dist_backend=self.pg_backend, verbose=False)
         self.mpu: _ReplicaGroups | None = None
         if self.reduce_type == "param":
             self.mpu = _ReplicaGroups(self.rank, self.world_size, self.cfg.distributed.param_sync_group_size)
