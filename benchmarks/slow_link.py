@@ -3,6 +3,7 @@ shaped link.
 
     python benchmarks/slow_link.py [--rates 25,100,1000,0] [--speed-steps 40] [--quality-steps 1500]
                                    [--engines ddp,mpi] [--outer 0.7:0.9,...] [--only speed|quality]
+                                   [--out results/slow_link.json] [--work runs/slow_link_quality]
 
 Root is needed (network namespaces; ``tests/hosts.py``). Two parts:
 
@@ -21,7 +22,9 @@ payload count, and ``comm_wait_s``.
 **Quality** (unshaped, one host, ``--nprocs 2``: grad and param mode compute the same numbers whatever
 the link, so quality is measured at full length without shaping, and speed on the shorter shaped
 runs): ``--quality-steps`` steps of each mode with the same seed, data and global batch, eval loss at
-the end (equal number of samples). DiLoCo is swept over ``--outer`` (outer lr : momentum).
+the end (equal number of samples). DiLoCo is swept over ``--outer`` (outer lr : momentum). Each run
+checkpoints and resumes in ``--work``, and ``--out`` is rewritten after each run: a study cut short
+goes on where it stopped when the same command runs again.
 
 **Step-time model**: ``t(mode, R) = t(mode, unshaped) + E / H * 8 * framing / R``: the unshaped
 step time holds compute and latency; ``E`` is one full exchange (the gradient bytes DDP reduces per

@@ -77,14 +77,31 @@ def _agree_on_error(strategy: "Strategy", error: Optional[str]) -> None:
         raise agreed
 
 
-def _is_no_space(e: BaseException) -> bool:
-    """A full disk, also when torch reports it as RuntimeError with the OSError as its context."""
+#: bytes free on a filesystem below which a short write there is taken for a full disk
+_FULL_BELOW = 1 << 20
+
+
+def _is_no_space(e: BaseException, where: Optional[str] = None) -> bool:
+    """A full disk, also when torch reports it as RuntimeError with the OSError as its context, or,
+    for a write under ``where``, as a short write with no errno at all (torch's zip writer:
+    ``unexpected pos N vs M``), told by that filesystem having less than :data:`_FULL_BELOW` free.
+    Call it before the partial files are removed."""
     seen: Optional[BaseException] = e
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         seen = seen.__cause__ or seen.__context__
-    return "No space left on device" in str(e)
+    if "No space left on device" in str(e):
+        return True
+    if where is not None and "unexpected pos" in str(e):
+        path = where
+        while path and not os.path.exists(path):
+            path = os.path.dirname(path)
+        try:
+            return shutil.disk_usage(path or ".").free < _FULL_BELOW
+        except OSError:
+            return False
+    return False
 
 
 def _previous(parent: str) -> str:
@@ -195,8 +212,9 @@ class PendingCheckpoint:
                 os.replace(tmp, final)
                 shutil.rmtree(aside, ignore_errors=True)
             except Exception as e:
+                full = _is_no_space(e, tmp)  # before the partial files go: a short write is told by the free space
                 shutil.rmtree(tmp, ignore_errors=True)  # partial files removed
-                if isinstance(e, CheckpointError) or _is_no_space(e):
+                if isinstance(e, CheckpointError) or full:
                     text = str(e) if isinstance(e, CheckpointError) else \
                         f"no space left on device writing '{os.path.join(final, 'manifest.json')}'"
                 else:
@@ -221,7 +239,7 @@ def file_entries(directory: str, known: Optional[dict[str, dict[str, Any]]] = No
 
 def _describe(e: BaseException, where: str) -> str:
     """One line for an error that stopped writing ``where``."""
-    if _is_no_space(e):
+    if _is_no_space(e, where):
         return f"no space left on device writing '{where}'"
     if isinstance(e, OSError):
         return f"{e.strerror or e} writing '{where}'"

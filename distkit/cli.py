@@ -135,6 +135,14 @@ def _model_shapes(cfg: RunConfig) -> Optional[dict[str, list[int]]]:
         return None
 
 
+def _as_rank(argv: list[str]) -> int:
+    """A rank forked from the launching process (:mod:`distkit.forkrank`): what ``python -m distkit
+    ARGV`` does in a new interpreter with the rank's environment."""
+    global launched_only
+    launched_only = False
+    return main(argv)
+
+
 def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list[str]) -> int:
     if args.local_rank is None:
         args.local_rank = args.top_local_rank
@@ -171,7 +179,7 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
         try:
             launched_only = True
             return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs,
-                             strategy_class(cfg.distributed.backend).local_launcher)
+                             strategy_class(cfg.distributed.backend).local_launcher, target=lambda: _as_rank(argv))
         finally:
             os.environ.pop(TRUSTED_ENV, None)
     from distkit.trainer import Trainer

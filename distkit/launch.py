@@ -3,7 +3,8 @@
 Each rank is a fresh copy of the command (``python -m distkit ...`` for the CLI, the user's
 ``python train.py ...`` for a script calling :func:`distkit.init`) with torchrun's
 environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus
-``DISTKIT_SPAWN_ID``. The parent watches them: when one exits non-zero or is killed, it
+``DISTKIT_SPAWN_ID``; for the CLI, where it is safe, a fork of this process that runs the command
+in place instead (:mod:`distkit.forkrank`: no second import of torch per rank). The parent watches them: when one exits non-zero or is killed, it
 names that rank, stops the others (SIGTERM, then SIGKILL after a grace period) and returns
 non-zero. A rank that stopped responding (:mod:`distkit.watchdog`: another rank recorded it) is
 named instead of the rank that noticed, and killed with SIGKILL at once, as is any rank found
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 #: seconds between SIGTERM and SIGKILL when stopping the surviving ranks
 GRACE_S = 5.0
@@ -164,7 +165,7 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], kill: frozenset[int] = frozenset()) -> None:
+def _stop(procs: list[Any], kill: frozenset[int] = frozenset()) -> None:
     """SIGTERM to every rank still running, SIGKILL after :data:`GRACE_S`; SIGKILL at once to the ranks
     in ``kill`` and to stopped ones (a stopped process acts on SIGTERM only once continued)."""
     for rank, p in enumerate(procs):
@@ -197,9 +198,10 @@ def _threads(nprocs: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // nprocs))
 
 
-def run_local(cmd: list[str], nprocs: int, launcher: str) -> int:
-    """Run ``cmd`` as ``nprocs`` local ranks with ``launcher`` ("spawn" or "mpirun"); returns the exit status."""
-    return mpirun(cmd, nprocs) if launcher == "mpirun" else spawn(cmd, nprocs)
+def run_local(cmd: list[str], nprocs: int, launcher: str, target: Optional[Callable[[], int]] = None) -> int:
+    """Run ``cmd`` as ``nprocs`` local ranks with ``launcher`` ("spawn" or "mpirun"); returns the exit status.
+    ``target``: what ``cmd`` runs, callable in this process (see :func:`spawn`)."""
+    return mpirun(cmd, nprocs) if launcher == "mpirun" else spawn(cmd, nprocs, target)
 
 
 def mpirun(cmd: list[str], nprocs: int) -> int:
@@ -228,18 +230,27 @@ def mpirun(cmd: list[str], nprocs: int) -> int:
             signal.signal(s, h)
 
 
-def spawn(cmd: list[str], nprocs: int) -> int:
-    """Run ``cmd`` as ``nprocs`` ranks (torchrun's environment variables); returns the exit status."""
+def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = None) -> int:
+    """Run ``cmd`` as ``nprocs`` ranks (torchrun's environment variables); returns the exit status.
+
+    With ``target`` (a function of this process that does what ``cmd`` would, returning its exit
+    status), each rank is a fork of this process that calls it, where that is safe
+    (:func:`distkit.forkrank.can_fork`): no second import of torch per rank. Else a new ``cmd``.
+    """
+    from distkit import forkrank
+
+    fork = target is not None and forkrank.can_fork()
     port, spawn_id = free_port(), uuid.uuid4().hex[:12]
     threads = _threads(nprocs)
     failures = tempfile.mkdtemp(prefix="distkit-failures-")
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []  # subprocess.Popen or forkrank.ForkedRank: the same calls
     for rank in range(nprocs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DISTKIT_SPAWN_ID=spawn_id, **{FAILURE_DIR_VAR: failures})
-        env.setdefault("OMP_NUM_THREADS", threads)  # as torchrun: no oversubscription of the cores
-        procs.append(subprocess.Popen(cmd, env=env))
+        if not env.get("OMP_NUM_THREADS", "").strip():  # as torchrun: no oversubscription of the cores
+            env["OMP_NUM_THREADS"] = threads
+        procs.append(forkrank.start(target, env) if fork and target is not None else subprocess.Popen(cmd, env=env))
 
     stopping: dict[str, Optional[int]] = {"signal": None}
 

@@ -5,9 +5,15 @@ perceptrain's ``nprocs = 2`` key), torchrun, the old ``torch.distributed.launch`
 passes ``--local-rank=N`` as an argument) and Open MPI's ``mpirun``, where the user exports
 nothing but the command. Each run must report the launcher it really had, two ranks in
 sync, and the same final parameters, bit for bit: the launcher must not change the result.
+
+distkit's spawner forks its ranks from the launching process (:mod:`distkit.forkrank`), or starts
+new interpreters with ``DISTKIT_RANK_START=exec`` (the ``nprocs_key`` run): a user module the config
+imports must see each rank's own environment at import time, and torch each rank's own thread
+count, either way.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +36,27 @@ output_dir = {out!r}
 {extra}"""
 
 
+#: a user module the config imports: at import time it records the rank it sees, torch's thread count,
+#: and whether this process was forked (a new interpreter's own environment block names its RANK)
+PROBE = """\
+import json, os, torch
+with open("/proc/self/environ", "rb") as f:
+    exec_started = b"\\0RANK=" in b"\\0" + f.read()
+with open(os.path.join(os.path.dirname(__file__), "probe-%s.json" % os.environ.get("RANK", "launcher")), "w") as f:
+    json.dump({"rank": os.environ.get("RANK"), "threads": torch.get_num_threads(), "exec": exec_started}, f)
+"""
+
+
 def write_config(path: Path, out: Path, extra: str = "") -> Path:
     path.write_text(CONFIG.format(steps=STEPS, out=str(out), extra=extra))
     return path
+
+
+def probe_config(path: Path, out: Path, extra: str = "") -> Path:
+    """:func:`write_config` in its own directory, importing :data:`PROBE` from there."""
+    path.parent.mkdir()
+    (path.parent / "user_probe.py").write_text(PROBE)
+    return write_config(path, out, f"import sys\nsys.path.insert(0, {str(path.parent)!r})\nimport user_probe\n{extra}")
 
 
 def _command(launcher: str, cfg: Path) -> list[str]:
@@ -64,8 +88,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
     results = {}
     for launcher in EXPECTED:
         out = root / f"out-{launcher}"
-        cfg = write_config(root / f"cfg_{launcher}.py", out, "nprocs = 2\n" if launcher == "nprocs_key" else "")
-        results[launcher] = (run(_command(launcher, cfg), timeout=120), out)
+        if launcher == "spawn":  # forked ranks; the launcher's torch has every core (no OMP_NUM_THREADS)
+            cfg = probe_config(root / "spawn" / "cfg.py", out)
+            results[launcher] = (run(_command(launcher, cfg), timeout=120, OMP_NUM_THREADS=""), out)
+        elif launcher == "nprocs_key":  # new interpreters
+            cfg = probe_config(root / "nprocs_key" / "cfg.py", out, "nprocs = 2\n")
+            results[launcher] = (run(_command(launcher, cfg), timeout=120, DISTKIT_RANK_START="exec",
+                                     OMP_NUM_THREADS=""), out)
+        else:
+            cfg = write_config(root / f"cfg_{launcher}.py", out)
+            results[launcher] = (run(_command(launcher, cfg), timeout=120), out)
     return results
 
 
@@ -90,6 +122,25 @@ def test_same_params_under_every_launcher(runs: dict[str, Any]) -> None:
         checksums[launcher] = summary(out)["param_checksum"]
     assert len(set(checksums.values())) == 1, checksums
     assert len(checksums["spawn"]) == 64, checksums  # a sha256 hex digest, not an empty placeholder
+
+
+@pytest.mark.parametrize("launcher,forked", [("spawn", True), ("nprocs_key", False)])
+def test_spawned_ranks_import_user_code_with_their_own_environment(runs: dict[str, Any], launcher: str,
+                                                                     forked: bool) -> None:
+    """Forked or new, each rank imports the config's user module afresh, sees its own RANK there,
+    and runs torch on its share of the cores (2 cores / 2 ranks = 1 thread), not the launcher's."""
+    import os
+
+    ok(runs[launcher][0])
+    root = runs[launcher][1].parent / launcher
+    probes = {p.name: json.loads(p.read_text()) for p in root.glob("probe-*.json")}
+    assert set(probes) == {"probe-launcher.json", "probe-0.json", "probe-1.json"}, probes  # the launcher checked it
+    cores = os.cpu_count() or 1
+    assert probes["probe-launcher.json"]["threads"] == cores, probes
+    for rank in ("0", "1"):
+        p = probes[f"probe-{rank}.json"]
+        assert p["rank"] == rank and p["exec"] is not forked, p
+        assert p["threads"] == max(1, cores // 2), p
 
 
 def test_torch_distributed_launch_passes_local_rank_argument(tmp_path: Path) -> None:
