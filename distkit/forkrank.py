@@ -7,17 +7,18 @@ step. A fork starts from the imported state and runs :func:`distkit.cli.main` wi
 environment, as the new interpreter would.
 
 When it is safe, and only then (:func:`can_fork`): no Python thread besides the main one, CUDA
-not initialised (a forked CUDA context is unusable), a POSIX ``os.fork``, and
+not initialised (a forked CUDA context is unusable), no module of the user's own code imported
+by the launcher (any file outside the Python installation, the virtual environment and distkit:
+its import-time code ran without the rank's environment, and importing it again could register
+things twice, e.g. ``transformers.AutoConfig.register``), a POSIX ``os.fork``, and
 ``DISTKIT_RANK_START`` not set to ``exec``. Otherwise, and for users' own scripts, the rank is a
-new interpreter (:func:`distkit.launch.spawn`).
+new interpreter (:func:`distkit.launch.spawn`). Config files are executed, not imported: each
+rank executes its config again either way.
 
 What differs from a new interpreter, and how it is made the same:
 - the environment: the rank's variables go into ``os.environ`` (C ``getenv`` sees them);
 - torch's thread count was read from ``OMP_NUM_THREADS`` when the launcher imported torch: set
   again from the rank's value;
-- modules of the user's own code (any file outside the Python installation, the virtual
-  environment and distkit) that the launcher imported while checking the config are dropped, so
-  the rank imports them afresh and their import-time code sees the rank's environment;
 - exit: the launcher's ``atexit`` handlers are not the rank's (they are cleared at the fork); the
   rank runs the ones registered while it ran, flushes logging and stdio, and ends with
   ``os._exit`` so that no frame of the launcher's (its ``finally`` blocks) runs in the rank;
@@ -84,7 +85,9 @@ def can_fork() -> bool:
         return False
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
-    return not (cuda is not None and cuda.is_initialized())
+    if cuda is not None and cuda.is_initialized():
+        return False
+    return not _user_modules()
 
 
 def _user_modules() -> list[str]:
@@ -98,7 +101,9 @@ def _user_modules() -> list[str]:
     names = []
     for name, mod in list(sys.modules.items()):
         path = getattr(mod, "__file__", None)
-        if not path:
+        # __main__ is the command that started the launcher (distkit's); a relative __file__ is no file
+        # (torch.ops, torch.classes: "_ops.py", "_classes.py")
+        if not isinstance(path, str) or not os.path.isabs(path) or name in ("__main__", "__mp_main__"):
             continue
         real = os.path.realpath(path)
         if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
@@ -117,8 +122,6 @@ def start(target: Callable[[], int], env: dict[str, str]) -> ForkedRank:
     code = 1
     try:
         atexit._clear()  # the launcher's handlers are not this rank's
-        for name in _user_modules():
-            del sys.modules[name]
         os.environ.clear()
         os.environ.update(env)
         torch = sys.modules.get("torch")

@@ -6,10 +6,10 @@ passes ``--local-rank=N`` as an argument) and Open MPI's ``mpirun``, where the u
 nothing but the command. Each run must report the launcher it really had, two ranks in
 sync, and the same final parameters, bit for bit: the launcher must not change the result.
 
-distkit's spawner forks its ranks from the launching process (:mod:`distkit.forkrank`), or starts
-new interpreters with ``DISTKIT_RANK_START=exec`` (the ``nprocs_key`` run): a user module the config
-imports must see each rank's own environment at import time, and torch each rank's own thread
-count, either way.
+distkit's spawner forks its ranks from the launching process (:mod:`distkit.forkrank`, the ``spawn``
+run), or starts new interpreters where the config imports a module of the user's own code (the
+``nprocs_key`` run): either way each rank must see its own environment, and torch its own thread
+count, where the config's code (and the user's module) runs.
 """
 from __future__ import annotations
 
@@ -36,15 +36,17 @@ output_dir = {out!r}
 {extra}"""
 
 
-#: a user module the config imports: at import time it records the rank it sees, torch's thread count,
-#: and whether this process was forked (a new interpreter's own environment block names its RANK)
+#: config code that records, where it runs (the launcher, then every rank), the rank it sees, torch's
+#: thread count and whether the process was exec'd (a new interpreter's own environment block names
+#: RANK; a fork's is the launcher's)
 PROBE = """\
 import json, os, torch
-with open("/proc/self/environ", "rb") as f:
-    exec_started = b"\\0RANK=" in b"\\0" + f.read()
-with open(os.path.join(os.path.dirname(__file__), "probe-%s.json" % os.environ.get("RANK", "launcher")), "w") as f:
-    json.dump({"rank": os.environ.get("RANK"), "threads": torch.get_num_threads(), "exec": exec_started}, f)
+with open("/proc/self/environ", "rb") as _f:
+    _exec_started = b"\\0RANK=" in b"\\0" + _f.read()
+with open(os.path.join(os.path.dirname(__file__), "probe-%s.json" % os.environ.get("RANK", "launcher")), "w") as _f:
+    json.dump({"rank": os.environ.get("RANK"), "threads": torch.get_num_threads(), "exec": _exec_started}, _f)
 """
+# (underscored names: the config loader takes every other plain name in a config file for a key)
 
 
 def write_config(path: Path, out: Path, extra: str = "") -> Path:
@@ -52,9 +54,12 @@ def write_config(path: Path, out: Path, extra: str = "") -> Path:
     return path
 
 
-def probe_config(path: Path, out: Path, extra: str = "") -> Path:
-    """:func:`write_config` in its own directory, importing :data:`PROBE` from there."""
+def probe_config(path: Path, out: Path, user_module: bool, extra: str = "") -> Path:
+    """:func:`write_config` in its own directory with :data:`PROBE`: in the config itself, or in a
+    module of the user's own code (``user_probe.py`` beside it) that the config imports."""
     path.parent.mkdir()
+    if not user_module:
+        return write_config(path, out, PROBE + extra)
     (path.parent / "user_probe.py").write_text(PROBE)
     return write_config(path, out, f"import sys\nsys.path.insert(0, {str(path.parent)!r})\nimport user_probe\n{extra}")
 
@@ -88,13 +93,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
     results = {}
     for launcher in EXPECTED:
         out = root / f"out-{launcher}"
-        if launcher == "spawn":  # forked ranks; the launcher's torch has every core (no OMP_NUM_THREADS)
-            cfg = probe_config(root / "spawn" / "cfg.py", out)
+        if launcher in ("spawn", "nprocs_key"):  # the launcher's torch has every core (no OMP_NUM_THREADS)
+            cfg = probe_config(root / launcher / "cfg.py", out, user_module=launcher == "nprocs_key",
+                               extra="nprocs = 2\n" if launcher == "nprocs_key" else "")
             results[launcher] = (run(_command(launcher, cfg), timeout=120, OMP_NUM_THREADS=""), out)
-        elif launcher == "nprocs_key":  # new interpreters
-            cfg = probe_config(root / "nprocs_key" / "cfg.py", out, "nprocs = 2\n")
-            results[launcher] = (run(_command(launcher, cfg), timeout=120, DISTKIT_RANK_START="exec",
-                                     OMP_NUM_THREADS=""), out)
         else:
             cfg = write_config(root / f"cfg_{launcher}.py", out)
             results[launcher] = (run(_command(launcher, cfg), timeout=120), out)
@@ -125,16 +127,17 @@ def test_same_params_under_every_launcher(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("launcher,forked", [("spawn", True), ("nprocs_key", False)])
-def test_spawned_ranks_import_user_code_with_their_own_environment(runs: dict[str, Any], launcher: str,
-                                                                     forked: bool) -> None:
-    """Forked or new, each rank imports the config's user module afresh, sees its own RANK there,
-    and runs torch on its share of the cores (2 cores / 2 ranks = 1 thread), not the launcher's."""
+def test_spawned_ranks_run_the_config_with_their_own_environment(runs: dict[str, Any], launcher: str,
+                                                                    forked: bool) -> None:
+    """Forked (config code only) or new interpreters (the config imports the user's own module),
+    each rank runs the config's code with its own RANK and torch on its share of the cores (2 cores
+    / 2 ranks = 1 thread), not the launcher's."""
     import os
 
     ok(runs[launcher][0])
     root = runs[launcher][1].parent / launcher
     probes = {p.name: json.loads(p.read_text()) for p in root.glob("probe-*.json")}
-    assert set(probes) == {"probe-launcher.json", "probe-0.json", "probe-1.json"}, probes  # the launcher checked it
+    assert set(probes) == {"probe-launcher.json", "probe-0.json", "probe-1.json"}, probes  # the launcher ran it too
     cores = os.cpu_count() or 1
     assert probes["probe-launcher.json"]["threads"] == cores, probes
     for rank in ("0", "1"):
