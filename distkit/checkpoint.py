@@ -94,14 +94,19 @@ def _is_no_space(e: BaseException, where: Optional[str] = None) -> bool:
     if "No space left on device" in str(e):
         return True
     if where is not None and "unexpected pos" in str(e):
-        path = where
-        while path and not os.path.exists(path):
-            path = os.path.dirname(path)
         try:
-            return shutil.disk_usage(path or ".").free < _FULL_BELOW
+            return shutil.disk_usage(_nearest_existing(where)).free < _FULL_BELOW
         except OSError:
             return False
     return False
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` made absolute, or its nearest parent that exists (the filesystem a new file there lands on)."""
+    d = os.path.abspath(path)
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    return d
 
 
 def _previous(parent: str) -> str:
@@ -535,11 +540,8 @@ def check_output_dir(output_dir: str) -> None:
     and its ``checkpoints/`` accept a new file: a write probe, so root on a read-only mount is caught
     too. Writes nothing that stays."""
     target = os.path.abspath(output_dir)
-    probe_dirs = []
-    d = target
-    while not os.path.exists(d):
-        d = os.path.dirname(d)
-    probe_dirs.append(d)
+    d = _nearest_existing(target)
+    probe_dirs = [d]
     if d == target and os.path.isdir(os.path.join(target, "checkpoints")):
         probe_dirs.append(os.path.join(target, "checkpoints"))
     for d in probe_dirs:

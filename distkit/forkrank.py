@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 #: set to ``exec`` to start every rank as a new interpreter (the fallback; the old behaviour)
 START_VAR = "DISTKIT_RANK_START"
@@ -143,10 +143,9 @@ def start(target: Callable[[], int], env: dict[str, str]) -> ForkedRank:
             pass
         code = 1
     _exit(code)
-    raise AssertionError("unreachable")  # for type checkers: _exit never returns
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     """End a forked rank like an interpreter would, without unwinding into the launcher's frames."""
     try:
         atexit._run_exitfuncs()

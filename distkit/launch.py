@@ -4,9 +4,9 @@ Each rank is a fresh copy of the command (``python -m distkit ...`` for the CLI,
 ``python train.py ...`` for a script calling :func:`distkit.init`) with torchrun's
 environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus
 ``DISTKIT_SPAWN_ID``; for the CLI, where it is safe, a fork of this process that runs the command
-in place instead (:mod:`distkit.forkrank`: no second import of torch per rank). The parent watches them: when one exits non-zero or is killed, it
-names that rank, stops the others (SIGTERM, then SIGKILL after a grace period) and returns
-non-zero. A rank that stopped responding (:mod:`distkit.watchdog`: another rank recorded it) is
+in place instead (:mod:`distkit.forkrank`: no second import of torch per rank). The parent
+watches them: when one exits non-zero or is killed, it names that rank, stops the others
+(SIGTERM, then SIGKILL after a grace period) and returns non-zero. A rank that stopped responding (:mod:`distkit.watchdog`: another rank recorded it) is
 named instead of the rank that noticed, and killed with SIGKILL at once, as is any rank found
 stopped (SIGSTOP): a stopped process never acts on SIGTERM. Engines that need an MPI launcher (mpi,
 horovod) are started under ``mpirun`` instead (:func:`mpirun`), which does the same watching.
@@ -239,7 +239,7 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
     """
     from distkit import forkrank
 
-    fork = target is not None and forkrank.can_fork()
+    in_place = target if target is not None and forkrank.can_fork() else None
     port, spawn_id = free_port(), uuid.uuid4().hex[:12]
     threads = _threads(nprocs)
     failures = tempfile.mkdtemp(prefix="distkit-failures-")
@@ -250,7 +250,7 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
                    DISTKIT_SPAWN_ID=spawn_id, **{FAILURE_DIR_VAR: failures})
         if not env.get("OMP_NUM_THREADS", "").strip():  # as torchrun: no oversubscription of the cores
             env["OMP_NUM_THREADS"] = threads
-        procs.append(forkrank.start(target, env) if fork and target is not None else subprocess.Popen(cmd, env=env))
+        procs.append(forkrank.start(in_place, env) if in_place is not None else subprocess.Popen(cmd, env=env))
 
     stopping: dict[str, Optional[int]] = {"signal": None}
 
