@@ -192,10 +192,15 @@ class Watchdog:
 
     def lost(self) -> list[int]:
         """The ranks whose heartbeat has stopped: no change for :data:`LOST_AFTER_INTERVALS` intervals.
-        Waits until one shows or that long has passed (at most ``3.5 * interval_s`` seconds, about 3.5 s)
-        and returns [] when every heartbeat goes on. Not collective."""
+        Waits until one shows or that long has passed (at most ``4.5 * interval_s`` seconds, about 4.5 s)
+        and returns [] when every heartbeat goes on. Not collective.
+
+        The bound: this rank sees a peer's last beat up to one interval after the peer beat (the beater
+        reads every interval), so a peer that died just after beating reaches ``limit`` up to
+        ``limit + interval_s`` after its death; half an interval more for scheduling. (With only half an
+        interval, a host SIGKILLed just after a beat was reported as gloo's address, not by rank.)"""
         limit = LOST_AFTER_INTERVALS * self.interval_s
-        deadline = time.monotonic() + limit + 0.5 * self.interval_s
+        deadline = time.monotonic() + limit + 1.5 * self.interval_s
         while True:
             gone = sorted(r for r, age in self.ages().items() if age >= limit)
             if gone or time.monotonic() >= deadline or self._stop.is_set():
