@@ -25,6 +25,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
+from distkit import ompi_leftovers
+
 #: seconds between SIGTERM and SIGKILL when stopping the surviving ranks
 GRACE_S = 5.0
 #: seconds the spawner waits after the first failed rank for the others' failure records (see _culprit)
@@ -221,6 +223,7 @@ def mpirun(cmd: list[str], nprocs: int) -> int:
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without both
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    ompi_leftovers.clear()  # a killed mpirun's session directory fails a new one given its pid
     proc = subprocess.Popen([exe, "-np", str(nprocs), "--bind-to", "none", *cmd], env=env)
     old = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

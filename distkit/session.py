@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from distkit import checkpoint, portable
+from distkit import checkpoint, ompi_leftovers, portable
 from distkit.netif import host_identity
 from distkit.backends import check_backend, strategy_class
 from distkit.backends.base import Strategy, persistent_buffers
@@ -150,6 +150,8 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
     if local_rank is not None:  # the old torch.distributed.launch passes it only as an argument
         environ.setdefault("LOCAL_RANK", str(local_rank))
     env = env or detect(environ)
+    if env.launcher == "openmpi" and env.local_rank == 0:  # so a killed mpirun's pid can serve the next one
+        ompi_leftovers.clear()
     if env.launcher == "single" and cfg.nprocs > 1:
         from distkit.launch import relaunch_command, run_local
 

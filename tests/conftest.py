@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
+from distkit import ompi_leftovers
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MARK = f"distkit-test-{uuid.uuid4().hex[:8]}"
@@ -85,7 +87,7 @@ def seconds_since_last_metrics(out_dir: Path) -> float:
     return time.time() - (out_dir / "metrics.jsonl").stat().st_mtime
 
 
-def _marked_pids() -> list[int]:
+def marked_pids() -> list[int]:
     pids = []
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
@@ -133,13 +135,16 @@ def _no_leftovers() -> Any:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     deadline = time.monotonic() + 10  # launchers may still be reaping their children
-    while (left := _marked_pids()) and time.monotonic() < deadline:
+    while (left := marked_pids()) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # an mpirun the test killed leaves its session directory, which would fail a later mpirun given
+    # its pid (distkit clears them too, but only when it starts under or starts mpirun)
+    ompi_leftovers.clear()
     assert not left, f"processes left running after the test: {left}"
 
 

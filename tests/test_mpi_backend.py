@@ -7,14 +7,19 @@ end the job within seconds naming the rank.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import BIN, CLIP_ACCUM, ROOT, SHORT, distkit, final_params, max_abs_diff, ok, run, summary, seconds_since_last_metrics
+from conftest import BIN, CLIP_ACCUM, ROOT, SHORT, base_env, distkit, final_params, marked_pids, max_abs_diff, ok, run, summary, seconds_since_last_metrics
 
 TOL = 1e-5
 MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none"]
@@ -207,9 +212,44 @@ def test_without_mpi4py_is_one_line_with_the_install_command(tmp_path: Path) -> 
     assert not (tmp_path / "out").exists()
 
 
+def _killed_mpirun_session_dir() -> Path:
+    """SIGKILL a real ``mpirun`` once its PMIx files are written; returns the session directory it leaves."""
+    p = subprocess.Popen([*MPIRUN[:3], "sleep", "60"], env=base_env(), start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    session = Path(tempfile.gettempdir()) / f"ompi.{p.pid}"
+    deadline = time.monotonic() + 30
+    while not list(session.glob(f"pmix.*.tool.{p.pid}")) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    for pid in marked_pids():  # its rank, in a process group of its own
+        os.kill(pid, signal.SIGKILL)
+    assert list(session.glob(f"pmix.*.tool.{p.pid}")), f"mpirun {p.pid} left no {session}/pmix.*.tool.{p.pid}"
+    return session
+
+
 def test_nprocs_starts_the_mpi_engine_under_mpirun(tmp_path: Path) -> None:
-    # distkit's own spawner starts ranks MPI does not know about: --nprocs uses mpirun for MPI engines
-    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(tmp_path), *SHORT, *MPI,
-               timeout=120))
+    # A SIGKILLed mpirun leaves its session directory; Open MPI 5 (PMIx 5.0) refuses to start when it
+    # finds one for its own pid (pids wrap at pid_max 32768 here). Shown by giving the leftover the pid
+    # of the next mpirun: a shell that copies it for its own pid, then execs mpirun.
+    killed = _killed_mpirun_session_dir()
+    old = killed.name.split(".")[1]
+    reuse = run(["bash", "-c", f'd={killed.parent}/ompi.$$; echo $$; cp -r {killed} $d && '
+                 f'for f in $d/pmix.*.tool.{old}; do mv "$f" "${{f%.{old}}}.$$"; done && '
+                 f'exec {MPIRUN[0]} -np 1 true'], timeout=60)
+    assert reuse.returncode == 213 and "listener thread failed to start" in reuse.stderr, reuse
+    assert not (killed.parent / f"ompi.{int(reuse.stdout.split()[0])}").exists()  # that mpirun removed it
+    # a running mpirun's directory (this process stands in for it) must be left alone
+    live = killed.parent / f"ompi.{os.getpid()}"
+    live.mkdir()
+    (live / f"pmix.host.tool.{os.getpid()}").write_text("in use\n")
+    try:
+        # distkit's own spawner starts ranks MPI does not know about: --nprocs uses mpirun for MPI
+        # engines, after clearing the dead mpiruns' directories
+        ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(tmp_path), *SHORT, *MPI,
+                   timeout=120))
+        assert (killed.exists(), live.exists()) == (False, True)
+    finally:
+        shutil.rmtree(live, ignore_errors=True)
     s = summary(tmp_path)
     assert (s["backend"], s["launcher"], s["world_size"], s["ranks_in_sync"]) == ("mpi", "openmpi", 2, True)
