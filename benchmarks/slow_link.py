@@ -2,8 +2,9 @@
 shaped link.
 
     python benchmarks/slow_link.py [--rates 25,100,1000,0] [--speed-steps 40] [--quality-steps 1500]
-                                   [--engines ddp,mpi] [--outer 0.7:0.9,...] [--only speed|quality]
-                                   [--out results/slow_link.json] [--work runs/slow_link_quality]
+                                   [--corpus pydoc|stdlib] [--engines ddp,mpi] [--outer 0.7:0.9,...]
+                                   [--only speed|quality] [--out results/slow_link.json]
+                                   [--work runs/slow_link_quality]
 
 Root is needed (network namespaces; ``tests/hosts.py``). Two parts:
 
@@ -22,7 +23,8 @@ payload count, and ``comm_wait_s``.
 **Quality** (unshaped, one host, ``--nprocs 2``: grad and param mode compute the same numbers whatever
 the link, so quality is measured at full length without shaping, and speed on the shorter shaped
 runs): ``--quality-steps`` steps of each mode with the same seed, data and global batch, eval loss at
-the end (equal number of samples). DiLoCo is swept over ``--outer`` (outer lr : momentum). Each run
+the end (equal number of samples), on charlm's ``--corpus`` (``stdlib`` for runs long enough to pass
+more than once over ``pydoc``'s 6,540 windows). DiLoCo is swept over ``--outer`` (outer lr : momentum). Each run
 checkpoints and resumes in ``--work``, and ``--out`` is rewritten after each run: a study cut short
 goes on where it stopped when the same command runs again.
 
@@ -146,8 +148,9 @@ def speed_run(h: nethosts.Hosts, engine: str, mode: str, steps: int, out: str, w
             "compute_fraction": s["compute_fraction"], "num_nodes": s["num_nodes"]}
 
 
-def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, float]] = None) -> dict[str, Any]:
-    """One unshaped ``--nprocs 2`` run of ``steps`` steps in ``out``; its eval loss at the end.
+def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, float]] = None,
+                corpus: str = "pydoc") -> dict[str, Any]:
+    """One unshaped ``--nprocs 2`` run of ``steps`` steps on charlm's ``corpus`` in ``out``; its eval loss at the end.
 
     The run checkpoints every :data:`QUALITY_CHECKPOINT_EVERY` steps and starts with ``++resume auto``, so
     a long run killed part-way (a 15,000-step run takes about 48 min here) goes on from its last
@@ -157,14 +160,14 @@ def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, fl
     cmd = [sys.executable, "-m", "distkit", *WORKLOAD, "--nprocs", "2", "++max_steps", str(steps),
            "++eval_every", str(steps), "++log_every", str(max(1, steps // 10)), "++distributed", json.dumps(dist),
            "++output_dir", out, "++checkpoint_every", str(QUALITY_CHECKPOINT_EVERY), "++keep_checkpoints", "1",
-           "++resume", "auto"]
+           "++resume", "auto", "++charlm_corpus", corpus]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env())
     if res.returncode != 0:
         raise RuntimeError(f"exit {res.returncode}: {' '.join(cmd)}\n{res.stderr[-3000:]}")
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
     return {"eval_loss": s["eval_loss"], "steps": s["steps"], "samples": s["samples"],
-            "syncs": steps // sync_period(mode)}
+            "syncs": steps // sync_period(mode), "corpus": corpus}
 
 
 def model(results: dict[str, Any]) -> None:
@@ -234,7 +237,8 @@ def quality_part(a: argparse.Namespace, modes: list[str], results: dict[str, Any
     run. So the full-length study (about 48 min per run here) can be spread over several sittings:
     run the same command again.
     """
-    keep = lambda d: {k: v for k, v in d.items() if v.get("steps") == a.quality_steps}  # noqa: E731
+    same = lambda v: v.get("steps") == a.quality_steps and v.get("corpus", "pydoc") == a.corpus  # noqa: E731
+    keep = lambda d: {k: v for k, v in d.items() if same(v)}  # noqa: E731
     results["quality"], results["diloco_sweep"] = keep(results.get("quality", {})), keep(results.get("diloco_sweep", {}))
     outers = [tuple(float(x) for x in o.split(":")) for o in a.outer.split(",") if o]
     for mode in modes:
@@ -243,9 +247,9 @@ def quality_part(a: argparse.Namespace, modes: list[str], results: dict[str, Any
             if label in (results["quality"] if outer is None else results["diloco_sweep"]):
                 print(f"quality {label:26} kept from {a.out}", flush=True)
                 continue
-            out = os.path.join(a.work, f"q{a.quality_steps}-{label.replace(' ', '_')}")
+            out = os.path.join(a.work, f"q{a.quality_steps}-{a.corpus}-{label.replace(' ', '_')}")
             started = time.monotonic()
-            q = quality_run(mode, a.quality_steps, out, outer)  # type: ignore[arg-type]
+            q = quality_run(mode, a.quality_steps, out, outer, a.corpus)  # type: ignore[arg-type]
             shutil.rmtree(out, ignore_errors=True)
             print(f"quality {label:26} eval loss {q['eval_loss']:.4f} after {q['steps']} steps "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
@@ -290,6 +294,8 @@ def main() -> int:
                                                         "the mpi engine runs grad mode only")
     p.add_argument("--speed-steps", type=int, default=40, help="steps of a speed run (at least H in param mode)")
     p.add_argument("--quality-steps", type=int, default=1500)
+    p.add_argument("--corpus", default="pydoc", choices=("pydoc", "stdlib"),
+                   help="charlm's text for the quality runs (stdlib: long runs that must not repeat the data)")
     p.add_argument("--outer", default="0.7:0.9,1.0:0.5,0.5:0.0", help="DiLoCo outer lr:momentum values to sweep")
     p.add_argument("--only", choices=("speed", "quality"), default=None)
     p.add_argument("--out", default=os.path.join(RESULTS, "slow_link.json"))

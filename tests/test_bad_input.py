@@ -26,6 +26,7 @@ CASES = [
     ("syntax_error", "task = 'digits'\nbatch_size = = 3\n", [], [":3:", "syntax error"]),
     ("exec_error", "task = 'digits'\nx = undefined_name + 1\n", [], [":3:", "NameError", "undefined_name"]),
     ("unknown_task", "task = 'mnist'\n", [], ["'task'", "digits", "charlm"]),
+    ("unknown_corpus", "task = 'charlm'\ncharlm_corpus = 'wiki'\n", [], ["'charlm_corpus'", "pydoc, stdlib"]),
     ("batch_size_zero", "batch_size = 0\n", [], ["batch_size", ">= 1"]),
     ("nprocs_zero", "", ["--nprocs", "0"], ["nprocs", ">= 1"]),
     ("nprocs_not_int", "", ["--nprocs", "two"], ["--nprocs", "invalid int value"]),

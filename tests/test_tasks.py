@@ -35,3 +35,14 @@ def test_charlm_is_causal() -> None:
     x2[0, 10:] = (x2[0, 10:] + 1) % model.head.out_features
     with torch.no_grad():
         assert torch.allclose(model(x)[0, :10], model(x2)[0, :10], atol=1e-5)  # no peeking at the future
+
+
+def test_charlm_stdlib_corpus_holds_the_slow_link_study_without_repeating() -> None:
+    # 15,000 steps x 2 ranks x 16 windows: pydoc would be passed 73 times over
+    train, evl, vocab = charlm.datasets(64, "stdlib")
+    assert len(train) >= 15_000 * 32 and len(charlm.datasets(64)[0]) * 70 < 15_000 * 32
+    text = charlm.corpus("stdlib")
+    assert text.isascii() and vocab == len(set(text)) <= 128
+    assert len(evl) == (len(text) - int(len(text) * 0.99) - 1) // 64  # the last 1 %
+    x, y = train[0:1]
+    assert "".join(sorted(set(text)))[int(x[0, 0])] == text[0] and torch.equal(x[0, 1:], y[0, :-1])

@@ -143,6 +143,8 @@ class RunConfig:
     charlm_size: str = "small"
     #: task charlm: characters per sample
     charlm_seq_len: int = 64
+    #: task charlm: its text ("pydoc": 0.47M characters; "stdlib": the standard library's source, 31.5M)
+    charlm_corpus: str = "pydoc"
     #: set by the resolver: the top-level keys the user wrote (not a config key)
     explicit_keys: Optional[frozenset[str]] = field(default=None, metadata={"internal": True})
     #: set by the resolver: one-line notes for rank 0 to print at start (e.g. an engine spelling replaced)

@@ -72,9 +72,10 @@ def check_task(cfg: "RunConfig") -> None:
     if cfg.task is None:
         raise ConfigError("no task: set task = 'digits' (or 'charlm'), or give 'model' and 'dataset' (or 'train_dataset')")
     choice("task", cfg.task, tuple(TASKS))
-    from .charlm import SIZES
+    from .charlm import CORPORA, SIZES
 
     choice("charlm_size", cfg.charlm_size, tuple(SIZES))
+    choice("charlm_corpus", cfg.charlm_corpus, tuple(CORPORA))
 
 
 def _dataset(value: Any) -> Any:
