@@ -14,6 +14,7 @@ Open MPI picks its own interfaces (every non-loopback one); across hosts with se
 from __future__ import annotations
 
 import fcntl
+import functools
 import ipaddress
 import os
 import socket
@@ -39,13 +40,20 @@ def interface_addresses() -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _resolve(host: str) -> str:
+    """``host``'s IPv4 address, looked up once per process (the gloo set-up and the watchdog both
+    ask for MASTER_ADDR's at start-up; a failed lookup raises and is not kept)."""
+    return socket.gethostbyname(host)
+
+
 def route_to(host: str) -> tuple[str, str]:
     """``(interface, local address)`` the kernel uses to reach ``host`` (a name or an IPv4 address).
 
     A UDP ``connect`` selects the route and sends nothing. ConfigError when ``host`` does not
     resolve or no interface holds the chosen source address."""
     try:
-        ip = socket.gethostbyname(host)
+        ip = _resolve(host)
     except OSError as e:
         raise ConfigError(f"the rendezvous address MASTER_ADDR={host!r} does not resolve on host "
                           f"{socket.gethostname()} ({e}); export MASTER_ADDR as an IP address, or add the name to "
@@ -80,7 +88,7 @@ def prepare_gloo(master_addr: str, environ: Optional[MutableMapping[str, str]] =
                               "the interface that routes to MASTER_ADDR, or name one of these")
         return None
     try:
-        if ipaddress.ip_address(socket.gethostbyname(master_addr)).is_loopback:
+        if ipaddress.ip_address(_resolve(master_addr)).is_loopback:
             return None
     except OSError:
         pass  # route_to names the failure

@@ -7,8 +7,10 @@ the tests run gets ``SLURM_CONF`` pointing at that file. :meth:`Slurm.stop` stop
 started (also when a test fails). One node (this machine) with all its CPUs, oversubscription on,
 finished jobs kept 10 minutes so ``scontrol show job`` still reports their state.
 
-Accounting (``sacct``) needs ``slurmdbd`` and a database, which this harness does not start; a
-job's end state is read with ``scontrol show job`` instead.
+Full accounting needs ``slurmdbd`` and a database, which this harness does not start. It keeps
+SLURM's job completion log instead (``JobCompType=jobcomp/filetxt``), which ``sacct --completion``
+reads: :meth:`Slurm.sacct_state` is a job's end state as ``sacct`` reports it; :meth:`Slurm.job_state`
+reads ``scontrol show job`` (also while the job runs).
 """
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ SlurmdPidFile={self.dir}/slurmd.pid
 SlurmctldLogFile={self.dir}/log/slurmctld.log
 SlurmdLogFile={self.dir}/log/slurmd.log
 AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={self.dir}/log/jobcomp.txt
 NodeName={self.host} CPUs={cpus} RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES OverSubscribe=YES MaxTime=INFINITE State=UP
 """)
@@ -133,6 +136,18 @@ PartitionName=debug Nodes=ALL Default=YES OverSubscribe=YES MaxTime=INFINITE Sta
             if field.startswith("JobState="):
                 return field.split("=", 1)[1]
         return "UNKNOWN"
+
+    def sacct_state(self, job_id: str, timeout: float = 10) -> str:
+        """A finished job's state as ``sacct --completion`` reports it (from the job completion log,
+        which slurmctld writes as the job ends: polled for up to ``timeout`` seconds); "" if absent."""
+        deadline = time.time() + timeout
+        while True:
+            out = subprocess.run(["sacct", "--completion", "-j", job_id, "-n", "-P", "-o", "jobid,state"],
+                                 capture_output=True, text=True, env=self.env).stdout
+            states = [line.split("|")[1] for line in out.splitlines() if line.split("|")[0] == job_id]
+            if states or time.time() > deadline:
+                return states[0] if states else ""
+            time.sleep(0.5)
 
     def wait(self, job_id: str, timeout: float = 300) -> str:
         """Wait until job ``job_id`` has ended; its final state."""

@@ -184,9 +184,11 @@ def test_deepspeed_launcher(tmp_path: Path, ddp_ref: Path) -> None:
     common = ["train", str(cfg), "--deepspeed", "--deepspeed_config", str(js), "++max_steps", "20"]
     # (DeepSpeed under torchrun: test_session's BYO matrix and test_multihost run it)
     dsl = tmp_path / "dslaunch"
-    ok(run([str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()), "--module", "distkit", *common,
-            "++output_dir", str(dsl)], timeout=300, DS_ACCELERATOR="cpu"))
+    res = ok(run([str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()), "--module", "distkit",
+                  *common, "++output_dir", str(dsl)], timeout=300, DS_ACCELERATOR="cpu"))
     assert summary(dsl)["launcher"] == "deepspeed"
+    # DeepSpeed's CPU shared-memory op (inference only) is neither built nor loaded (_without_shm_op)
+    assert "deepspeed_shm_comm_op" not in res.stdout + res.stderr
     assert max_abs_diff(final_params(dsl), final_params(ddp_ref)) <= TOL
 
 

@@ -114,22 +114,35 @@ def test_hosts_sharing_a_hostname_train_param_mode(one_host: dict[str, Path], tm
     assert max_abs_diff(final_params(tmp_path), final_params(one_host["param"])) == 0.0
 
 
-def test_mpi_engine_and_horovod_under_one_mpirun_across_hosts(one_host: dict[str, Path], tmp_path: Path) -> None:
-    # the mpi engine in grad mode, Horovod in param mode (sync every 5 steps)
+def test_mpi_engine_horovod_and_deepspeeds_launcher_under_one_mpirun_across_hosts(one_host: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    # the mpi engine in grad mode, Horovod in param mode (sync every 5 steps); DeepSpeed's own launcher
+    # with a hostfile in its ssh mode (--launcher openmpi: it runs this mpirun with the hostfile; no
+    # ssh check, and the master address given, since the hosts have no ssh, only the agent)
     engines = {"mpi": ["++torch_distributed", "None", "++distributed.backend", "mpi"],
                "horovod": ["++torch_distributed", "None", "++use_horovod", "1", "++horovod_reduce_type", "param",
-                           "++horovod_param_sync_step", "5"]}
+                           "++horovod_param_sync_step", "5"],
+               "deepspeed": ["++distributed", ZERO2]}
     with nethosts.Hosts(2) as h:
         agent = h.rsh_agent(str(tmp_path))
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("".join(f"{name} slots=2\n" for name in h.names))
         for name, over in engines.items():
-            cmd = [str(BIN / "mpirun"), "-np", "4", "--host", f"{h.names[0]}:2,{h.names[1]}:2", *h.mpirun_args(agent),
-                   "-x", "PATH", "-x", "PYTHONPATH", str(BIN / "python"), "-m", "distkit", *TRAIN,
-                   "++output_dir", str(tmp_path / name), *over]
+            train = ["-m", "distkit", *TRAIN, "++output_dir", str(tmp_path / name), *over]
+            if name == "deepspeed":  # it passes "--mca btl ^openib" itself, which a second btl value would contradict
+                margs = " ".join(h.mpirun_args(agent)).replace("--mca btl self,tcp", "")
+                cmd = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--launcher", "openmpi", "--no_ssh_check",
+                       "--master_addr", h.addr(0), "--launcher_args", f"{margs} -x PATH", "--module", *train[1:]]
+            else:
+                cmd = [str(BIN / "mpirun"), "-np", "4", "--host", f"{h.names[0]}:2,{h.names[1]}:2", *h.mpirun_args(agent),
+                       "-x", "PATH", "-x", "PYTHONPATH", str(BIN / "python"), *train]
             p = h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
                         env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"))
             ok(_finish(p, 180))
             assert summary(tmp_path / name)["launcher"] == "openmpi"
             check_two_hosts(tmp_path / name, h)
+    assert summary(tmp_path / "deepspeed")["zero_stage"] == 2
+    assert max_abs_diff(final_params(tmp_path / "deepspeed"), final_params(one_host["grad"])) <= TOL
     hvd = summary(tmp_path / "horovod")
     assert hvd["backend_impl"].startswith("horovod") and "(MPI)" in hvd["backend_impl"]
     assert (hvd["reduce_type"], hvd["param_sync_step"]) == ("param", 5)
@@ -139,13 +152,24 @@ def test_mpi_engine_and_horovod_under_one_mpirun_across_hosts(one_host: dict[str
     assert max_abs_diff(final_params(tmp_path / "horovod"), final_params(one_host["grad"])) > 1e-4  # not grad mode
 
 
-def test_deepspeed_under_torchrun_on_two_hosts(one_host: dict[str, Path], tmp_path: Path) -> None:
+def test_deepspeed_under_torchrun_and_its_own_launcher_on_two_hosts(one_host: dict[str, Path], tmp_path: Path) -> None:
+    # DeepSpeed's launcher without ssh: one per host, each told its node rank and the master's address
     with nethosts.Hosts(2) as h:
-        for res in torchrun_on_hosts(h, [*TRAIN, "++output_dir", str(tmp_path), "++distributed", ZERO2]):
+        for res in torchrun_on_hosts(h, [*TRAIN, "++output_dir", str(tmp_path / "torchrun"), "++distributed", ZERO2]):
             ok(res)
-        s = check_two_hosts(tmp_path, h)
-    assert s["zero_stage"] == 2
-    assert max_abs_diff(final_params(tmp_path), final_params(one_host["grad"])) <= TOL
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("".join(f"{name} slots=2\n" for name in h.names))
+        procs = [h.popen(i, [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(i),
+                             "--master_addr", h.addr(0), "--master_port", "29500", "--module", "distkit", *TRAIN,
+                             "++output_dir", str(tmp_path / "dslauncher"), "++distributed", ZERO2],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=base_env(), cwd=ROOT, start_new_session=True)
+                 for i in range(h.n)]
+        for p in procs:
+            ok(_finish(p, 180))
+        for run_dir, launcher in (("torchrun", "torchrun"), ("dslauncher", "deepspeed")):
+            s = check_two_hosts(tmp_path / run_dir, h)
+            assert (s["launcher"], s["zero_stage"]) == (launcher, 2)
+            assert max_abs_diff(final_params(tmp_path / run_dir), final_params(one_host["grad"])) <= TOL
 
 
 def rank_pids(h: nethosts.Hosts, i: int) -> list[int]:

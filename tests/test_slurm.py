@@ -62,6 +62,7 @@ def test_sbatch_script_reviewed_then_submitted(cluster: testslurm.Slurm, ddp_sho
     job = re.search(r"submitted job (\d+)", sub.stdout)
     assert job is not None, sub.stdout
     assert cluster.wait(job.group(1)) == "COMPLETED", (tmp_path / "runs" / f"slurm-{job.group(1)}.out").read_text()
+    assert cluster.sacct_state(job.group(1)) == "COMPLETED"
     assert (tmp_path / "runs" / "distkit-returnn_ddp.sbatch").read_text() == text
     same_as_reference(tmp_path / "runs" / f"job-{job.group(1)}", ddp_short_ref, "slurm")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import importlib.util
 import json
 import os
@@ -80,7 +81,9 @@ def _without_shm_op() -> Iterator[None]:
     exit, so a user's own later ``TorchBackend`` is untouched.
     """
     try:
-        import deepspeed.comm.torch as ds_torch  # type: ignore[import-untyped]
+        # importlib, not "import deepspeed.comm.torch as m": that binds the attribute "torch" of the
+        # package deepspeed.comm, which is the torch module (deepspeed/comm imports torch)
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
     except ImportError:  # another DeepSpeed layout: leave it as it is
         yield
         return
