@@ -9,7 +9,8 @@ created, unless the user set it. A wrong ``GLOO_SOCKET_IFNAME`` (no such interfa
 ConfigError naming the variable and the interfaces this host has, instead of gloo's abort.
 
 Open MPI picks its own interfaces (every non-loopback one); across hosts with several, give
-``mpirun --mca btl_tcp_if_include <CIDR or name>`` (see docs/multinode.md).
+``mpirun --mca btl_tcp_if_include <CIDR or name>`` (see docs/multinode.md). Where that is missing
+and a start-up collective hangs, the mpi engine's timeout message says so.
 """
 from __future__ import annotations
 

@@ -225,16 +225,14 @@ class MPIStrategy(Strategy):
     # -- lifecycle -------------------------------------------------------------------
     def init(self) -> None:
         self.MPI = import_mpi()
-        # Our own communicator: user code on COMM_WORLD never interleaves with ours.
-        self.comm = self.MPI.COMM_WORLD.Dup()
-        size, rank = self.comm.Get_size(), self.comm.Get_rank()
+        size, rank = self.MPI.COMM_WORLD.Get_size(), self.MPI.COMM_WORLD.Get_rank()
         if (size, rank) != (self.world_size, self.rank):
             launcher = self.env.launcher
-            self.comm.Free()
             raise UnsupportedCombination(
                 f"backend '{self.name}' found MPI rank {rank} of {size} but the {launcher} launcher says rank "
                 f"{self.rank} of {self.world_size}: MPI engines need an MPI launcher: "
                 f"mpirun -np {self.world_size} python -m distkit train CONFIG (not --nprocs)")
+        self.comm: Any = None
         self.reducer: Optional[GradReducer] = None
         self._buffers: list[torch.Tensor] = []
         self._buffer_hook: Any = None
@@ -244,6 +242,11 @@ class MPIStrategy(Strategy):
         self._watchdog = threading.Thread(target=self._watch_loop, name="distkit-mpi-watchdog", daemon=True)
         if size > 1:
             self._watchdog.start()
+        # Our own communicator: user code on COMM_WORLD never interleaves with ours. The first call
+        # that needs the ranks' TCP connections: where they cannot be made (an interface the other
+        # hosts cannot reach), it would wait forever.
+        with self.watch("MPI_Comm_dup (start-up)"):
+            self.comm = self.MPI.COMM_WORLD.Dup()
 
     def teardown(self) -> None:
         if getattr(self, "_stop", None) is None:
@@ -293,9 +296,24 @@ class MPIStrategy(Strategy):
             if what is not None and time.monotonic() - self._watch_since > timeout:
                 explain_stall()  # a stalled rank: the heartbeat watchdog names it and ends the job (no return)
                 print(f"distkit: rank {self.rank}: {what} did not complete within distributed.timeout_s = "
-                      f"{timeout:g} s (another rank hangs or died): aborting all {self.world_size} MPI ranks",
-                      file=sys.stderr, flush=True)
+                      f"{timeout:g} s (another rank hangs or died{self._interface_hint()}): aborting all "
+                      f"{self.world_size} MPI ranks", file=sys.stderr, flush=True)
                 self.MPI.COMM_WORLD.Abort(1)
+
+    def _interface_hint(self) -> str:
+        """Across hosts, the other likely cause of a collective that never completes: Open MPI's TCP
+        transport uses every interface, and one the other hosts cannot reach (docker0's 172.17.0.1 on
+        every host, a management network) leaves connections unanswered. "" on one host, or where
+        the user chose the interfaces already."""
+        if self.env.local_world_size >= self.world_size or any(
+                os.environ.get(f"OMPI_MCA_btl_tcp_if_{k}") for k in ("include", "exclude")):
+            return ""
+        from distkit.netif import interface_addresses
+
+        mine = ", ".join(f"{n} {a}" for n, a in interface_addresses().items() if n != "lo")
+        return (f"; or, as the job spans hosts, Open MPI connects over a network interface the other hosts cannot "
+                f"reach: give mpirun --mca btl_tcp_if_include <the hosts' subnet, e.g. 10.0.0.0/24> (this host "
+                f"has {mine})")
 
     # -- setup -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
