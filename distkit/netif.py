@@ -21,9 +21,12 @@ import os
 import socket
 import struct
 from collections.abc import MutableMapping
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from distkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from distkit.env import ClusterEnv
 
 _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: the IPv4 address of an interface
 
@@ -126,3 +129,18 @@ def reachable_address(master_addr: Optional[str]) -> Optional[str]:
         return route_to(master_addr)[1]
     except ConfigError:
         return None
+
+
+def openmpi_interface_hint(env: "ClusterEnv") -> str:
+    """Across hosts under an MPI launcher, the other likely cause of a collective that never completes:
+    Open MPI's TCP transport uses every interface, and one the other hosts cannot reach (Docker's
+    docker0, 172.17.0.1 on every host; a management network) leaves its connections unanswered. A
+    clause for a timeout message naming the mpirun option and this host's interfaces; "" on one host,
+    or where ``OMPI_MCA_btl_tcp_if_include``/``_exclude`` is set (the user chose already)."""
+    if env.local_world_size >= env.world_size or any(
+            os.environ.get(f"OMPI_MCA_btl_tcp_if_{k}") for k in ("include", "exclude")):
+        return ""
+    mine = ", ".join(f"{n} {a}" for n, a in interface_addresses().items() if n != "lo")
+    return (f"; or, as the job spans hosts, Open MPI connects over a network interface the other hosts cannot "
+            f"reach: give mpirun --mca btl_tcp_if_include <the hosts' subnet, e.g. 10.0.0.0/24> (this host "
+            f"has {mine})")

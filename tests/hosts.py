@@ -156,17 +156,25 @@ class Hosts:
         return ["--prtemca", "plm_ssh_agent", agent, "--prtemca", "oob_tcp_if_include", self.cidr,
                 "--mca", "btl_tcp_if_include", self.cidr, "--mca", "btl", "self,tcp", "--bind-to", "none"]
 
-    def add_private_interface(self, name: str = "docker0", cidr: str = "172.17.0.1/16") -> None:
-        """Give every host a second interface with the same address (as Docker's ``docker0`` bridge has
-        on every machine): up, routed, and reaching no other host. A veth pair inside each namespace
-        (this kernel has no ``dummy`` links)."""
-        for ns in self.names:
+    def add_private_interface(self, name: str = "mgmt0", subnet: str = "172.30") -> None:
+        """Give every host a second interface, ``subnet.0.(i+1)/16`` on host i, that is up and routed but
+        joined to nothing (as a management or storage network that does not span the hosts): a
+        connection from one host to another's address on it is never answered, not even refused (the
+        other hosts' addresses have fixed neighbour entries, so no failed ARP says "no route"). A
+        veth pair inside each namespace (this kernel has no ``dummy`` links)."""
+        for i, ns in enumerate(self.names):
             inside = ["ip", "netns", "exec", ns, "ip"]
             subprocess.run([*inside, "link", "add", name, "type", "veth", "peer", "name", f"{name}p"], check=True,
                            capture_output=True)
-            subprocess.run([*inside, "addr", "add", cidr, "dev", name], check=True, capture_output=True)
+            subprocess.run([*inside, "addr", "add", f"{subnet}.0.{i + 1}/16", "dev", name], check=True,
+                           capture_output=True)
             for dev in (name, f"{name}p"):
                 subprocess.run([*inside, "link", "set", dev, "up"], check=True, capture_output=True)
+            for j in range(self.n):
+                if j != i:
+                    subprocess.run([*inside, "neigh", "replace", f"{subnet}.0.{j + 1}", "lladdr",
+                                    f"02:00:00:00:00:{j + 1:02x}", "dev", name, "nud", "permanent"],
+                                   check=True, capture_output=True)
 
     def popen(self, i: int, cmd: Sequence[str], **kwargs: Any) -> "subprocess.Popen[str]":
         return subprocess.Popen(self.wrap(i, cmd), text=True, **kwargs)

@@ -153,28 +153,35 @@ def test_mpi_engine_horovod_and_deepspeeds_launcher_under_one_mpirun_across_host
 
 
 def test_open_mpi_on_an_interface_the_other_host_cannot_reach_ends_naming_the_variable(tmp_path: Path) -> None:
-    # Every host also has docker0 172.17.0.1/16; without btl_tcp_if_include Open MPI's TCP transport
-    # dials 172.17.0.1 (itself) for the other host's ranks and waits forever ("server accept cannot
-    # find guid"). The mpi engine's start-up (its MPI_Comm_dup) is watched: every rank stops within
-    # timeout_s and says which mpirun option to give.
+    # Every host also has mgmt0 (172.30.0.1/16, 172.30.0.2/16) joined to nothing; without
+    # btl_tcp_if_include Open MPI's TCP transport also dials the other host's mgmt0 address, which
+    # never answers, and its start-up collectives wait forever. (With Docker's docker0, the same
+    # 172.17.0.1 on every host, a rank dials itself instead: then it either waits the same way or
+    # Open MPI aborts at once with "connect() to 172.17.0.1:PORT failed", whichever port is free.)
+    # The start-up of the mpi engine (its MPI_Comm_dup) and of Horovod (hvd.init) is watched: every
+    # rank stops within timeout_s and says which mpirun option to give.
     timeout_s = 8
+    engines = {"mpi": (["++torch_distributed", "None", "++distributed.backend", "mpi"], "MPI_Comm_dup (start-up)"),
+               "horovod": (["++torch_distributed", "None", "++use_horovod", "1"], "horovod's init")}
     with nethosts.Hosts(2) as h:
         h.add_private_interface()
         agent = h.rsh_agent(str(tmp_path))
         margs = " ".join(h.mpirun_args(agent)).replace(f"--mca btl_tcp_if_include {h.cidr}", "").split()
-        cmd = [str(BIN / "mpirun"), "-np", "4", "--host", f"{h.names[0]}:2,{h.names[1]}:2", *margs, "-x", "PATH",
-               "-x", "PYTHONPATH", str(BIN / "python"), "-m", "distkit", *TRAIN, "++output_dir", str(tmp_path / "out"),
-               "++torch_distributed", "None", "++distributed.backend", "mpi", "++distributed.timeout_s", str(timeout_s)]
-        started = time.monotonic()
-        p = h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
-                    env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"))
-        res = _finish(p, 120)
-        took = time.monotonic() - started
-    assert res.returncode != 0
-    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("distkit: rank")]
-    assert lines and all("MPI_Comm_dup (start-up) did not complete within distributed.timeout_s = 8 s" in ln and
-                         "--mca btl_tcp_if_include" in ln and "docker0 172.17.0.1" in ln for ln in lines), res.stderr[-3000:]
-    assert took < timeout_s + 10 + 10, took  # + start-up (about 5 s: interpreters, torch, MPI_Init)
+        for name, (over, what) in engines.items():
+            cmd = [str(BIN / "mpirun"), "-np", "4", "--host", f"{h.names[0]}:2,{h.names[1]}:2", *margs, "-x", "PATH",
+                   "-x", "PYTHONPATH", str(BIN / "python"), "-m", "distkit", *TRAIN, "++output_dir",
+                   str(tmp_path / name), *over, "++distributed.timeout_s", str(timeout_s)]
+            started = time.monotonic()
+            p = h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+                        env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"))
+            res = _finish(p, 120)
+            took = time.monotonic() - started
+            assert res.returncode != 0
+            lines = [ln.strip() for ln in res.stderr.splitlines() if ln.strip().startswith("distkit: rank")]
+            assert lines and all(f"{what} did not complete within distributed.timeout_s = 8 s" in ln and
+                                 "--mca btl_tcp_if_include" in ln and "mgmt0 172.30.0." in ln for ln in lines), \
+                res.stderr[-3000:]
+            assert took < timeout_s + 10 + 10, (name, took)  # + start-up (about 5 s: interpreters, torch, MPI_Init)
 
 
 def test_deepspeed_under_torchrun_and_its_own_launcher_on_two_hosts(one_host: dict[str, Path], tmp_path: Path) -> None:

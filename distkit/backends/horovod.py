@@ -19,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
 from distkit.errors import BackendUnavailable, UnsupportedCombination
+from distkit.netif import openmpi_interface_hint
 
 from .base import Strategy, param_averager, persistent_buffers, report_failure
 from .mpi import MPIStrategy, mpi_impl
@@ -63,7 +65,25 @@ class HorovodEngine(Strategy):
             os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(timeout)
             os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(min(60, timeout)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout))
-        hvd.init()
+        # hvd.init() waits for its background thread's first collectives, which never complete where
+        # Open MPI's TCP transport dials an interface the other hosts cannot reach; no stall check
+        # runs that early. After timeout_s this rank says so and exits non-zero: mpirun then ends
+        # the job (MPI may not be usable from this thread, so no MPI_Abort).
+        done = threading.Event()
+
+        def give_up() -> None:
+            if not done.wait(timeout):
+                print(f"distkit: rank {self.rank}: horovod's init did not complete within distributed.timeout_s = "
+                      f"{timeout:g} s (another rank hangs or died{openmpi_interface_hint(self.env)}): ending this "
+                      "rank", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
+
+        threading.Thread(target=give_up, name="distkit-horovod-init-watch", daemon=True).start()
+        try:
+            hvd.init()
+        finally:
+            done.set()
         self._initialized = True
         if (hvd.size(), hvd.rank()) != (self.world_size, self.rank):
             raise UnsupportedCombination(

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from distkit.errors import BackendUnavailable, UnsupportedCombination
+from distkit.netif import openmpi_interface_hint
 from distkit.watchdog import explain_stall
 
 from .base import Strategy, param_averager, persistent_buffers, report_failure
@@ -296,24 +297,9 @@ class MPIStrategy(Strategy):
             if what is not None and time.monotonic() - self._watch_since > timeout:
                 explain_stall()  # a stalled rank: the heartbeat watchdog names it and ends the job (no return)
                 print(f"distkit: rank {self.rank}: {what} did not complete within distributed.timeout_s = "
-                      f"{timeout:g} s (another rank hangs or died{self._interface_hint()}): aborting all "
+                      f"{timeout:g} s (another rank hangs or died{openmpi_interface_hint(self.env)}): aborting all "
                       f"{self.world_size} MPI ranks", file=sys.stderr, flush=True)
                 self.MPI.COMM_WORLD.Abort(1)
-
-    def _interface_hint(self) -> str:
-        """Across hosts, the other likely cause of a collective that never completes: Open MPI's TCP
-        transport uses every interface, and one the other hosts cannot reach (docker0's 172.17.0.1 on
-        every host, a management network) leaves connections unanswered. "" on one host, or where
-        the user chose the interfaces already."""
-        if self.env.local_world_size >= self.world_size or any(
-                os.environ.get(f"OMPI_MCA_btl_tcp_if_{k}") for k in ("include", "exclude")):
-            return ""
-        from distkit.netif import interface_addresses
-
-        mine = ", ".join(f"{n} {a}" for n, a in interface_addresses().items() if n != "lo")
-        return (f"; or, as the job spans hosts, Open MPI connects over a network interface the other hosts cannot "
-                f"reach: give mpirun --mca btl_tcp_if_include <the hosts' subnet, e.g. 10.0.0.0/24> (this host "
-                f"has {mine})")
 
     # -- setup -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
