@@ -136,8 +136,9 @@ def openmpi_interface_hint(env: "ClusterEnv") -> str:
     Open MPI's TCP transport uses every interface, and one the other hosts cannot reach (Docker's
     docker0, 172.17.0.1 on every host; a management network) leaves its connections unanswered. A
     clause for a timeout message naming the mpirun option and this host's interfaces; "" on one host,
-    or where ``OMPI_MCA_btl_tcp_if_include``/``_exclude`` is set (the user chose already)."""
-    if env.local_world_size >= env.world_size or any(
+    under another launcher, or where ``OMPI_MCA_btl_tcp_if_include``/``_exclude`` is set (the user
+    chose already)."""
+    if env.launcher not in ("openmpi", "pmix") or env.local_world_size >= env.world_size or any(
             os.environ.get(f"OMPI_MCA_btl_tcp_if_{k}") for k in ("include", "exclude")):
         return ""
     mine = ", ".join(f"{n} {a}" for n, a in interface_addresses().items() if n != "lo")
