@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import tempfile
 from typing import Optional
 
@@ -49,32 +50,35 @@ def clear(tmpdir: Optional[str] = None) -> list[str]:
     """Remove this user's Open MPI session directories whose ``mpirun`` is no longer running.
 
     A directory is removed only when its name is ``ompi.<pid>`` or ``prte.<pid>``, it belongs to
-    this user, it holds PMIx's ``pmix.<host>.tool.<pid>`` file for that pid (so it is a session
-    directory, not something else of that name) and no process ``pid`` exists. A directory of a
-    running ``mpirun`` is never touched. Never raises: a directory that cannot be read or removed
-    is left as it is. Returns the directories removed.
+    this user, it holds PMIx's ``pmix.<host>.tool.<pid>`` file for that pid with this host's name
+    (so it is a session directory, and one of this host: where $TMPDIR is shared between hosts,
+    another host's pids are not ours to judge; its files could not collide with ours either, as
+    their names hold its host name) and no process ``pid`` exists. A directory of a running
+    ``mpirun`` is never touched. Never raises: a directory that cannot be read or removed is left
+    as it is. Returns the directories removed.
     """
     base = tmpdir or _tmpdir()
     try:
-        names = os.listdir(base)
+        entries = os.listdir(base)
     except OSError:
         return []
     removed = []
     uid = os.getuid() if hasattr(os, "getuid") else None
-    for name in names:
-        m = _SESSION_DIR.fullmatch(name)
+    full = socket.gethostname()
+    hosts = {full, full.split(".")[0]}  # PMIx drops the domain unless told to keep it
+    for entry in entries:
+        m = _SESSION_DIR.fullmatch(entry)
         if m is None:
             continue
-        pid, path = int(m.group(1)), os.path.join(base, name)
+        pid, path = int(m.group(1)), os.path.join(base, entry)
         try:
             st = os.lstat(path)
             if (uid is not None and st.st_uid != uid) or not os.path.isdir(path) or os.path.islink(path):
                 continue
-            if not any(f.startswith("pmix.") and f.endswith(f".tool.{pid}") for f in os.listdir(path)):
-                continue
+            inside = set(os.listdir(path))
         except OSError:
             continue
-        if _running(pid):
+        if not any(f"pmix.{host}.tool.{pid}" in inside for host in hosts) or _running(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(path):

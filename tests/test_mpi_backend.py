@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -238,18 +239,22 @@ def test_nprocs_starts_the_mpi_engine_under_mpirun(tmp_path: Path) -> None:
                  f'for f in $d/pmix.*.tool.{old}; do mv "$f" "${{f%.{old}}}.$$"; done && '
                  f'exec {MPIRUN[0]} -np 1 true'], timeout=60)
     assert reuse.returncode == 213 and "listener thread failed to start" in reuse.stderr, reuse
-    assert not (killed.parent / f"ompi.{int(reuse.stdout.split()[0])}").exists()  # that mpirun removed it
-    # a running mpirun's directory (this process stands in for it) must be left alone
-    live = killed.parent / f"ompi.{os.getpid()}"
-    live.mkdir()
-    (live / f"pmix.host.tool.{os.getpid()}").write_text("in use\n")
+    dead = int(reuse.stdout.split()[0])  # that shell's pid: the process has ended
+    assert not (killed.parent / f"ompi.{dead}").exists()  # that mpirun removed the copy as it failed
+    # left alone: a running mpirun's directory (this process stands in for it), and a dead one's of
+    # another host (a $TMPDIR shared between hosts)
+    live, other = killed.parent / f"ompi.{os.getpid()}", killed.parent / f"ompi.{dead}"
+    for d, host, pid in ((live, socket.gethostname(), os.getpid()), (other, "another-host", dead)):
+        d.mkdir()
+        (d / f"pmix.{host}.tool.{pid}").write_text("in use\n")
     try:
         # distkit's own spawner starts ranks MPI does not know about: --nprocs uses mpirun for MPI
         # engines, after clearing the dead mpiruns' directories
         ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(tmp_path), *SHORT, *MPI,
                    timeout=120))
-        assert (killed.exists(), live.exists()) == (False, True)
+        assert (killed.exists(), live.exists(), other.exists()) == (False, True, True)
     finally:
         shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(other, ignore_errors=True)
     s = summary(tmp_path)
     assert (s["backend"], s["launcher"], s["world_size"], s["ranks_in_sync"]) == ("mpi", "openmpi", 2, True)
