@@ -6,10 +6,11 @@ environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus
 ``DISTKIT_SPAWN_ID``; for the CLI, where it is safe, a fork of this process that runs the command
 in place instead (:mod:`distkit.forkrank`: no second import of torch per rank). The parent
 watches them: when one exits non-zero or is killed, it names that rank, stops the others
-(SIGTERM, then SIGKILL after a grace period) and returns non-zero. A rank that stopped responding (:mod:`distkit.watchdog`: another rank recorded it) is
-named instead of the rank that noticed, and killed with SIGKILL at once, as is any rank found
-stopped (SIGSTOP): a stopped process never acts on SIGTERM. Engines that need an MPI launcher (mpi,
-horovod) are started under ``mpirun`` instead (:func:`mpirun`), which does the same watching.
+(SIGTERM, then SIGKILL after a grace period) and returns non-zero. A rank that stopped
+responding (:mod:`distkit.watchdog`: another rank recorded it) is named instead of the rank that
+noticed, and killed with SIGKILL at once, as is any rank found stopped (SIGSTOP): a stopped
+process never acts on SIGTERM. Engines that need an MPI launcher (mpi, horovod) are started under
+``mpirun`` instead (:func:`mpirun`), which does the same watching.
 """
 from __future__ import annotations
 
