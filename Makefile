@@ -8,7 +8,7 @@ STAMP := $(VENV)/.distkit-installed
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: demo test bench install horovod slurm
+.PHONY: demo test bench install horovod slurm pdsh
 
 install: $(STAMP)
 
@@ -34,8 +34,13 @@ horovod: $(STAMP)
 slurm:
 	scripts/install_slurm.sh
 
+# pdsh and sshd (apt; ~10 s) for DeepSpeed's default launcher (pdsh over ssh) in tests/test_multihost.py,
+# which starts its own sshd inside each test host; nothing is started here. Does nothing when installed.
+pdsh:
+	scripts/install_pdsh.sh
+
 # pytest exit 5 (no tests collected) is a failure here, never a silent pass.
-test: $(STAMP) horovod slurm
+test: $(STAMP) horovod slurm pdsh
 	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
 

@@ -150,6 +150,31 @@ class Hosts:
         os.chmod(path, 0o755)
         return path
 
+    def sshd(self, directory: str) -> dict[str, str]:
+        """Start a real OpenSSH server inside every host (on its own address, port 22, under its own
+        hostname), with a host key and one authorised client key made in ``directory``; return the
+        environment with which ``pdsh -R ssh`` (DeepSpeed's default launcher) logs in with that key.
+
+        Root's own ``~/.ssh`` is left alone, so a plain ``ssh HOST`` (DeepSpeed's ssh check) is not
+        let in: callers pass ``--no_ssh_check``. Needs ``/usr/sbin/sshd`` and ``pdsh``
+        (``scripts/install_pdsh.sh``, which ``make test`` runs); the servers die with :meth:`close`."""
+        if not os.access("/usr/sbin/sshd", os.X_OK) or shutil.which("pdsh") is None:
+            raise RuntimeError("sshd or pdsh is missing: run scripts/install_pdsh.sh (make test does)")
+        key, host_key = os.path.join(directory, "id"), os.path.join(directory, "host_key")
+        for path in (key, host_key):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", path], check=True, capture_output=True)
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory (made by its service unit)
+        for i in range(self.n):
+            conf = os.path.join(directory, f"sshd{i}.conf")
+            with open(conf, "w") as f:
+                # StrictModes no: the keys live in a test directory, not a private ~/.ssh
+                f.write(f"ListenAddress {self.addr(i)}\nHostKey {host_key}\nAuthorizedKeysFile {key}.pub\n"
+                        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nStrictModes no\nUsePAM no\n"
+                        f"PidFile {os.path.join(directory, f'sshd{i}.pid')}\n")
+            subprocess.run(self.wrap(i, ["/usr/sbin/sshd", "-f", conf]), check=True, capture_output=True)
+        return {"PDSH_SSH_ARGS_APPEND": f"-i {key} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
+                                        "-o BatchMode=yes -o LogLevel=ERROR"}
+
     def mpirun_args(self, agent: str) -> list[str]:
         """What ``mpirun`` needs to span these hosts: the agent, the subnet for its daemons' and the TCP
         transport's traffic, no binding (each simulated host would bind its ranks to core 0)."""

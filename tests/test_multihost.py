@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 import hosts as nethosts
-from conftest import BIN, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, summary
+from conftest import BIN, MARK, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, summary
 
 TOL = 1e-5
 TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), *SHORT]
@@ -198,7 +198,19 @@ def test_deepspeed_under_torchrun_and_its_own_launcher_on_two_hosts(one_host: di
                  for i in range(h.n)]
         for p in procs:
             ok(_finish(p, 180))
-        for run_dir, launcher in (("torchrun", "torchrun"), ("dslauncher", "deepspeed")):
+        # its default, ssh mode: one launcher on host 0, which starts the others with pdsh over real
+        # sshd's (the test's key is not root's, so no ssh check); what the ranks need beyond PYTHON*
+        # goes in DeepSpeed's env file, as a user's would (here by absolute path, not in ~ or the cwd)
+        pdsh_env = h.sshd(str(tmp_path))
+        ds_env = tmp_path / "deepspeed_env"
+        ds_env.write_text(f"DISTKIT_TEST_MARK={MARK}\nOMP_NUM_THREADS=1\n")
+        p = h.popen(0, [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", h.addr(0),
+                        "--module", "distkit", *TRAIN, "++output_dir", str(tmp_path / "pdsh"), "++distributed", ZERO2],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+                    env=base_env(DS_ENV_FILE=str(ds_env), **pdsh_env))
+        res = ok(_finish(p, 180))
+        assert all(f"{name}: " in res.stdout for name in h.names)  # pdsh's per-host prefix: both hosts ran ranks
+        for run_dir, launcher in (("torchrun", "torchrun"), ("dslauncher", "deepspeed"), ("pdsh", "deepspeed")):
             s = check_two_hosts(tmp_path / run_dir, h)
             assert (s["launcher"], s["zero_stage"]) == (launcher, 2)
             assert max_abs_diff(final_params(tmp_path / run_dir), final_params(one_host["grad"])) <= TOL
