@@ -66,18 +66,22 @@ def _atomic(out: str, write: Any) -> None:
     os.replace(out + ".part", out)
 
 
+def _save_safetensors(sd: dict[str, torch.Tensor], path: str) -> None:
+    """``sd`` as one safetensors file, each tensor separate (tied weights were written once each);
+    ``"format": "pt"`` is what ``from_pretrained`` expects."""
+    from safetensors.torch import save_file  # imported when used: only this format needs it
+
+    save_file({k: v.contiguous() for k, v in sd.items()}, path, metadata={"format": "pt"})
+
+
 def export(path: str, out: str) -> tuple[str, list[str]]:
     """Write the model of checkpoint ``path`` to ``out`` (format by name, see the module docstring;
     each file atomically). Returns the checkpoint used and the files written."""
     ckpt = find_checkpoint(path)
     sd = consolidated_state_dict(ckpt)
     if out.endswith(os.sep) or os.path.isdir(out):
-        from safetensors.torch import save_file
-
         os.makedirs(out, exist_ok=True)
-        # separate tensors (tied weights were written once each); "format": "pt" is what from_pretrained expects
-        _atomic(os.path.join(out, "model.safetensors"),
-                lambda p: save_file({k: v.contiguous() for k, v in sd.items()}, p, metadata={"format": "pt"}))
+        _atomic(os.path.join(out, "model.safetensors"), lambda p: _save_safetensors(sd, p))
         written = [os.path.join(out, "model.safetensors")]
         config = _hf_config(ckpt)
         if config is not None:
@@ -88,9 +92,7 @@ def export(path: str, out: str) -> tuple[str, list[str]]:
             written.append(os.path.join(out, "config.json"))
         return ckpt, written
     if out.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
-        _atomic(out, lambda p: save_file({k: v.contiguous() for k, v in sd.items()}, p, metadata={"format": "pt"}))
+        _atomic(out, lambda p: _save_safetensors(sd, p))
     else:
         _atomic(out, lambda p: torch.save(sd, p))
     return ckpt, [out]
