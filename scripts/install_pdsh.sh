@@ -11,13 +11,5 @@ set -euo pipefail
 if command -v pdsh >/dev/null && [ -x /usr/sbin/sshd ] && command -v ssh-keygen >/dev/null; then
     exit 0
 fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    echo "scripts/install_pdsh.sh: needs root and apt-get to install pdsh and openssh-server;" \
-         "install them with your system's package manager" >&2
-    exit 1
-fi
-export DEBIAN_FRONTEND=noninteractive
-pkgs=(pdsh openssh-server openssh-client)
-apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null \
-    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null; }
+"$(dirname "$0")/apt_install.sh" scripts/install_pdsh.sh pdsh openssh-server openssh-client
 echo "scripts/install_pdsh.sh: installed $(pdsh -V 2>&1 | head -1), $(ssh -V 2>&1)"

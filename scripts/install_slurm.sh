@@ -10,12 +10,5 @@ set -euo pipefail
 if command -v srun >/dev/null && [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ]; then
     exit 0
 fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    echo "scripts/install_slurm.sh: needs root and apt-get to install slurmctld, slurmd, slurm-client and munge;" \
-         "install them with your system's package manager" >&2
-    exit 1
-fi
-export DEBIAN_FRONTEND=noninteractive
-apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null \
-    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; }
+"$(dirname "$0")/apt_install.sh" scripts/install_slurm.sh slurmctld slurmd slurm-client munge
 echo "scripts/install_slurm.sh: installed $(/usr/sbin/slurmctld -V)"
