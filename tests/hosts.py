@@ -15,6 +15,7 @@ fail with that reason instead of passing silently.
         p = hosts.popen(0, ["hostname"])         # runs inside host 0 (namespace, hostname, /etc/hosts)
         hosts.addr(1)                            # "10.231.N.2"
         hosts.link_down(1)                       # cut host 1 off
+        env = hosts.sshd(tmpdir)                 # a real sshd in every host; env lets pdsh log in
 """
 from __future__ import annotations
 
