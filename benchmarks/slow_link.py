@@ -41,6 +41,7 @@ eval loss against link speed, one line per mode). Needs matplotlib (``pip instal
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -312,6 +313,9 @@ def main() -> int:
             bad.append(m)
     if bad:
         print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("matplotlib") is None:  # checked now: the plot is drawn after each (long) run
+        print("slow_link: needs matplotlib for its plot: pip install -e '.[bench]'", file=sys.stderr)
         return 2
     results: dict[str, Any] = {"workload": "charlm medium, batch 16 per rank, Adam lr 0.003, seed 42",
                                "speed": {}, "quality": {}}
