@@ -195,11 +195,15 @@ def model(results: dict[str, Any]) -> None:
 
 
 def plot(results: dict[str, Any], path: str) -> None:
+    """Speed and eval loss against link speed; for a file without speed runs, :func:`plot_quality`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not results["speed"]:
+        plot_quality(results, path)
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     rates = sorted({float(r) for e in results["speed"].values() for m in e.values() for r in m if r != "0"})
     unshaped_x = max(rates) * 10 if rates else 10000.0
@@ -226,6 +230,34 @@ def plot(results: dict[str, Any], path: str) -> None:
     ax2.set_ylabel(f"eval loss after {next(iter(quality.values()))['steps'] if quality else '?'} steps")
     ax2.set_title("quality at an equal number of samples")
     ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_quality(results: dict[str, Any], path: str) -> None:
+    """A quality-only study: one bar per run (every DiLoCo setting of the sweep too), its eval loss,
+    its ratio to grad mode's and its number of syncs."""
+    import matplotlib.pyplot as plt
+
+    runs = {m: q for m, q in results["quality"].items() if not m.startswith("diloco")}
+    runs.update({f"DiLoCo {k.split(' ', 1)[0][6:]}\n{k.split(' ', 1)[1]}": v for k, v in results.get("diloco_sweep", {}).items()})
+    grad = results["quality"].get("grad", {}).get("eval_loss")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(runs)), 4.2))
+    losses = [q["eval_loss"] for q in runs.values()]
+    bars = ax.bar(range(len(runs)), losses, color=["tab:blue" if m == "grad" else "tab:orange" if m.startswith("param")
+                                                   else "tab:purple" for m in runs])
+    for bar, q in zip(bars, runs.values()):
+        ratio = f"{q['eval_loss'] / grad:.4f}x grad\n" if grad else ""
+        ax.annotate(f"{q['eval_loss']:.4f}\n{ratio}{q['syncs']} syncs", (bar.get_x() + bar.get_width() / 2, q["eval_loss"]),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(runs)), list(runs), fontsize=7)
+    if grad:
+        ax.axhline(grad, color="tab:blue", linewidth=0.8, linestyle=":")
+    low, high = min(losses), max(losses)
+    ax.set_ylim(low - 0.5 * (high - low + 0.01), high + 0.6 * (high - low + 0.01))
+    first = next(iter(results["quality"].values()))
+    ax.set_ylabel(f"eval loss after {first['steps']} steps (lower is better)")
+    ax.set_title(f"quality at an equal number of samples ({first['samples']:,}; corpus {first.get('corpus', 'pydoc')})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
