@@ -240,7 +240,9 @@ def plot_quality(results: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = {m: q for m, q in results["quality"].items() if not m.startswith("diloco")}
-    runs.update({f"DiLoCo {k.split(' ', 1)[0][6:]}\n{k.split(' ', 1)[1]}": v for k, v in results.get("diloco_sweep", {}).items()})
+    # a sweep record carries its outer settings; its sync period is steps per sync
+    runs.update({f"DiLoCo H={v['steps'] // v['syncs']}\nlr {v['outer_lr']:g} m {v['outer_momentum']:g}": v
+                 for v in results.get("diloco_sweep", {}).values()})
     grad = results["quality"].get("grad", {}).get("eval_loss")
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(runs)), 4.2))
     losses = [q["eval_loss"] for q in runs.values()]
