@@ -3,7 +3,7 @@ shaped link.
 
     python benchmarks/slow_link.py [--rates 25,100,1000,0] [--speed-steps 40] [--quality-steps 1500]
                                    [--corpus pydoc|stdlib] [--engines ddp,mpi] [--outer 0.7:0.9,...]
-                                   [--only speed|quality] [--out results/slow_link.json]
+                                   [--seed 42] [--only speed|quality] [--out results/slow_link.json]
                                    [--work runs/slow_link_quality]
 
 Root is needed (network namespaces; ``tests/hosts.py``). Two parts:
@@ -24,7 +24,9 @@ payload count, and ``comm_wait_s``.
 the link, so quality is measured at full length without shaping, and speed on the shorter shaped
 runs): ``--quality-steps`` steps of each mode with the same seed, data and global batch, eval loss at
 the end (equal number of samples), on charlm's ``--corpus`` (``stdlib`` for runs long enough to pass
-more than once over ``pydoc``'s 6,540 windows). DiLoCo is swept over ``--outer`` (outer lr : momentum). Each run
+more than once over ``pydoc``'s 6,540 windows). DiLoCo is swept over ``--outer`` (outer lr : momentum).
+``--seed`` other than 42 runs the same as repeats with another seed (kept apart, under ``repeats``),
+which show how much eval loss moves from seed to seed. Each run
 checkpoints and resumes in ``--work``, and ``--out`` is rewritten after each run: a study cut short
 goes on where it stopped when the same command runs again.
 
@@ -63,9 +65,11 @@ WARMUP = 10
 RESULTS = os.path.join(HERE, "results")
 #: a quality run's checkpoint interval in steps (its resume point when killed part-way)
 QUALITY_CHECKPOINT_EVERY = 500
+#: the study's seed; a quality run with another (``--seed``) is a repeat that measures the spread
+SEED = 42
 WORKLOAD = ["train", os.path.join(ROOT, "configs", "charlm.json"), "++charlm_size", "medium", "++batch_size", "16",
             "++optimizer", "{'class': 'adam'}", "++learning_rate", "0.003", "++checkpoint_every", "None",
-            "++progress_bar", "False", "++resume", "none", "++seed", "42"]
+            "++progress_bar", "False", "++resume", "none", "++seed", str(SEED)]
 
 
 def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[str, Any]:
@@ -150,9 +154,10 @@ def speed_run(h: nethosts.Hosts, engine: str, mode: str, steps: int, out: str, w
 
 
 def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, float]] = None,
-                corpus: str = "pydoc") -> dict[str, Any]:
+                corpus: str = "pydoc", seed: int = SEED) -> dict[str, Any]:
     """One unshaped ``--nprocs 2`` run of ``steps`` steps on charlm's ``corpus`` in ``out``; its eval loss at the end.
 
+    ``seed`` sets the model's initial weights and the data order (the same on every rank).
     The run checkpoints every :data:`QUALITY_CHECKPOINT_EVERY` steps and starts with ``++resume auto``, so
     a long run killed part-way (a 15,000-step run takes about 48 min here) goes on from its last
     checkpoint when called again with the same ``out``; resume is bit-identical (tests/test_parity.py).
@@ -161,7 +166,7 @@ def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, fl
     cmd = [sys.executable, "-m", "distkit", *WORKLOAD, "--nprocs", "2", "++max_steps", str(steps),
            "++eval_every", str(steps), "++log_every", str(max(1, steps // 10)), "++distributed", json.dumps(dist),
            "++output_dir", out, "++checkpoint_every", str(QUALITY_CHECKPOINT_EVERY), "++keep_checkpoints", "1",
-           "++resume", "auto", "++charlm_corpus", corpus]
+           "++resume", "auto", "++charlm_corpus", corpus, "++seed", str(seed)]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env())
     if res.returncode != 0:
         raise RuntimeError(f"exit {res.returncode}: {' '.join(cmd)}\n{res.stderr[-3000:]}")
@@ -243,13 +248,20 @@ def plot_quality(results: dict[str, Any], path: str) -> None:
     # a sweep record carries its outer settings; its sync period is steps per sync
     runs.update({f"DiLoCo H={v['steps'] // v['syncs']}\nlr {v['outer_lr']:g} m {v['outer_momentum']:g}": v
                  for v in results.get("diloco_sweep", {}).values()})
+    # a repeat with another seed: its own bar, its ratio against grad mode of the same seed
+    ratios = {**results.get("quality_vs_grad", {}), **results.get("repeats_vs_grad", {})}
+    for k, v in results.get("repeats", {}).items():
+        name = f"DiLoCo H={v['steps'] // v['syncs']}\nlr {v['outer_lr']:g} m {v['outer_momentum']:g}" if "outer_lr" in v \
+            else k.split(" seed ")[0]
+        runs[f"{name}\nseed {v['seed']}"] = {**v, "ratio": ratios.get(k)}
     grad = results["quality"].get("grad", {}).get("eval_loss")
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(runs)), 4.2))
     losses = [q["eval_loss"] for q in runs.values()]
-    bars = ax.bar(range(len(runs)), losses, color=["tab:blue" if m == "grad" else "tab:orange" if m.startswith("param")
+    bars = ax.bar(range(len(runs)), losses, color=["tab:blue" if m.startswith("grad") else "tab:orange" if m.startswith("param")
                                                    else "tab:purple" for m in runs])
     for bar, q in zip(bars, runs.values()):
-        ratio = f"{q['eval_loss'] / grad:.4f}x grad\n" if grad else ""
+        r = q["ratio"] if "ratio" in q else q["eval_loss"] / grad if grad else None  # a repeat's: same seed's grad
+        ratio = f"{r:.4f}x grad\n" if r else ""
         ax.annotate(f"{q['eval_loss']:.4f}\n{ratio}{q['syncs']} syncs", (bar.get_x() + bar.get_width() / 2, q["eval_loss"]),
                     ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(runs)), list(runs), fontsize=7)
@@ -271,24 +283,34 @@ def quality_part(a: argparse.Namespace, modes: list[str], results: dict[str, Any
     killed part-way resumes from its checkpoint in ``--work``; ``--out`` is rewritten after every
     run. So the full-length study (about 48 min per run here) can be spread over several sittings:
     run the same command again.
+
+    With ``--seed`` other than :data:`SEED` the runs are repeats: kept in ``results["repeats"]`` under
+    ``"<label> seed <N>"``, never in ``quality`` or the sweep, so that the best of the sweep is not
+    picked across seeds and every ratio to grad mode stays one of the same seed.
     """
     same = lambda v: v.get("steps") == a.quality_steps and v.get("corpus", "pydoc") == a.corpus  # noqa: E731
     keep = lambda d: {k: v for k, v in d.items() if same(v)}  # noqa: E731
     results["quality"], results["diloco_sweep"] = keep(results.get("quality", {})), keep(results.get("diloco_sweep", {}))
+    results["repeats"] = keep(results.get("repeats", {}))
+    repeat = a.seed != SEED
     outers = [tuple(float(x) for x in o.split(":")) for o in a.outer.split(",") if o]
     for mode in modes:
         for outer in outers if mode.startswith("diloco") else [None]:
             label = mode if outer is None else f"{mode} lr {outer[0]:g} m {outer[1]:g}"
-            if label in (results["quality"] if outer is None else results["diloco_sweep"]):
+            label += f" seed {a.seed}" if repeat else ""
+            if label in (results["repeats"] if repeat else results["quality"] if outer is None else results["diloco_sweep"]):
                 print(f"quality {label:26} kept from {a.out}", flush=True)
                 continue
             out = os.path.join(a.work, f"q{a.quality_steps}-{a.corpus}-{label.replace(' ', '_')}")
             started = time.monotonic()
-            q = quality_run(mode, a.quality_steps, out, outer, a.corpus)  # type: ignore[arg-type]
+            q = quality_run(mode, a.quality_steps, out, outer, a.corpus, a.seed)  # type: ignore[arg-type]
             shutil.rmtree(out, ignore_errors=True)
             print(f"quality {label:26} eval loss {q['eval_loss']:.4f} after {q['steps']} steps "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
-            if outer is None:
+            if repeat:
+                results["repeats"][label] = {**q, "seed": a.seed, **({"outer_lr": outer[0], "outer_momentum": outer[1]}
+                                                                      if outer else {})}
+            elif outer is None:
                 results["quality"][mode] = q
             else:
                 results["diloco_sweep"][label] = {**q, "outer_lr": outer[0], "outer_momentum": outer[1]}
@@ -304,6 +326,10 @@ def write(results: dict[str, Any], path: str) -> None:
     q = results["quality"]
     if "grad" in q:
         results["quality_vs_grad"] = {m: v["eval_loss"] / q["grad"]["eval_loss"] for m, v in q.items()}
+    rep = results.get("repeats", {})
+    if rep:  # a repeat against grad mode of its own seed
+        results["repeats_vs_grad"] = {k: v["eval_loss"] / rep[f"grad seed {v['seed']}"]["eval_loss"]
+                                      for k, v in rep.items() if f"grad seed {v['seed']}" in rep}
     s = results["speed"].get("ddp", {})
     if "grad" in s:
         results["speed_vs_grad"] = {m: {r: v[r]["samples_per_s"] / s["grad"][r]["samples_per_s"] for r in v if r in s["grad"]}
@@ -332,6 +358,8 @@ def main() -> int:
     p.add_argument("--corpus", default="pydoc", choices=("pydoc", "stdlib"),
                    help="charlm's text for the quality runs (stdlib: long runs that must not repeat the data)")
     p.add_argument("--outer", default="0.7:0.9,1.0:0.5,0.5:0.0", help="DiLoCo outer lr:momentum values to sweep")
+    p.add_argument("--seed", type=int, default=SEED,
+                   help=f"quality runs' seed; another than {SEED} makes them repeats that show the seed-to-seed spread")
     p.add_argument("--only", choices=("speed", "quality"), default=None)
     p.add_argument("--out", default=os.path.join(RESULTS, "slow_link.json"))
     p.add_argument("--work", default=os.path.join(ROOT, "runs", "slow_link_quality"),
@@ -356,7 +384,7 @@ def main() -> int:
     if os.path.exists(a.out):  # keep the part not re-run
         with open(a.out) as f:
             old = json.load(f)
-        results.update({k: v for k, v in old.items() if k in ("speed", "quality", "diloco_sweep")})
+        results.update({k: v for k, v in old.items() if k in ("speed", "quality", "diloco_sweep", "repeats")})
     work = tempfile.mkdtemp(prefix="slow_link_")
     try:
         if a.only != "quality":
