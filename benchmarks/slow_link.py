@@ -244,16 +244,14 @@ def plot_quality(results: dict[str, Any], path: str) -> None:
     its ratio to grad mode's and its number of syncs."""
     import matplotlib.pyplot as plt
 
+    # a DiLoCo record carries its outer settings; its sync period is steps per sync
+    diloco = lambda v: f"DiLoCo H={v['steps'] // v['syncs']}\nlr {v['outer_lr']:g} m {v['outer_momentum']:g}"  # noqa: E731
     runs = {m: q for m, q in results["quality"].items() if not m.startswith("diloco")}
-    # a sweep record carries its outer settings; its sync period is steps per sync
-    runs.update({f"DiLoCo H={v['steps'] // v['syncs']}\nlr {v['outer_lr']:g} m {v['outer_momentum']:g}": v
-                 for v in results.get("diloco_sweep", {}).values()})
+    runs.update({diloco(v): v for v in results.get("diloco_sweep", {}).values()})
     # a repeat with another seed: its own bar, its ratio against grad mode of the same seed
-    ratios = {**results.get("quality_vs_grad", {}), **results.get("repeats_vs_grad", {})}
     for k, v in results.get("repeats", {}).items():
-        name = f"DiLoCo H={v['steps'] // v['syncs']}\nlr {v['outer_lr']:g} m {v['outer_momentum']:g}" if "outer_lr" in v \
-            else k.split(" seed ")[0]
-        runs[f"{name}\nseed {v['seed']}"] = {**v, "ratio": ratios.get(k)}
+        name = diloco(v) if "outer_lr" in v else k.split(" seed ")[0]
+        runs[f"{name}\nseed {v['seed']}"] = {**v, "ratio": results.get("repeats_vs_grad", {}).get(k)}
     grad = results["quality"].get("grad", {}).get("eval_loss")
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(runs)), 4.2))
     losses = [q["eval_loss"] for q in runs.values()]
@@ -307,13 +305,13 @@ def quality_part(a: argparse.Namespace, modes: list[str], results: dict[str, Any
             shutil.rmtree(out, ignore_errors=True)
             print(f"quality {label:26} eval loss {q['eval_loss']:.4f} after {q['steps']} steps "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
+            settings = {"outer_lr": outer[0], "outer_momentum": outer[1]} if outer else {}
             if repeat:
-                results["repeats"][label] = {**q, "seed": a.seed, **({"outer_lr": outer[0], "outer_momentum": outer[1]}
-                                                                      if outer else {})}
+                results["repeats"][label] = {**q, **settings, "seed": a.seed}
             elif outer is None:
                 results["quality"][mode] = q
             else:
-                results["diloco_sweep"][label] = {**q, "outer_lr": outer[0], "outer_momentum": outer[1]}
+                results["diloco_sweep"][label] = {**q, **settings}
                 # the best of the sweep so far stands for DiLoCo
                 results["quality"][mode] = min((v for k, v in results["diloco_sweep"].items() if k.startswith(mode + " ")),
                                                key=lambda v: v["eval_loss"])

@@ -209,7 +209,7 @@ class Hosts:
         """Limit every host's link to ``rate_mbit`` Mbit/s in both directions (tbf)."""
         # tbf reaches its rate only with a bucket of at least rate / HZ (tc-tbf(8); HZ = 250 here): with a
         # fixed 4 KB bucket a 1000 Mbit/s link gave 290-715 Mbit/s, varying from day to day, while 25 and
-        # 100 Mbit/s were exact. 4 ms of the rate, at least 4 KB.
+        # 100 Mbit/s matched the step-time model. 4 ms of the rate, at least 4 KB.
         burst = max(4096, int(rate_mbit * 1e6 / 8 * 0.004))
         for i, ns in enumerate(self.names):
             # tbf shapes what leaves an interface: the host's eth0 (host -> bridge) and its bridge-side end
