@@ -3,7 +3,7 @@ shaped link.
 
     python benchmarks/slow_link.py [--rates 25,100,1000,0] [--speed-steps 40] [--quality-steps 1500]
                                    [--corpus pydoc|stdlib] [--engines ddp,mpi] [--outer 0.7:0.9,...]
-                                   [--seed 42] [--only speed|quality] [--out results/slow_link.json]
+                                   [--seed 42] [--repeats 1] [--only speed|quality] [--out results/slow_link.json]
                                    [--work runs/slow_link_quality]
 
 Root is needed (network namespaces; ``tests/hosts.py``). Two parts:
@@ -18,7 +18,11 @@ so a param-mode run's measured window holds exactly H steps and one sync and run
 lengths compare fairly; the bytes each host's ``eth0`` sent
 per step (``/sys/class/net/eth0/statistics/tx_bytes`` inside the namespace, before and after the
 run, divided by the steps: start-up's model broadcast and the end's checks included), distkit's own
-payload count, and ``comm_wait_s``.
+payload count, and ``comm_wait_s``. ``--repeats N`` runs the whole speed sweep N times in rounds (every
+rate and mode once per round, so a drift in the machine's speed touches all of them alike); each row
+then holds the run with the median samples/s, with every run's samples/s in ``samples_per_s_runs``,
+and ``speed_vs_grad_rounds`` / ``speed_vs_unshaped_rounds`` give the median, min and max of the
+ratios taken within each round.
 
 **Quality** (unshaped, one host, ``--nprocs 2``: grad and param mode compute the same numbers whatever
 the link, so quality is measured at full length without shaping, and speed on the shorter shaped
@@ -174,6 +178,21 @@ def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, fl
         s = json.load(f)
     return {"eval_loss": s["eval_loss"], "steps": s["steps"], "samples": s["samples"],
             "syncs": steps // sync_period(mode), "corpus": corpus}
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median samples/s (the lower one of the middle two for an even count), with every run's
+    samples/s in ``samples_per_s_runs`` in round order: a real run, not an average of fields that belong together."""
+    pick = sorted(runs, key=lambda r: r["samples_per_s"])[(len(runs) - 1) // 2]
+    return {**pick, "samples_per_s_runs": [r["samples_per_s"] for r in runs]}
+
+
+def round_ratios(num: list[float], den: list[float]) -> dict[str, Any]:
+    """Ratios of two rows' samples/s taken within each round (paired), with their median, min and max."""
+    ratios = [a / b for a, b in zip(num, den)]
+    mid = sorted(ratios)
+    n = len(mid)
+    return {"median": (mid[(n - 1) // 2] + mid[n // 2]) / 2, "min": mid[0], "max": mid[-1], "rounds": ratios}
 
 
 def model(results: dict[str, Any]) -> None:
@@ -334,6 +353,16 @@ def write(results: dict[str, Any], path: str) -> None:
                                     for m, v in s.items()}
         results["speed_vs_unshaped"] = {m: {r: v[r]["samples_per_s"] / v["0"]["samples_per_s"] for r in v}
                                         for m, v in s.items() if "0" in v}
+        runs = {m: {r: x["samples_per_s_runs"] for r, x in v.items() if len(x.get("samples_per_s_runs", [])) > 1}
+                for m, v in s.items()}
+        if any(runs.values()):  # --repeats: the spread of the ratios, each taken within one round
+            results["speed_vs_grad_rounds"] = {m: {r: round_ratios(x, runs["grad"][r]) for r, x in v.items()
+                                                   if r in runs.get("grad", {})} for m, v in runs.items()}
+            results["speed_vs_unshaped_rounds"] = {m: {r: round_ratios(x, v["0"]) for r, x in v.items()}
+                                                   for m, v in runs.items() if "0" in v}
+        else:  # a sweep without repeats leaves no stale spread from an earlier one
+            results.pop("speed_vs_grad_rounds", None)
+            results.pop("speed_vs_unshaped_rounds", None)
     if "mpi" in results["speed"] and "grad" in s:
         results["mpi_vs_ddp_grad"] = {r: v["samples_per_s"] / s["grad"][r]["samples_per_s"]
                                       for r, v in results["speed"]["mpi"]["grad"].items() if r in s["grad"]}
@@ -358,6 +387,8 @@ def main() -> int:
     p.add_argument("--outer", default="0.7:0.9,1.0:0.5,0.5:0.0", help="DiLoCo outer lr:momentum values to sweep")
     p.add_argument("--seed", type=int, default=SEED,
                    help=f"quality runs' seed; another than {SEED} makes them repeats that show the seed-to-seed spread")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="speed sweeps to run, in rounds; each row keeps the median run, and the ratios' spread is reported")
     p.add_argument("--only", choices=("speed", "quality"), default=None)
     p.add_argument("--out", default=os.path.join(RESULTS, "slow_link.json"))
     p.add_argument("--work", default=os.path.join(ROOT, "runs", "slow_link_quality"),
@@ -373,6 +404,9 @@ def main() -> int:
             bad.append(m)
     if bad:
         print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>", file=sys.stderr)
+        return 2
+    if a.repeats < 1:
+        print(f"slow_link: --repeats {a.repeats}: give 1 or more speed sweeps", file=sys.stderr)
         return 2
     if importlib.util.find_spec("matplotlib") is None:  # checked now: the plot is drawn after each (long) run
         print("slow_link: needs matplotlib for its plot: pip install -e '.[bench]'", file=sys.stderr)
@@ -390,26 +424,32 @@ def main() -> int:
             if problem:
                 print(f"slow_link: {problem}", file=sys.stderr)
                 return 2
+            runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+            for rnd in range(a.repeats):
+                for rate in rates:
+                    with nethosts.Hosts(2, rate_mbit=float(rate) or None) as h:
+                        for engine in a.engines.split(","):
+                            for mode in modes if engine == "ddp" else ["grad"]:
+                                steps = max(a.speed_steps, sync_period(mode) + WARMUP)
+                                out = os.path.join(work, f"{engine}-{mode}-{rate}")
+                                r = speed_run(h, engine, mode, steps, out, work)
+                                shutil.rmtree(out, ignore_errors=True)
+                                runs.setdefault((engine, mode, rate), []).append(r)
+                                tag = f"round {rnd + 1}/{a.repeats} " if a.repeats > 1 else ""
+                                print(f"{tag}{rate or 'unshaped':>8} Mbit/s {engine:4} {mode:10} {r['samples_per_s']:7.1f} "
+                                      f"samples/s {r['step_time_s']:.3f} s/step  {r['iface_bytes_per_step'] / 1e6:6.2f} MB/step "
+                                      f"on eth0 (distkit payload {r['payload_bytes_per_step'] / 1e6:.2f})", flush=True)
             results["speed"] = {}
-            for rate in rates:
-                with nethosts.Hosts(2, rate_mbit=float(rate) or None) as h:
-                    for engine in a.engines.split(","):
-                        for mode in modes if engine == "ddp" else ["grad"]:
-                            steps = max(a.speed_steps, sync_period(mode) + WARMUP)
-                            out = os.path.join(work, f"{engine}-{mode}-{rate}")
-                            r = speed_run(h, engine, mode, steps, out, work)
-                            shutil.rmtree(out, ignore_errors=True)
-                            results["speed"].setdefault(engine, {}).setdefault(mode, {})[rate] = r
-                            print(f"{rate or 'unshaped':>8} Mbit/s {engine:4} {mode:10} {r['samples_per_s']:7.1f} samples/s "
-                                  f"{r['step_time_s']:.3f} s/step  {r['iface_bytes_per_step'] / 1e6:6.2f} MB/step on eth0 "
-                                  f"(distkit payload {r['payload_bytes_per_step'] / 1e6:.2f})", flush=True)
+            for (engine, mode, rate), rs in runs.items():
+                results["speed"].setdefault(engine, {}).setdefault(mode, {})[rate] = rs[0] if len(rs) == 1 else median_run(rs)
         if a.only != "speed":
             quality_part(a, modes, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write(results, a.out)
     print(json.dumps({k: results[k] for k in ("quality_vs_grad", "speed_vs_grad", "speed_vs_unshaped", "mpi_vs_ddp_grad",
-                                              "framing") if k in results}, indent=1))
+                                              "framing", "speed_vs_grad_rounds", "speed_vs_unshaped_rounds")
+                      if k in results}, indent=1))
     print(f"wrote {a.out} and {os.path.splitext(a.out)[0]}.png")
     return 0
 
