@@ -228,7 +228,10 @@ def plot(results: dict[str, Any], path: str) -> None:
     if not results["speed"]:
         plot_quality(results, path)
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    quality = results.get("quality", {})
+    # a speed-only file (a --repeats run of its own) gets no empty quality panel
+    fig, axes = plt.subplots(1, 2 if quality else 1, figsize=(11, 4.2) if quality else (6, 4.2), squeeze=False)
+    ax1 = axes[0][0]
     rates = sorted({float(r) for e in results["speed"].values() for m in e.values() for r in m if r != "0"})
     unshaped_x = max(rates) * 10 if rates else 10000.0
     for engine, by_mode in results["speed"].items():
@@ -236,6 +239,10 @@ def plot(results: dict[str, Any], path: str) -> None:
             xs = sorted(by_rate, key=lambda r: float(r) or unshaped_x)
             line, = ax1.plot([float(r) or unshaped_x for r in xs], [by_rate[r]["samples_per_s"] for r in xs], marker="o",
                              linestyle="-" if engine == "ddp" else "--", label=f"{mode} ({engine})")
+            spread = [r for r in xs if len(by_rate[r].get("samples_per_s_runs", [])) > 1]
+            for r in spread:  # --repeats: the line goes through the median run, the bar spans every run
+                runs = by_rate[r]["samples_per_s_runs"]
+                ax1.plot([float(r) or unshaped_x] * 2, [min(runs), max(runs)], color=line.get_color(), linewidth=3, alpha=0.4)
             modelled = [r for r in xs if "model_step_time_s" in by_rate[r]]
             ax1.plot([float(r) for r in modelled], [by_rate[r]["samples_per_s"] * by_rate[r]["step_time_s"]
                                                     / by_rate[r]["model_step_time_s"] for r in modelled],
@@ -243,9 +250,15 @@ def plot(results: dict[str, Any], path: str) -> None:
     ax1.set_xscale("log")
     ax1.set_xlabel(f"link speed, Mbit/s ({unshaped_x:g} = unshaped)")
     ax1.set_ylabel("samples/s (2 hosts x 1 rank)")
-    ax1.set_title("speed (charlm medium); x = step-time model")
+    ax1.set_title("speed (charlm medium); x = step-time model"
+                  + ("; bars: min-max of the rounds" if any(len(v.get("samples_per_s_runs", [])) > 1 for e in results["speed"].values()
+                                                          for m in e.values() for v in m.values()) else ""), fontsize=9)
     ax1.legend(fontsize=7)
-    quality = results.get("quality", {})
+    if not quality:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
+    ax2 = axes[0][1]
     xs = [*rates, unshaped_x]
     for mode, q in quality.items():
         ax2.plot(xs, [q["eval_loss"]] * len(xs), marker=".", label=f"{mode}: {q['eval_loss']:.3f}")
@@ -436,7 +449,7 @@ def main() -> int:
                                 shutil.rmtree(out, ignore_errors=True)
                                 runs.setdefault((engine, mode, rate), []).append(r)
                                 tag = f"round {rnd + 1}/{a.repeats} " if a.repeats > 1 else ""
-                                print(f"{tag}{rate or 'unshaped':>8} Mbit/s {engine:4} {mode:10} {r['samples_per_s']:7.1f} "
+                                print(f"{tag}{rate if float(rate) else 'unshaped':>8} Mbit/s {engine:4} {mode:10} {r['samples_per_s']:7.1f} "
                                       f"samples/s {r['step_time_s']:.3f} s/step  {r['iface_bytes_per_step'] / 1e6:6.2f} MB/step "
                                       f"on eth0 (distkit payload {r['payload_bytes_per_step'] / 1e6:.2f})", flush=True)
             results["speed"] = {}
