@@ -418,6 +418,12 @@ def main() -> int:
     if bad:
         print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>", file=sys.stderr)
         return 2
+    try:
+        if any(float(r) < 0 for r in rates):
+            raise ValueError
+    except ValueError:
+        print(f"slow_link: --rates {a.rates!r}: give link speeds in Mbit/s, 0 for unshaped (e.g. 25,100,0)", file=sys.stderr)
+        return 2
     if a.repeats < 1:
         print(f"slow_link: --repeats {a.repeats}: give 1 or more speed sweeps", file=sys.stderr)
         return 2
@@ -449,7 +455,7 @@ def main() -> int:
                                 shutil.rmtree(out, ignore_errors=True)
                                 runs.setdefault((engine, mode, rate), []).append(r)
                                 tag = f"round {rnd + 1}/{a.repeats} " if a.repeats > 1 else ""
-                                print(f"{tag}{rate if float(rate) else 'unshaped':>8} Mbit/s {engine:4} {mode:10} {r['samples_per_s']:7.1f} "
+                                print(f"{tag}{f'{rate} Mbit/s' if float(rate) else 'unshaped':>13} {engine:4} {mode:10} {r['samples_per_s']:7.1f} "
                                       f"samples/s {r['step_time_s']:.3f} s/step  {r['iface_bytes_per_step'] / 1e6:6.2f} MB/step "
                                       f"on eth0 (distkit payload {r['payload_bytes_per_step'] / 1e6:.2f})", flush=True)
             results["speed"] = {}
