@@ -9,6 +9,7 @@ ImportError (an environment change, like an uninstalled package; the engine is n
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -40,6 +41,26 @@ def _horovod_installed() -> None:
 @pytest.fixture
 def horovod(_horovod_installed: None) -> None:
     """Marks a test that needs the real Horovod: fails with the build command when it is missing."""
+
+
+def test_horovod_extension_finds_its_libraries_relative_to_itself(horovod: None) -> None:
+    """``build_horovod.sh`` caches one wheel for every checkout: an absolute RUNPATH (the building venv's lib
+    dirs, which the linker writes) made a wheel cached from /tmp/fresh fail in CI with "libmpi.so.40: cannot
+    open shared object file". Every extension's RUNPATH must be relative to the file (``$ORIGIN``)."""
+    readelf = shutil.which("readelf")
+    assert readelf, "readelf (binutils) is needed to read the extension's RUNPATH: apt-get install -y binutils"
+    res = subprocess.run([sys.executable, "-c", "import horovod, os; print(os.path.dirname(horovod.__file__))"],
+                         capture_output=True, text=True, check=True)
+    libs = sorted(Path(res.stdout.strip()).rglob("*.so"))
+    assert libs, f"no extension modules under {res.stdout.strip()}"
+    for so in libs:
+        dyn = subprocess.run([readelf, "-d", str(so)], capture_output=True, text=True, check=True).stdout
+        paths = [p for line in dyn.splitlines() if "RUNPATH" in line or "RPATH" in line
+                 for p in line.split("[", 1)[1].rstrip("]").split(":")]
+        assert paths, f"{so} has no RUNPATH: it cannot find libmpi.so.40 in the venv"
+        assert all(p.startswith("$ORIGIN/") for p in paths), f"{so}: RUNPATH {paths} is not relative to the file"
+        assert any(p.startswith("$ORIGIN/") and (so.parent / p[len("$ORIGIN/"):] / "libmpi.so.40").exists()
+                   for p in paths), f"{so}: no RUNPATH entry {paths} holds libmpi.so.40"
 
 
 def launch(launcher: list[str], *args: str, timeout: float = 180, **env: str) -> Any:
