@@ -51,6 +51,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -190,9 +191,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def round_ratios(num: list[float], den: list[float]) -> dict[str, Any]:
     """Ratios of two rows' samples/s taken within each round (paired), with their median, min and max."""
     ratios = [a / b for a, b in zip(num, den)]
-    mid = sorted(ratios)
-    n = len(mid)
-    return {"median": (mid[(n - 1) // 2] + mid[n // 2]) / 2, "min": mid[0], "max": mid[-1], "rounds": ratios}
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
 
 
 def model(results: dict[str, Any]) -> None:
@@ -234,6 +233,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     ax1 = axes[0][0]
     rates = sorted({float(r) for e in results["speed"].values() for m in e.values() for r in m if r != "0"})
     unshaped_x = max(rates) * 10 if rates else 10000.0
+    repeated = False  # any row from --repeats: the title explains its bars
     for engine, by_mode in results["speed"].items():
         for mode, by_rate in by_mode.items():
             xs = sorted(by_rate, key=lambda r: float(r) or unshaped_x)
@@ -241,6 +241,7 @@ def plot(results: dict[str, Any], path: str) -> None:
                              linestyle="-" if engine == "ddp" else "--", label=f"{mode} ({engine})")
             spread = [r for r in xs if len(by_rate[r].get("samples_per_s_runs", [])) > 1]
             for r in spread:  # --repeats: the line goes through the median run, the bar spans every run
+                repeated = True
                 runs = by_rate[r]["samples_per_s_runs"]
                 ax1.plot([float(r) or unshaped_x] * 2, [min(runs), max(runs)], color=line.get_color(), linewidth=3, alpha=0.4)
             modelled = [r for r in xs if "model_step_time_s" in by_rate[r]]
@@ -250,9 +251,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     ax1.set_xscale("log")
     ax1.set_xlabel(f"link speed, Mbit/s ({unshaped_x:g} = unshaped)")
     ax1.set_ylabel("samples/s (2 hosts x 1 rank)")
-    ax1.set_title("speed (charlm medium); x = step-time model"
-                  + ("; bars: min-max of the rounds" if any(len(v.get("samples_per_s_runs", [])) > 1 for e in results["speed"].values()
-                                                          for m in e.values() for v in m.values()) else ""), fontsize=9)
+    ax1.set_title("speed (charlm medium); x = step-time model" + ("; bars: min-max of the rounds" if repeated else ""), fontsize=9)
     ax1.legend(fontsize=7)
     if not quality:
         fig.tight_layout()

