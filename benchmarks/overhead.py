@@ -41,9 +41,16 @@ Backends: ddp (``raw_ddp.py``, torchrun), horovod (``raw_horovod.py``, mpirun), 
 mpirun), deepspeed (``raw_deepspeed.py``, torchrun, ``--zero-stage``). ``--compare mpi-vs-ddp`` runs
 two distkit engines against each other instead (A = ddp over gloo, B = mpi, both under mpirun).
 
-Writes ``benchmarks/results/overhead_<backend>.json`` (``mpi_vs_ddp.json`` for the comparison;
-+ a PNG when matplotlib is there). Another backend = one more entry in ``BACKENDS`` with its
-baseline script, launcher and distkit ``distributed`` section.
+Writes ``overhead_<backend>.json`` (``mpi_vs_ddp.json`` for the comparison; + a PNG when matplotlib
+is there) into a fresh directory under the system's temp directory, printed at the end, so a trial
+run never overwrites the committed results; ``--out PATH`` writes where asked (the commands in
+``benchmarks/README.md`` that regenerate ``benchmarks/results/`` pass it). Another backend = one more
+entry in ``BACKENDS`` with its baseline script, launcher and distkit ``distributed`` section.
+
+Each run (one side of one pair) has ``--run-timeout`` seconds (default 600). A run past it is killed
+with everything it started (its process group, and the ranks torchrun puts in sessions of their own);
+the script names the run, prints its captured output's tail and exits with status 124 (as
+``timeout(1)``), writing no result: a benchmark with a missing run is not retried or reported.
 """
 from __future__ import annotations
 
@@ -54,6 +61,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -137,13 +145,121 @@ def _env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], env: dict[str, str], log: str) -> None:
+#: exit status of the script when a run exceeds ``--run-timeout`` (the one ``timeout(1)`` uses)
+TIMEOUT_EXIT = 124
+
+
+def _log_tail(log: str, chars: int = 3000) -> str:
+    with open(log, errors="replace") as f:
+        return f.read()[-chars:] or "(the run wrote no output)"
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """A process's start time (clock ticks after boot, /proc/PID/stat field 22): with the pid, its identity
+    (pids are reused); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # comm, which may hold ") ", ends at the last ")"
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every live process below ``root`` in the process tree (from /proc's parent pids), with its start time."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then the parent pid
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            start = _start_time(child)
+            if start is not None:
+                found[child] = start
+                todo.append(child)
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    """``sig`` to ``pid`` and to its process group, unless that group is this script's."""
+    try:
+        pgid = os.getpgid(pid)
+        if pgid != os.getpgrp():
+            os.killpg(pgid, sig)
+        os.kill(pid, sig)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def _kill_run(proc: "subprocess.Popen[bytes]", grace_s: float = 5.0) -> None:
+    """End a run and everything it started. First SIGTERM to the run's process group (its id is the
+    launcher's pid: ``start_new_session``), so torchrun / mpirun stop their ranks and clean up (a
+    SIGKILLed mpirun leaves a session directory that can break a later one, see ``distkit.ompi_leftovers``).
+    After ``grace_s``, whatever is left is frozen (SIGSTOP: a stopped process cannot fork) and SIGKILLed:
+    the group, and every process of the tree found before the SIGTERM or since (torchrun starts each rank
+    in a session of its own, which the group does not reach), each with its own group."""
+    known = _descendants(proc.pid)  # now: once the launcher is gone, its orphaned ranks are not below it
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    stopped: set[int] = set()
+    while True:
+        tree = dict(known)
+        if proc.returncode is None:  # not reaped yet, so its pid is still its own (a reaped one may be reused)
+            tree.update(_descendants(proc.pid))
+        left = {pid for pid, start in tree.items() if _start_time(pid) == start}  # the same processes, alive
+        if proc.returncode is None:
+            left.add(proc.pid)
+        new = left - stopped
+        if not new:
+            break
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= new
+    try:
+        # the group may outlive its leader; its id is not reused while a member lives, so this hits only ours
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _run(cmd: list[str], env: dict[str, str], log: str, timeout_s: float) -> None:
+    """Run one side of one pair, output to ``log``. Past ``timeout_s``, or on Ctrl-C (the run's own session
+    does not get the terminal's SIGINT), the run is ended with all it started (:func:`_kill_run`); a timeout
+    ends the script (status :data:`TIMEOUT_EXIT`) naming the run, before any result is written."""
+    name = os.path.splitext(os.path.basename(log))[0]  # the run's tag, e.g. 03-distkit
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        # its own session: its process group can be killed as one without touching this script
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            tail = _log_tail(log)  # what it had written when time ran out, not the launcher's shutdown messages
+            _kill_run(proc)
+            print(f"overhead: run {name} exceeded --run-timeout {timeout_s:g} s and was killed with its processes; "
+                  f"no result written\ncommand: {' '.join(cmd)}\n--- output tail ---\n{tail}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(TIMEOUT_EXIT) from None
+        except BaseException:  # KeyboardInterrupt, or anything else: leave no ranks behind
+            _kill_run(proc)
+            raise
     if rc != 0:
-        with open(log) as f:
-            tail = f.read()[-3000:]
-        raise SystemExit(f"overhead: command failed ({rc}): {' '.join(cmd)}\n--- log tail ---\n{tail}")
+        raise SystemExit(f"overhead: run {name} failed ({rc}): {' '.join(cmd)}\n--- log tail ---\n{_log_tail(log)}")
 
 
 def run_raw(be: Backend, args: argparse.Namespace, work: str, tag: str) -> dict[str, Any]:
@@ -161,7 +277,7 @@ def _run_script(be: Backend, args: argparse.Namespace, work: str, tag: str, scri
         "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
         "--times", times, *extra]
     t0 = time.perf_counter()
-    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"))
+    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"), args.run_timeout)
     with open(times) as f:
         rec = json.load(f)
     rec["process_wall_s"] = time.perf_counter() - t0
@@ -190,7 +306,7 @@ def run_distkit(be: Backend, args: argparse.Namespace, work: str, tag: str,
     times = os.path.join(work, f"{tag}.times.json")
     cmd = (launcher or be.launcher)(args.nprocs) + [os.path.abspath(__file__), "--distkit-worker", times, "--", "train", cfg_path]
     t0 = time.perf_counter()
-    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"))
+    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"), args.run_timeout)
     with open(times) as f:
         rec = json.load(f)
     rec["process_wall_s"] = time.perf_counter() - t0
@@ -383,6 +499,12 @@ def plot(result: dict[str, Any], path: str) -> Optional[str]:
     return path
 
 
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute (the temp default)."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith(os.pardir) else rel
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -423,11 +545,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--nice", type=int, default=0,
                     help="scheduling priority for this benchmark and its ranks (e.g. -10 as root on a shared "
                          "machine, so other processes disturb the timings less); 0 leaves it unchanged")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/overhead_<backend>.json, "
-                                                "overhead_byo_<backend>.json with --path byo, "
-                                                "or <compare with _>.json, e.g. mpi_vs_ddp.json)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (the PNG goes next to it). Default: a new directory under the system's temp "
+                         "directory (printed at the end) holding overhead_<backend>.json, overhead_byo_<backend>.json "
+                         "with --path byo, or <compare with _>.json, e.g. mpi_vs_ddp.json. The committed results "
+                         "are rewritten only when asked: --out benchmarks/results/<name>.json")
+    ap.add_argument("--run-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="wall-clock limit of each run (one side of one pair, start-up included); past it the run "
+                         "and all its processes are killed, its output's tail is printed and the script exits "
+                         f"with status {TIMEOUT_EXIT}, writing no result (default 600)")
     ap.add_argument("--keep", action="store_true", help="keep the per-run work directory (logs, configs, times)")
     args = ap.parse_args(argv)
+    if not args.run_timeout > 0:
+        ap.error("--run-timeout must be > 0 seconds")
     if args.steps < args.warmup + 10:
         ap.error("--steps must exceed --warmup by at least 10")
     if args.path == "byo" and args.compare:
@@ -449,7 +579,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         runners = {sides[0]: lambda tag: run_distkit(be_a, args, work, tag, launcher),
                    sides[1]: lambda tag: run_distkit(be_b, args, work, tag, launcher)}
         title, be = args.compare, be_b
-        out = args.out or os.path.join(HERE, "results", f"{args.compare.replace('-', '_')}.json")
+        name = f"{args.compare.replace('-', '_')}.json"
         baseline = None
         side_desc = {sides[0]: f"distkit {a_name} grad ({be_a.transport})", sides[1]: f"distkit {b_name} grad ({be_b.transport})"}
         dk_configs = {sides[0]: distkit_config(be_a, args, "<tmp>"), sides[1]: distkit_config(be_b, args, "<tmp>")}
@@ -458,7 +588,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sides = ("raw", "byo")
         runners = {"raw": lambda tag: run_raw(be, args, work, tag), "byo": lambda tag: run_byo(be, args, work, tag)}
         title, launcher_name, baseline = args.backend, be.launcher_name, f"benchmarks/{be.baseline}"
-        out = args.out or os.path.join(HERE, "results", f"overhead_byo_{args.backend}.json")
+        name = f"overhead_byo_{args.backend}.json"
         side_desc = {"raw": f"{baseline} ({be.transport})",
                      "byo": f"benchmarks/byo_charlm.py: distkit {be.name} grad through distkit.init/dk.step "
                             f"({be.transport})"}
@@ -470,11 +600,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         runners = {"raw": lambda tag: run_raw(be, args, work, tag), "distkit": lambda tag: run_distkit(be, args, work, tag)}
         title, launcher_name, baseline = args.backend, be.launcher_name, f"benchmarks/{be.baseline}"
         suffix = f"_whatif_{args.what_if.replace('-', '_')}" if args.what_if else ""
-        out = args.out or os.path.join(HERE, "results", f"overhead_{args.backend}{suffix}.json")
+        name = f"overhead_{args.backend}{suffix}.json"
         side_desc = {"raw": f"{baseline} ({be.transport})", "distkit": f"distkit {be.name} grad ({be.transport})"}
         dk_configs = {"distkit": distkit_config(be, args, "<tmp>")}
     a_side, b_side = sides
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # a bad path fails before the runs
 
     runs: list[dict[str, Any]] = []
     t_all = time.perf_counter()
@@ -575,6 +706,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "total_wall_s": round(time.perf_counter() - t_all, 1),
         "runs": runs,
     }
+    if args.out:
+        out = args.out
+    else:
+        # A fresh directory per invocation, made only once there is a result: a default run (make bench, a
+        # trial) never overwrites benchmarks/results/, which holds the committed measurements.
+        out = os.path.join(tempfile.mkdtemp(prefix="distkit-overhead-results-"), name)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     png = plot(result, os.path.splitext(out)[0] + ".png")
@@ -594,7 +731,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"\ntarget: {target} -> {'met' if result['meets_target'] else 'NOT met'}"
           + (f" (noisy pairs {result['noisy_pairs']}: other processes were using the CPUs)" if result["noisy_pairs"] else "")
           + f"\nsame final parameters on both sides: {result['same_work']}\n"
-          f"wrote {os.path.relpath(out)}" + (f" and {os.path.relpath(png)}" if png else ""))
+          f"wrote {_shown(out)}" + (f" and {_shown(png)}" if png else ""))
     return 0
 
 

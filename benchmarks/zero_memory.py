@@ -38,12 +38,14 @@ printed for reference. Writes ``benchmarks/results/zero_memory.json`` and prints
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -156,6 +158,40 @@ def expected(stage: int, psi: int, n: int) -> dict[str, float]:
             "paper_mixed_precision_total_bytes": mixed * psi}
 
 
+#: lines of a failed rank's stderr that a failure report shows
+TAIL_LINES = 40
+
+
+def _tail(path: str, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of text file ``path``."""
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def failure_report(n: int, stage: int, returncode: int, launcher_stderr: str, log_dir: str) -> str:
+    """What to print when the torchrun of case (``n`` ranks, ZeRO ``stage``) exited with ``returncode``.
+
+    Each rank's stderr is in its own file (torchrun ``--log-dir``/``--redirects``:
+    ``LOG_DIR/<run id>/attempt_0/<local rank>/stderr.log``), so the report shows the failing rank's own
+    output, not the ranks' lines interleaved. The failing rank is torchrun's "Root Cause (first observed
+    failure)"; the others usually failed only because it did. Where torchrun names none (it failed itself,
+    or its summary changed), every rank's stderr and torchrun's own are shown.
+    """
+    logs = {int(os.path.basename(os.path.dirname(p))): p
+            for p in glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "stderr.log"))}
+    root: Optional[re.Match[str]] = re.search(
+        r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*([^\n]*)", launcher_stderr, re.S)
+    head = f"zero_memory: case N={n} stage {stage} failed (torchrun exit status {returncode})"
+    if root is not None and int(root.group(2)) in logs:
+        rank, local, exitcode = int(root.group(1)), int(root.group(2)), " ".join(root.group(3).split())
+        return (f"{head}: rank {rank} failed first, exit code {exitcode}; its stderr (last {TAIL_LINES} lines):\n"
+                f"{_tail(logs[local])}")
+    parts = [f"{head}; torchrun named no failing rank. torchrun's stderr (last {TAIL_LINES} lines):\n"
+             f"{''.join(launcher_stderr.splitlines(keepends=True)[-TAIL_LINES:])}"]
+    parts += [f"local rank {r}'s stderr (last {TAIL_LINES} lines):\n{_tail(p)}" for r, p in sorted(logs.items())]
+    return "\n".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -182,18 +218,17 @@ def main() -> None:
     for n in args.ranks:
         for stage in args.stages:
             with tempfile.TemporaryDirectory() as tmp:
-                part = os.path.join(tmp, "r.json")
+                part, log_dir = os.path.join(tmp, "r.json"), os.path.join(tmp, "logs")
+                # each rank's stderr to its own file (--redirects 2), so a failure report can show the failing
+                # rank's own output
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                       "--log-dir", log_dir, "--redirects", "2",
                        os.path.abspath(__file__), "--worker", str(stage), "--size", args.size, "--out", part]
-                for attempt in (1, 2):  # one retry: on a loaded 2-core machine a gloo rank was once seen aborting
-                    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                          check=False)
-                    if proc.returncode == 0:
-                        break
-                    print(f"zero_memory: N={n} stage {stage} attempt {attempt} failed ({proc.returncode}):\n"
-                          f"{proc.stderr[-2000:]}", file=sys.stderr)
-                else:
-                    raise SystemExit(f"zero_memory: N={n} stage {stage} failed twice")
+                # no retry: a run that crashes is a result to look at, not one to hide behind a second try
+                proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      check=False)
+                if proc.returncode != 0:
+                    raise SystemExit(failure_report(n, stage, proc.returncode, proc.stderr, log_dir))
                 with open(part) as f:
                     recs = json.load(f)
             exp = expected(stage, recs[0]["psi"], n)

@@ -54,6 +54,8 @@ class ParamAverager:
         self.num_syncs = 0
         self.wait_s = 0.0  #: seconds spent in the averaging exchange (blocked on communication)
         self._last_sync = time.monotonic()
+        #: tensors outside the model averaged plainly at every sync (modules given to ``dk.keep_in_sync``)
+        self.extra: list[torch.Tensor] = []
         self._outer: Optional[torch.optim.Optimizer] = None
         self._anchor: list[torch.Tensor] = []
         if outer_optimizer is not None:
@@ -82,6 +84,14 @@ class ParamAverager:
         """Collective: average now (and apply the outer optimizer if configured)."""
         t0 = time.perf_counter()
         self.strategy.average_parameters(self.tensors)
+        if self.extra:  # over every rank (all_reduce), also where the model's tensors go over replica groups
+            with torch.no_grad():
+                flat = torch.cat([t.detach().reshape(-1).float() for t in self.extra])
+                self.strategy.all_reduce(flat, op="mean")
+                offset = 0
+                for t in self.extra:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
         self.wait_s += time.perf_counter() - t0  # the exchange, counted as waiting on communication
         if self._outer is not None:
             with torch.no_grad():

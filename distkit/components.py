@@ -9,7 +9,7 @@ import contextlib
 import inspect
 import math
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -40,12 +40,18 @@ def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
     return found  # type: ignore[return-value]
 
 
-def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1) -> torch.optim.Optimizer:
+#: The (name, parameter) pairs of a model, as ``model.named_parameters()`` gives them, produced on demand.
+NamedParameters = Callable[[], Iterable[tuple[str, torch.nn.Parameter]]]
+
+
+def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1,
+                    named_parameters: Optional[NamedParameters] = None) -> torch.optim.Optimizer:
     """The configured optimizer: ``optimizer = {"class": <torch.optim name>, **kwargs}`` with ``lr`` =
-    ``learning_rate`` (times the world size with ``distributed.scale_lr``), or a factory ``params -> Optimizer``
-    (which sets its own learning rate)."""
+    ``learning_rate`` (times the world size with ``distributed.scale_lr``), or a factory (which sets its own
+    learning rate): ``params -> Optimizer``, or one that asks for ``named_parameters`` (see
+    :func:`call_optimizer_factory`; ``named_parameters`` here gives the model's pairs for it)."""
     if callable(cfg.optimizer):
-        opt = cfg.optimizer(params)
+        opt = call_optimizer_factory(cfg.optimizer, params, named_parameters)
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(f"the 'optimizer' factory returned {type(opt).__name__}, not a torch.optim.Optimizer: "
                               "return e.g. torch.optim.AdamW(params, lr=1e-3)")
@@ -64,6 +70,33 @@ def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1) -> torch.o
     except TypeError as e:  # a keyword the class does not take
         raise ConfigError(f"optimizer = {cfg.optimizer!r}: {cls.__name__} rejected its arguments ({e}): "
                           f"check the keys against torch.optim.{cls.__name__}") from None
+
+
+def call_optimizer_factory(factory: Callable[..., Any], params: Any,
+                           named_parameters: Optional[NamedParameters] = None) -> Any:
+    """Call an ``optimizer`` factory the way its signature asks.
+
+    A factory with a parameter called ``named_parameters`` gets the model's ``(name, parameter)`` pairs there,
+    as a list (so it may be walked more than once, as Hugging Face's decay / no-decay grouping does), by
+    keyword: ``def optimizer(named_parameters)`` gets only the pairs; when ``named_parameters`` is not its first
+    parameter (``def optimizer(params, named_parameters)``) the first one gets the parameters as well. Any
+    other factory is the original form, ``params -> Optimizer``, called with the parameters alone (a name in
+    the signature, not ``**kwargs``, asks: an old factory that takes ``**kwargs`` keeps being called as before).
+    """
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: only the original form can be meant
+        return factory(params)
+    asked = sig.parameters.get("named_parameters")
+    if asked is None or asked.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+        return factory(params)
+    if named_parameters is None:
+        raise ConfigError("the 'optimizer' factory takes named_parameters, which this caller cannot give: write it "
+                          "as a factory params -> Optimizer")
+    pairs = list(named_parameters())
+    if next(iter(sig.parameters)) == "named_parameters":
+        return factory(named_parameters=pairs)
+    return factory(params, named_parameters=pairs)
 
 
 def _warmup_then(warmup: int, total: int, decay: Callable[[float], float]) -> Callable[[int], float]:

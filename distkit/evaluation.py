@@ -32,7 +32,13 @@ def batch_loss(task: Task, model: nn.Module, batch: Any, train: bool) -> StepRes
     """The loss of ``batch`` and its metrics, in this order of precedence: the task's ``train_step``
     (``eval_step`` when not ``train``) returning ``loss`` or ``(loss, metrics)``; for a dict batch with
     no ``loss`` configured, the Hugging Face convention ``model(**batch).loss``; else
-    ``loss(model(inputs), targets)``, with the task's metrics on the outputs when not ``train``."""
+    ``loss(model(inputs), targets)``, with the task's metrics on the outputs when not ``train``.
+
+    On a dict batch the task's metrics (when not ``train``) get the model output's ``logits`` (an attribute
+    or a key, as in Hugging Face's ``ModelOutput``) as outputs and the batch's ``labels`` as targets, as
+    they are: no shift (a causal LM whose labels are its inputs needs a metric that shifts, or an
+    ``eval_step``) and every position counts (labels of -100, Hugging Face's ignore index, included). A
+    batch without ``labels`` or an output without ``logits`` is a UsageError naming the fix."""
     step = task.train_step if train else task.eval_step
     if step is not None:
         out = step(model, batch)
@@ -42,13 +48,27 @@ def batch_loss(task: Task, model: nn.Module, batch: Any, train: bool) -> StepRes
                              f"{type(metrics).__name__}")
         return loss, dict(metrics)
     if isinstance(batch, Mapping) and task.hf_loss:
+        wanted = {} if train else task.metrics
+        # Checked before the forward: without labels there is nothing to score, whatever the model returns.
+        if wanted and "labels" not in batch:
+            raise UsageError(f"{_hf_metrics_rule(wanted)}, but the batch has no 'labels' (its keys: "
+                             f"{', '.join(map(str, batch))}): add 'labels' to the dataset's items, or compute the "
+                             "metrics in eval_step = f(model, batch) -> (loss, {'accuracy': ...})")
         out = model(**batch)
-        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        loss = _output_field(out, "loss")
         if loss is None:
             raise UsageError("a dict batch with no 'loss' configured uses the Hugging Face convention "
                              "model(**batch).loss, but the model returned no loss: include 'labels' in the batch, "
                              "or set loss = ... or train_step = ...")
-        return loss, {}
+        if not wanted:
+            return loss, {}
+        logits = _output_field(out, "logits")
+        if logits is None:
+            raise UsageError(f"{_hf_metrics_rule(wanted)}, but the model returned no logits (a "
+                             f"{type(out).__name__}): return them too (e.g. {{'loss': loss, 'logits': logits}}), or "
+                             "compute the metrics in eval_step = f(model, batch) -> (loss, {'accuracy': ...})")
+        labels = batch["labels"]
+        return loss, {name: _metric(name, fn, logits, labels) for name, fn in wanted.items()}
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise UsageError(f"a batch of type {type(batch).__name__} is not (inputs, targets): set train_step = "
                          "f(model, batch) -> loss, or make dataset items (inputs, targets)")
@@ -57,6 +77,18 @@ def batch_loss(task: Task, model: nn.Module, batch: Any, train: bool) -> StepRes
     loss = task.loss(out, y)
     metrics = {} if train else {name: _metric(name, fn, out, y) for name, fn in task.metrics.items()}
     return loss, metrics
+
+
+def _output_field(out: Any, name: str) -> Any:
+    """``out[name]`` for a mapping output (a dict, or Hugging Face's ``ModelOutput``, which is one), else the
+    attribute ``name``; None when it has none."""
+    return out.get(name) if isinstance(out, Mapping) else getattr(out, name, None)
+
+
+def _hf_metrics_rule(metrics: Mapping[str, Any]) -> str:
+    """The start of the UsageErrors of metrics on dict batches: which metrics, and what they score."""
+    return (f"metrics {sorted(metrics)} on a dict batch score the model output's logits against the batch's 'labels' "
+            "(the Hugging Face convention)")
 
 
 def _metric(name: str, fn: Callable[[Any, Any], Any], outputs: Any, targets: Any) -> float:

@@ -105,6 +105,23 @@ def _stalls(directory: str) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: r["time"])
 
 
+def verdict(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int, str]:
+    """``(rank, exit status, what happened)`` for the spawner's line about the failed job: the rank
+    :func:`_culprit` names, "stopped responding" only when no error of its own was recorded for it and
+    another rank saw its heartbeat stop (a rank with an ordinary exception is also seen as lost by its
+    peers once it has exited: that must not turn its own error into "stopped responding")."""
+    rank, code = _culprit(directory, failed)
+    try:
+        with open(os.path.join(directory, f"rank-{rank}.json")) as f:
+            own = not json.load(f)["peer"]
+    except (OSError, ValueError, KeyError):
+        own = False
+    stalls = [s for s in _stalls(directory) if rank in s["stalled"]]
+    if stalls and not own:
+        return rank, code, f"stopped responding (no heartbeat for distributed.timeout_s; noticed by rank {stalls[0]['rank']})"
+    return rank, code, f"failed ({_describe(code)})"
+
+
 def _culprit(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int]:
     """The failed rank to name: the earliest with an error of its own; else the first rank another one
     saw stop responding (it may still run: stopped); else one that died without recording anything
@@ -187,7 +204,13 @@ def _stop(procs: list[Any], kill: frozenset[int] = frozenset()) -> None:
 
 
 def relaunch_command() -> list[str]:
-    """The command line that started this Python process (script or ``-m module``), to start it again."""
+    """The command line that started this Python process (script or ``-m module``), to start it again.
+
+    The arguments are the original ones (``sys.orig_argv``): a script that removes distkit's flags from
+    ``sys.argv`` before its own parser (nanoGPT's configurator) must get them again in every rank."""
+    orig = getattr(sys, "orig_argv", None)
+    if orig and len(orig) > 1:
+        return [sys.executable, *orig[1:]]
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name:
@@ -281,11 +304,8 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 if len(failed) == nprocs and _all_agreed(failures, nprocs):
                     return failed[0][1]  # one error every rank agreed on: rank 0 printed it, nothing to add
-                rank, code = _culprit(failures, failed)
-                stalls = _stalls(failures)
-                stalled = frozenset(r for s in stalls for r in s["stalled"])
-                what = (f"stopped responding (no heartbeat for distributed.timeout_s; noticed by rank {stalls[0]['rank']})"
-                        if rank in stalled else f"failed ({_describe(code)})")
+                rank, code, what = verdict(failures, failed)
+                stalled = frozenset(r for s in _stalls(failures) for r in s["stalled"])
                 print(f"distkit: rank {rank} {what}; stopping the other ranks", file=sys.stderr, flush=True)
                 _stop(procs, stalled)
                 return code if code > 0 else 1

@@ -48,12 +48,12 @@ from torch.utils.data import DataLoader, RandomSampler
 from distkit import checkpoint, ompi_leftovers, portable
 from distkit.netif import host_identity
 from distkit.backends import check_backend, strategy_class
-from distkit.backends.base import Strategy, persistent_buffers
+from distkit.backends.base import Strategy, float_state, persistent_buffers
 from distkit.components import pick_device
 from distkit.config import LaunchFlags, RunConfig, load_config, resolve, split_overrides
 from distkit.data import BatchPlan, PlanSampler, ShardedLoader
 from distkit.env import ClusterEnv, detect
-from distkit.errors import CheckpointError, CollectiveTimeout, DistkitError, UsageError
+from distkit.errors import CheckpointError, CollectiveTimeout, ConfigError, DistkitError, UsageError
 from distkit.evaluation import param_checksum
 from distkit.launch import record_failure, record_stall, settle_if_peer
 from distkit.main_process import set_current_strategy
@@ -155,12 +155,22 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
     if env.launcher == "single" and cfg.nprocs > 1:
         from distkit.launch import relaunch_command, run_local
 
+        # The ranks resolve their config again from the same command line; they check that they chose this engine.
+        os.environ[LAUNCH_ENGINE_VAR] = cfg.distributed.backend
         code = run_local(relaunch_command(), cfg.nprocs, strategy_class(cfg.distributed.backend).local_launcher)
         sys.stdout.flush()
         sys.exit(code)
+    chosen = os.environ.get(LAUNCH_ENGINE_VAR)
+    if chosen and env.launcher != "single" and chosen != cfg.distributed.backend:
+        raise ConfigError(f"this rank resolved engine '{cfg.distributed.backend}' but the process that started it "
+                          f"(--nprocs) chose '{chosen}': the script changed its arguments or config between the two "
+                          "(e.g. removed distkit's flags from sys.argv); parse them the same way on every start, or "
+                          "launch with torchrun/mpirun yourself")
     return Session(cfg, env)
 
 
+#: set by the ``--nprocs`` relaunch for its ranks: the engine the launching process resolved
+LAUNCH_ENGINE_VAR = "DISTKIT_LAUNCH_ENGINE"
 _HOOKED = False
 
 
@@ -175,6 +185,7 @@ def _install_excepthook() -> None:
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
         session = Session.current
+        exc = _explained(exc, session)
         if session is not None:
             record_failure(session.rank, exc)
             settle_if_peer(exc, session.world_size)
@@ -198,6 +209,53 @@ def _install_excepthook() -> None:
         previous(kind, exc, tb)
 
     sys.excepthook = hook
+
+
+def _explained(exc: BaseException, session: Optional["Session"]) -> BaseException:
+    """A known error of torch's whose text does not say what to do in a distkit script, as a UsageError that does."""
+    if (session is not None and "Default process group has not been initialized" in str(exc)
+            and not torch.distributed.is_initialized()):
+        return UsageError(f"torch.distributed is not initialised on the {session.backend} engine (it talks MPI), so "
+                          "torch.utils.data.DistributedSampler (or another torch.distributed call) cannot find the "
+                          "world size: pass the dataset to dk.dataloader (it shards on every engine), or give "
+                          "DistributedSampler num_replicas=dk.world_size, rank=dk.rank")
+    return exc
+
+
+class _NoModuleAttribute(UsageError, AttributeError):
+    """``model.module`` on an engine that returns the model unwrapped (an AttributeError, so ``hasattr`` is False)."""
+
+
+_NAMED_CLASSES: dict[type, type] = {}
+
+
+def _name_missing_module(model: nn.Module, engine: str) -> None:
+    """Make ``model.module`` (DDP's wrapper attribute, which scripts reach for) fail with the fix in its text on
+    engines that return the model itself. The model's class is swapped for a subclass that only adds that
+    message; it pickles and deep-copies as the original class. (A ``module`` attribute pointing at the model
+    itself would make ``hasattr(model, "module")`` true, and unwrapping loops such as Hugging Face's
+    ``unwrap_model`` would never end.)"""
+    base = type(model)
+    if "module" in dir(model) or base in _NAMED_CLASSES.values():
+        return
+    if base not in _NAMED_CLASSES:
+        def __getattr__(self: nn.Module, name: str) -> Any:
+            if name == "module":
+                raise _NoModuleAttribute(f"'{base.__name__}' object has no attribute 'module': this engine returns "
+                                         "the model unwrapped; use dk.unwrap(model) for the bare model on every engine")
+            return base.__getattr__(self, name)
+
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            named = type(self)
+            self.__class__ = base
+            try:
+                return base.__reduce_ex__(self, protocol)
+            finally:
+                self.__class__ = named
+
+        _NAMED_CLASSES[base] = type(base.__name__, (base,), {"__getattr__": __getattr__, "__reduce_ex__": __reduce_ex__,
+                                                             "__module__": base.__module__, "__qualname__": base.__qualname__})
+    model.__class__ = _NAMED_CLASSES[base]
 
 
 class Session:
@@ -253,6 +311,10 @@ class Session:
         self.checkpoint_stalls_s: list[float] = []
         self._unscaled = False  # 16-mixed: this step's gradients were already unscaled (by clip_grad_norm)
         self._last_loss: Optional[torch.Tensor] = None
+        self._micro = 0  # backward passes since the last step
+        self._kept: list[nn.Module] = []  # keep_in_sync
+        self._given_optimizer: Any = None  # the optimizer the user passed to setup (the engine may return another)
+        self._clip_restore: Optional[Callable[[], None]] = None
         # fp16 autocast needs loss scaling; bf16 does not; DeepSpeed does its own (its bf16/fp16 blocks)
         self._scaler: Optional[torch.amp.GradScaler] = None
         if cfg.precision == "16-mixed" and not self._strategy.handles_precision:
@@ -308,7 +370,8 @@ class Session:
         return self._model is not None and self._strategy.forward_is_collective(self._model)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only (flushed)."""
+        """``print`` on rank 0 only (always flushed; a ``flush`` argument is accepted and ignored)."""
+        kwargs.pop("flush", None)
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
@@ -338,7 +401,12 @@ class Session:
             raise UsageError("dk.setup(model, None): no optimizer; pass one (only a DeepSpeed config with an "
                              "'optimizer' block may leave it out)")
         given = optimizer
+        self._given_optimizer = given
         self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler)
+        if not hasattr(self._model, "module"):
+            _name_missing_module(self._model, self.backend)
+        if not self._strategy.grads_in_params:
+            self._guard_raw_clip()
         if self._strategy.reduces_in_backward:  # DDP/DeepSpeed wait for the all-reduce inside backward
             for p in self.unwrap().parameters():
                 if p.requires_grad:
@@ -357,6 +425,71 @@ class Session:
         if lr_scheduler is not None:
             return self._model, self._optimizer, self._scheduler
         return self._model, self._optimizer
+
+    def set_accumulation(self, steps: int) -> None:
+        """Backward passes per optimizer step (``accum_grad_multiple_step``), for a script that derives it from
+        the world size (nanoGPT: ``gradient_accumulation_steps //= dk.world_size``). Call it before
+        :meth:`setup`: DeepSpeed and Horovod build the accumulation into the engine there. Not collective,
+        but every rank must set the same value."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise UsageError(f"dk.set_accumulation(steps): steps must be an integer >= 1, got {steps!r}")
+        if self._model is not None:
+            raise UsageError("dk.set_accumulation() after dk.setup(): call it before setup (DeepSpeed and Horovod "
+                             "build the accumulation into the engine there)")
+        self._strategy.check_accumulation(steps)
+        self.cfg.accum_grad_multiple_step = steps
+
+    @property
+    def accumulation(self) -> int:
+        """Backward passes per optimizer step (``accum_grad_multiple_step``)."""
+        return self.cfg.accum_grad_multiple_step
+
+    def keep_in_sync(self, *modules: nn.Module) -> None:
+        """Register modules that training derives from the model outside it (an EMA copy such as
+        ``torch.optim.swa_utils.AveragedModel``, a teacher): in param mode their floating-point parameters
+        and buffers are averaged at every sync and by :meth:`finish`, like the model's (an average of
+        EMAs is the EMA of the average), and ``ranks_in_sync`` in :meth:`summary` covers them in every mode.
+        Call it after :meth:`setup`, on every rank. Not collective."""
+        self._require_setup("keep_in_sync()")
+        if self.forward_is_collective:
+            raise UsageError("dk.keep_in_sync: under ZeRO-3 the model's parameters are partitioned, so a copy made from "
+                             "it (AveragedModel, deepcopy) holds empty tensors: build the copy inside "
+                             "deepspeed.zero.GatheredParameters(model.parameters()), or use ZeRO stage 0-2")
+        for m in modules:
+            if not isinstance(m, nn.Module):
+                raise UsageError(f"dk.keep_in_sync(module): needs torch.nn.Module objects, got {type(m).__name__}")
+            self._kept.append(m)
+            averager = self._strategy.averager
+            if averager is not None:
+                averager.extra.extend(t for _, t in float_state(m))
+
+    def _guard_raw_clip(self) -> None:
+        """Where ``param.grad`` does not hold the gradient the engine steps with (ZeRO's partitions), a kept
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), x)`` would see no gradient and never clip: it
+        raises UsageError naming the fix instead (for the set-up model's parameters only, while this
+        session is open). Restored by :meth:`close`."""
+        import torch.nn.utils as nn_utils
+        import torch.nn.utils.clip_grad as clip_module
+
+        original = clip_module.clip_grad_norm_
+        ids = {id(p) for p in self.unwrap().parameters()}
+        session = self
+
+        def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if Session.current is session and any(id(p) in ids for p in params):
+                raise UsageError(f"torch.nn.utils.clip_grad_norm_ on the model's parameters sees no gradients on "
+                                 f"{session._strategy.backend_impl()} (the engine keeps them partitioned) and would "
+                                 f"never clip: remove the call and set gradient_clip = {float(max_norm):g} (the engine "
+                                 "clips inside dk.step), or call dk.clip_grad_norm")
+            return original(params, max_norm, *args, **kwargs)
+
+        nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+
+        def restore() -> None:
+            nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original  # type: ignore[assignment]
+
+        self._clip_restore = restore
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Context for forward passes (and the loss) at the configured ``precision``: ``torch.autocast`` to
@@ -409,6 +542,9 @@ class Session:
         config's). Batches of any structure come out on :attr:`device`. Passing a ``DataLoader``
         re-shards it with its dataset, batch size, collate_fn, workers and pin_memory.
         """
+        if not kwargs.pop("drop_last", True):
+            raise UsageError("dk.dataloader(drop_last=False): distkit always drops the incomplete last global batch, "
+                             "so that every rank takes the same number of steps; remove drop_last")
         if isinstance(dataset, DataLoader):
             loader = dataset
             dataset = loader.dataset
@@ -447,6 +583,12 @@ class Session:
         into ``num_samples`` and the time since its fetch began into ``compute_time_s`` (so batches
         of an evaluation loader count for neither)."""
         self._require_setup("backward()")
+        k = self.cfg.accum_grad_multiple_step
+        if self._strategy.fixed_accumulation and self._micro >= k:
+            raise UsageError(f"dk.backward: {self._micro + 1} backward passes before dk.step(), but the "
+                             f"{self.backend} engine takes exactly accum_grad_multiple_step = {k} per step: set "
+                             "accum_grad_multiple_step to the passes per step (config, or dk.set_accumulation(n) "
+                             "before dk.setup)")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise UsageError(f"dk.backward(loss) needs a scalar tensor, got {shape}: reduce it first, e.g. loss.mean()")
@@ -459,7 +601,10 @@ class Session:
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         self._t_grad_ready = None
+        waited = self._strategy.blocked_s
         self._strategy.backward(loss, self._model)  # type: ignore[arg-type]
+        self._micro += 1
+        self._step_wait_s += self._strategy.blocked_s - waited  # engines that wait for their reduction in backward
         if self._t_grad_ready is not None:
             # The engine waited for its all-reduce inside backward: from the last gradient computed to
             # the return is waiting on communication (DDP's reducer finalising its buckets).
@@ -486,6 +631,12 @@ class Session:
         scheduler, and in param mode the parameter averaging when due."""
         self._require_setup("step()")
         s, model = self._strategy, self._model
+        k = self.cfg.accum_grad_multiple_step
+        if s.fixed_accumulation and 0 < self._micro < k:
+            raise UsageError(f"dk.step() after {self._micro} backward pass(es), but the {self.backend} engine takes "
+                             f"exactly accum_grad_multiple_step = {k} per step: set accum_grad_multiple_step = "
+                             f"{self._micro} (config, or dk.set_accumulation({self._micro}) before dk.setup)")
+        self._micro = 0
         waited = s.blocked_s
         if self.cfg.gradient_clip is not None:
             self._unscale()
@@ -715,7 +866,18 @@ class Session:
         random.setstate(internal["rng"]["python"])
         np.random.set_state(internal["rng"]["numpy"])
         self.num_steps, self.num_samples = internal["progress"]["step"], internal["progress"]["samples"]
+        self._relink_given_optimizer()
         return rest
+
+    def _relink_given_optimizer(self) -> None:
+        """After a load: where the engine returned its own optimizer object over the user's param groups
+        (Horovod), ``load_state_dict`` gave it new group dicts; a scheduler (or script) holding the user's
+        optimizer must keep setting the learning rate the engine steps with, so the user's object shares them."""
+        given, opt = self._given_optimizer, self._optimizer
+        if (isinstance(given, torch.optim.Optimizer) and isinstance(opt, torch.optim.Optimizer) and given is not opt
+                and given.param_groups is not opt.param_groups):
+            given.param_groups = opt.param_groups
+            given.state = opt.state
 
     @staticmethod
     def _read_portable(path: str) -> dict[str, Any]:
@@ -783,6 +945,7 @@ class Session:
         zs = getattr(self._strategy, "zero_stage", None)
         now = f"{self._strategy.name}{f' ZeRO-{zs}' if zs is not None else ''}"
         n, m = manifest["world_size"], self.world_size
+        self._relink_given_optimizer()
         self.print(f"distkit: checkpoint {os.path.basename(path)} was written by {was} on {n} rank{'s' * (n != 1)} in "
                    f"{manifest.get('reduce_type', '?')} mode; loaded its portable part into {now} on {m} rank{'s' * (m != 1)} "
                    f"in {self.cfg.distributed.reduce_type} mode")
@@ -813,7 +976,10 @@ class Session:
         checksum = param_checksum(params)
         # In sync means the whole model state: parameters and persistent buffers (BatchNorm statistics).
         buffers = [(f"buffer.{i}", b) for i, b in enumerate(persistent_buffers(self.unwrap()))]
-        state = param_checksum(params + buffers) if buffers else checksum
+        # ... and every module registered with keep_in_sync (an EMA copy)
+        kept = [(f"kept.{i}.{n}", t) for i, m in enumerate(self._kept) for n, t in m.state_dict().items()
+                if torch.is_tensor(t)]
+        state = param_checksum(params + buffers + kept) if buffers or kept else checksum
         with self._collective("the checksum exchange of dk.summary()"):
             in_sync = all(c == state for c in s.all_gather_object(state))
         out = {
@@ -856,6 +1022,9 @@ class Session:
         :meth:`abort` (an exception) it leaves at once.
         """
         atexit.unregister(self.close)
+        if self._clip_restore is not None:
+            self._clip_restore()
+            self._clip_restore = None
         if Session.current is self:
             Session.current = None
             set_current_strategy(None)

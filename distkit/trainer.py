@@ -79,7 +79,10 @@ class TrainingRun:
         self._pending: Optional[checkpoint.PendingCheckpoint] = None  # checkpoint_async: the one being written
         self._data_offset = 0  # data steps ahead of the step count: nonzero after a resume with another global batch
         scheduler = build_scheduler(cfg, self.total_steps)
-        made = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size), scheduler)
+        # The factory is called with this bare model's parameters (names without a wrapper's "module."
+        # prefix, as the user wrote the model); a factory that asks for named_parameters gets them by name.
+        made = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size, model.named_parameters),
+                        scheduler)
         self.model, self.opt = made[0], made[1]
         self.lr_scheduler = dk.lr_scheduler  # also the DeepSpeed config's own scheduler block
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
@@ -307,7 +310,9 @@ class TrainingRun:
         evaluated = self.evaluate()
         self._save(final=True)
         summary = dk.summary(final_train_loss=train_loss, **evaluated, **self.best)
-        if "accuracy" not in self.task.metrics:  # e.g. a regression: an accuracy would mean nothing
+        if "eval_accuracy" not in evaluated and "accuracy" not in self.task.metrics:
+            # e.g. a regression: an accuracy would mean nothing. One the evaluation produced (the task's metric,
+            # or an eval_step's {"accuracy": ...}) stays, even where the task itself asks for none.
             summary.pop("eval_accuracy", None)
         summary["stopped_early"] = stopped
         self._call("on_train_end", summary)

@@ -12,7 +12,8 @@ from distkit.cli import main
 # (id, config file text or None, extra CLI args, words the one line must contain)
 CASES = [
     ("unknown_key", "task = 'digits'\nfoo = 1\n", [], ["unknown config key 'foo'"]),
-    ("misspelt_key", "lerning_rate = 0.1\n", [], ["'lerning_rate'", "did you mean 'learning_rate'"]),
+    ("misspelt_key", "lerning_rate = 0.1\n", [], ["'lerning_rate'", "did you mean 'learning_rate'",
+                                                 "If it is a helper, its name must start with '_' (_lerning_rate)"]),
     ("misspelt_override", "", ["++lerning_rate", "0.1"], ["'lerning_rate'", "did you mean 'learning_rate'"]),
     ("bad_reduce_type", "torch_distributed = {'reduce_type': 'params'}\n", [], ["reduce_type", "grad, param", "did you mean 'param'"]),
     ("sync_step_zero", "torch_distributed = {'reduce_type': 'param', 'param_sync_step': 0}\n", [], ["param_sync_step", ">= 1"]),
@@ -111,6 +112,18 @@ def test_bad_input_real_process(case: tuple[str, str, list[str], list[str]], tmp
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert all(w in res.stderr for w in words)
     assert not out.exists() and res.stdout == ""
+
+
+def test_a_helper_constant_without_underscore_says_how_to_name_it(tmp_path: Path) -> None:
+    """Issue 22: a constant a helper uses (``VOCAB = 65``) is a global like any key; the one line says that
+    a helper's name takes a "_" prefix, through the real entry point (status 2, nothing written)."""
+    cfg, out = _write(tmp_path, "VOCAB = 65\n\ndef model():\n    import torch\n    return torch.nn.Embedding(VOCAB, 8)\n")
+    res = distkit("train", str(cfg), timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"distkit: error: unknown config key 'VOCAB' in {cfg}: a helper name in a Python config must start with '_' "
+        "(_VOCAB) to be ignored (`distkit keys` lists the keys)"], res.stderr
+    assert not out.exists()
 
 
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -87,7 +87,8 @@ def test_resolved_config_written_by_rank0(tmp_path: Path) -> None:
 
 
 def test_imported_names_in_a_python_config_are_not_keys(tmp_path: Path) -> None:
-    text = ("import torch\nfrom torch.utils.data import Dataset\nfrom torch.optim import Optimizer\n"
+    text = ("from __future__ import annotations\n"  # binds `annotations` (a compiler switch, not a key)
+            "import torch\nfrom torch.utils.data import Dataset\nfrom torch.optim import Optimizer\n"
             "from json import loads as dataset_loader\nbatch_size = 4\n")
     assert load_config([_py(tmp_path, text)]).batch_size == 4
     with pytest.raises(ConfigError, match="unknown config key 'Datasett'"):  # a plain value under an unknown name

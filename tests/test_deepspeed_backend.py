@@ -7,6 +7,7 @@ launcher); a 2-rank DeepSpeed start costs ~20 s here, so runs are short (digits,
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,161 @@ def test_zero3_offload_example_config_runs_on_cpu(tmp_path: Path) -> None:
     vocab = datasets(64)[2]
     bare = CharTransformer(vocab, 64, *SIZES["small"])
     bare.load_state_dict(export(out, tmp_path / "m.pt"))
+
+
+# An own-loop script as Hugging Face and nanoGPT scripts set it up: AdamW with a weight-decay group and a
+# no-decay group (biases, LayerNorm). Each rank's batch of a step is a function of (step, rank), so a
+# resumed run sees the batches of the uninterrupted one, and one process can replay a step on both at once.
+TWO_GROUPS = """
+import torch
+from torch import nn
+
+
+def build():
+    model = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return model, torch.optim.AdamW(groups, lr=0.01)
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+"""
+TWO_GROUPS_SCRIPT = TWO_GROUPS + """
+import argparse, os, distkit
+parser = argparse.ArgumentParser()
+parser.add_argument("--resume")
+distkit.add_arguments(parser)
+args = parser.parse_args()
+dk = distkit.init(args)
+model, opt = dk.setup(*build())
+state = {"model": model, "optimizer": opt}
+out = dk.cfg.output_dir
+if args.resume:
+    dk.load(args.resume, state)
+    dk.save(os.path.join(out, "reloaded"), state)  # at once: DeepSpeed's load rebuilt its state links
+while dk.num_steps < 6:
+    x, y = batch(dk.num_steps, dk.rank)
+    dk.backward(nn.functional.cross_entropy(model(x), y))
+    dk.step()
+    if dk.num_steps == 3 and not args.resume:
+        dk.save(os.path.join(out, "step3"), state)
+dk.save(os.path.join(out, "final"), state)
+"""
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_param_groups_save_and_resume_on_zero_1_2(tmp_path: Path, stage: int) -> None:
+    # Issue 22.1: ZeRO-1/2 step the groups one at a time and DeepSpeed links the optimizer state to the
+    # parameters after the first group's step only, so dk.save failed with "exp_avg not found in optimizer
+    # state fragment" for the no-decay group. Run A: 6 steps, saving after 3; run B resumes there.
+    from distkit import portable
+
+    script = tmp_path / "two_groups.py"
+    script.write_text(TWO_GROUPS_SCRIPT)
+    engine = repr({"backend": "deepspeed", "deepspeed_config": zero(stage)})
+
+    def start(out: Path, *extra: str) -> None:
+        ok(run([str(BIN / "python"), str(script), *extra, "--nprocs", "2", "++output_dir", str(out),
+                "++distributed", engine], timeout=300))
+
+    start(tmp_path / "a")
+    step3 = portable.read(str(tmp_path / "a" / "step3"))
+    groups = step3[portable.META]["optim_groups"]
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(2, 0.1), (4, 0.0)]
+    moments = portable.optimizer_state(step3)
+    for name in portable.model_state(step3):  # every parameter of both groups has its moments
+        assert moments[name]["exp_avg"].abs().max() > 0 and moments[name]["exp_avg_sq"].abs().max() > 0, name
+    # the portable part is right, not only present: plain PyTorch in this process, loaded from it, takes
+    # steps 4-6 on both ranks' batches at once and ends where the 2-rank ZeRO run ended
+    ns: dict[str, Any] = {}
+    exec(TWO_GROUPS, ns)  # noqa: S102  # the script's own model, optimizer and batches
+    model, opt = ns["build"]()
+    portable.load_into(str(tmp_path / "a" / "step3"), model, opt)
+    for step in range(3, 6):
+        (x0, y0), (x1, y1) = ns["batch"](step, 0), ns["batch"](step, 1)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.cat([x0, x1])), torch.cat([y0, y1])).backward()
+        opt.step()
+    final_a = portable.read(str(tmp_path / "a" / "final"))
+    assert max_abs_diff(model.state_dict(), portable.model_state(final_a)) <= TOL
+
+    start(tmp_path / "b", "--resume", str(tmp_path / "a" / "step3"))
+    # the checkpoint written right after the load holds what was loaded; the resumed run ends where run A
+    # ended, bit for bit (parameters and moments)
+    reloaded = portable.read(str(tmp_path / "b" / "reloaded"))
+    assert reloaded.keys() == step3.keys()
+    assert all(torch.equal(v, step3[k]) for k, v in reloaded.items() if k != portable.META)
+    final_b = portable.read(str(tmp_path / "b" / "final"))
+    assert final_b.keys() == final_a.keys()
+    assert all(torch.equal(v, final_a[k]) for k, v in final_b.items() if k != portable.META)
+
+
+# Two ZeRO-3 training steps, then a forward on rank 0 only (the usual "evaluate on the main rank") while
+# rank 1 goes on with work of its own for longer than any timeout here. --call engine: ``model(x)`` on
+# what dk.setup returned, with a model whose top module holds a parameter of its own (gathered in that
+# module's pre-forward hook, which runs before its forward); --call bare: ``dk.unwrap()(x)``.
+RANK0_FORWARD = """
+import argparse, time, torch, distkit
+from torch import nn
+parser = argparse.ArgumentParser()
+parser.add_argument("--call", choices=["engine", "bare"])
+distkit.add_arguments(parser)
+args = parser.parse_args()
+dk = distkit.init(args)
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+model = Scaled() if args.call == "engine" else nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+model, opt = dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(2):
+    g = torch.Generator().manual_seed(10 * step + dk.rank)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    dk.backward(nn.functional.cross_entropy(model(x), y))
+    dk.step()
+print(f"rank {dk.rank} trained 2 steps", flush=True)
+if dk.is_main:
+    with torch.no_grad():
+        (model if args.call == "engine" else dk.unwrap())(torch.randn(8, 4))
+else:
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("call", ["engine", "bare"])
+def test_zero3_forward_on_one_rank_is_a_collective_timeout_naming_the_fix(tmp_path: Path, call: str) -> None:
+    # Issue 22.9d: under ZeRO-3 the forward all-gathers the parameters, so rank 0's lone forward waited
+    # until distributed.timeout_s and ended with gloo's bare "Timed out waiting 8000ms for send operation".
+    script = tmp_path / "rank0_forward.py"
+    script.write_text(RANK0_FORWARD)
+    engine = {"backend": "deepspeed", "timeout_s": 8, "deepspeed_config": zero(3)}
+    t0 = time.monotonic()
+    res = run([str(BIN / "python"), str(script), "--call", call, "--nprocs", "2", "++output_dir", str(tmp_path / "out"),
+               "++distributed", repr(engine)], timeout=150)
+    elapsed = time.monotonic() - t0
+    assert "rank 0 trained 2 steps" in res.stdout and "rank 1 trained 2 steps" in res.stdout, res.stderr[-3000:]
+    assert res.returncode == 1, (res.returncode, res.stderr[-3000:])
+    line = next((x for x in res.stderr.splitlines() if x.startswith("distkit: error (rank 0): ")), "")
+    assert line == ("distkit: error (rank 0): a forward pass timed out after distributed.timeout_s = 8 s: under ZeRO-3 "
+                    "the forward pass is collective (it gathers the parameters from every rank), so a forward that not "
+                    "every rank runs (evaluation under 'if dk.is_main') waits for the others forever; run the "
+                    "evaluation forward passes on every rank, the same number on each (dk.forward_is_collective says "
+                    "when), or use ZeRO stage 0-2"), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "Timed out waiting" not in res.stderr, res.stderr[-3000:]
+    assert "distkit: rank 0 failed (exit status 1); stopping the other ranks" in res.stderr
+    # the whole job ended at rank 0's timeout (start-up ~6-10 s + 8 s), not after rank 1's 120 s of work
+    assert elapsed < 45, elapsed
 
 
 # -- 1. launchers ------------------------------------------------------------------------------------

@@ -225,3 +225,21 @@ def test_groups_created_later_get_timeout_s() -> None:
     finally:
         dk.close()
     assert dist.distributed_c10d.default_pg_timeout == datetime.timedelta(minutes=30)
+
+
+def test_a_rank_with_its_own_error_is_named_failed_even_when_a_peer_saw_it_go(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 raised an ordinary exception and exited; rank 1 then lost it and recorded a stall naming rank 0
+    (RankLost). The spawner's line must say rank 0 failed (its own error), not that it stopped responding
+    (seen in 2 of 13 runs, when rank 1's record came within the spawner's settle time)."""
+    from distkit.errors import RankLost
+
+    monkeypatch.setenv(launch.FAILURE_DIR_VAR, str(tmp_path))
+    launch.record_failure(0, ValueError("bad batch shape"))
+    launch.record_stall(1, RankLost("rank 0 stopped responding", [0]))
+    launch.record_failure(1, RankLost("rank 0 stopped responding", [0]))
+    assert launch.verdict(str(tmp_path), [(0, 1), (1, 1)]) == (0, 1, "failed (exit status 1)")
+    # a rank that recorded nothing of its own (stopped, killed) and that a peer saw go silent
+    (tmp_path / "rank-0.json").unlink()
+    rank, code, what = launch.verdict(str(tmp_path), [(1, 1)])
+    assert (rank, code) == (0, 1) and what.startswith("stopped responding") and "noticed by rank 1" in what

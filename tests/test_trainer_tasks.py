@@ -145,3 +145,121 @@ def test_a_batch_that_cannot_move_to_the_device_is_named() -> None:
     batch = {"x": torch.ones(2), "meta": [Opaque()]}
     with pytest.raises(UsageError, match="batch item of type Opaque could not be moved to cpu.*TypeError: to"):
         to_device(batch, torch.device("cpu"))
+
+
+# A Hugging Face classifier (transformers' BertForSequenceClassification, 1 layer x 16 wide) on dict batches
+# {"input_ids", "labels"}: the loss is model(**batch).loss, the logits are model(**batch).logits. The label is
+# whether the first token is in the upper half of the vocabulary: learnable, and partly learned after 6 steps.
+HF_CLASSIFIER_CONFIG = '''
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+_VOCAB, _LEN = 16, 6
+
+
+def model():
+    cfg = BertConfig(vocab_size=_VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=_LEN, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, num_labels=2)
+    return BertForSequenceClassification(cfg)
+
+
+def _items(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, _VOCAB, (n, _LEN), generator=g)
+    labels = (ids[:, 0] > _VOCAB // 2).long()
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+
+
+def dataset():
+    return _items(128, 0), _items(50, 1)
+
+
+optimizer = {"class": "adamw"}
+learning_rate = 0.002
+max_steps = 6
+eval_every = 3
+log_every = 3
+batch_size = 8
+progress_bar = False
+'''
+
+# The other way to report an accuracy: an eval_step returning it (the custom task asks for no metric itself).
+EVAL_STEP = '''
+def eval_step(model, batch):
+    out = model(**batch)
+    return out.loss, {"accuracy": (out.logits.argmax(-1) == batch["labels"]).float().mean()}
+'''
+
+
+def _accuracy_of_the_final_checkpoint(cfg: Path, out: Path) -> float:
+    """The eval set's accuracy, computed here in one batch by the config's own model loaded from the run's
+    final checkpoint (in eval mode, as distkit evaluates)."""
+    import torch
+
+    from distkit.config.loader import load_file
+
+    keys = load_file(str(cfg))
+    model = keys["model"]()
+    model.load_state_dict(final_params(out))
+    model.eval()
+    _, items = keys["dataset"]()
+    labels = torch.stack([item["labels"] for item in items])
+    with torch.no_grad():
+        logits = model(input_ids=torch.stack([item["input_ids"] for item in items])).logits
+    return int((logits.argmax(-1) == labels).sum()) / len(items)
+
+
+@pytest.mark.parametrize("how", ["metrics", "eval_step"])
+def test_accuracy_of_dict_batches_lands_in_summary_and_metrics_2_ranks(tmp_path: Path, how: str) -> None:
+    """Issue 22: ``metrics = ["accuracy"]`` on dict batches scores ``model(**batch).logits`` against
+    ``batch["labels"]``; an eval_step's ``{"accuracy": ...}`` is kept too. Both reach summary.json's
+    eval_accuracy and metrics.jsonl's eval records, equal to the accuracy of the final checkpoint."""
+    cfg, out = tmp_path / "cls.py", tmp_path / "out"
+    cfg.write_text(HF_CLASSIFIER_CONFIG + ("metrics = ['accuracy']\n" if how == "metrics" else EVAL_STEP))
+    ok(distkit_cli("train", str(cfg), "--nprocs", "2", "++output_dir", str(out)))
+    expected = _accuracy_of_the_final_checkpoint(cfg, out)
+    assert 0.5 < expected < 1.0  # neither chance nor solved: a wrong count would show
+    s = summary(out)
+    assert (s["world_size"], s["steps"]) == (2, 6)
+    # per-batch accuracies x batch sizes, summed over both ranks' slices: the exact count / 50
+    assert s["eval_accuracy"] == expected
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    assert [r["step"] for r in evals] == [3, 6] and all(0.0 < r["eval_accuracy"] < 1.0 for r in evals)
+    assert (evals[-1]["eval_accuracy"], evals[-1]["eval_loss"]) == (expected, s["eval_loss"])
+
+
+def _no_logits_model() -> "torch.nn.Module":
+    """A regression on dict batches whose output has a loss and no logits (its target: the batch's ``labels``
+    or ``y``, whichever it has)."""
+    import torch
+
+    class Regressor(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor, **target: torch.Tensor) -> dict[str, torch.Tensor]:
+            (y,) = target.values()
+            return {"loss": ((self.lin(x).squeeze(-1) - y) ** 2).mean()}
+
+    return Regressor()
+
+
+@pytest.mark.parametrize("target_key", ["y", "labels"])
+def test_accuracy_of_dict_batches_without_labels_or_logits_names_the_fix(tmp_path: Path, target_key: str) -> None:
+    """The accuracy of a dict batch needs the batch's 'labels' and the output's logits: a UsageError (one line)
+    names what is missing and the fix, at the evaluation."""
+    import torch
+
+    items = [{"x": torch.randn(3), target_key: torch.tensor(float(i % 2))} for i in range(24)]
+    with pytest.raises(UsageError) as e:
+        distkit.Trainer({"model": _no_logits_model, "dataset": lambda: (items[:16], items[16:]), "metrics": ["accuracy"],
+                         "max_steps": 1, "batch_size": 8, "output_dir": str(tmp_path), "progress_bar": False}).fit()
+    rule = ("metrics ['accuracy'] on a dict batch score the model output's logits against the batch's 'labels' "
+            "(the Hugging Face convention), but ")
+    fix = "or compute the metrics in eval_step = f(model, batch) -> (loss, {'accuracy': ...})"
+    assert str(e.value) == rule + {
+        "y": f"the batch has no 'labels' (its keys: x, y): add 'labels' to the dataset's items, {fix}",
+        "labels": f"the model returned no logits (a dict): return them too (e.g. {{'loss': loss, 'logits': logits}}), {fix}",
+    }[target_key]

@@ -169,3 +169,75 @@ def test_callbacks_and_a_stop_from_one_rank_end_every_rank_at_the_same_step(tmp_
     ]
     s = summary(tmp_path / "out")
     assert s["steps"] == 6 and s["stopped_early"] is True and s["ranks_in_sync"] is True
+
+
+# Hugging Face's weight-decay grouping by parameter name, in an optimizer factory of a Python config.
+NAMED_GROUPS_CONFIG = '''
+import torch
+from torch import nn
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(4, 8)
+        self.LayerNorm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.LayerNorm(torch.relu(self.hidden(x))))
+
+
+def model():
+    return _Net()
+
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 4, generator=g)
+    return [(x[i], int(x[i].sum() > 0)) for i in range(96)]
+
+
+def _groups(named_parameters):
+    no_decay = ["bias", "LayerNorm.weight"]
+    return [{"params": [p for n, p in named_parameters if not any(nd in n for nd in no_decay)], "weight_decay": 0.1},
+            {"params": [p for n, p in named_parameters if any(nd in n for nd in no_decay)], "weight_decay": 0.0}]
+
+max_steps = 4
+batch_size = 8
+log_every = 2
+progress_bar = False
+'''
+
+# the factory's signature decides what it gets (distkit.components.call_optimizer_factory)
+FACTORIES = {
+    "named_parameters": "def optimizer(named_parameters):\n    return torch.optim.AdamW(_groups(named_parameters), lr=0.01)\n",
+    "params_and_named_parameters": ("def optimizer(params, named_parameters):\n    assert len(list(params)) == 6\n"
+                                    "    return torch.optim.AdamW(_groups(named_parameters), lr=0.01)\n"),
+    "params": "def optimizer(params):\n    return torch.optim.AdamW(params, lr=0.01)\n",  # the original form
+}
+
+
+@pytest.mark.parametrize("form", FACTORIES)
+def test_optimizer_factory_gets_named_parameters_when_it_asks(tmp_path: Path, form: str) -> None:
+    """Issue 22: an optimizer factory that names a parameter ``named_parameters`` gets the model's (name,
+    parameter) pairs, so Hugging Face's decay / no-decay grouping by name can be written; ``params -> Optimizer``
+    keeps working. Checked from the saved optimizer groups (by parameter name) of a 2-rank run."""
+    from distkit import checkpoint, portable
+
+    cfg, out = tmp_path / "cfg.py", tmp_path / "out"
+    cfg.write_text(NAMED_GROUPS_CONFIG + FACTORIES[form])
+    ok(distkit("train", str(cfg), "--nprocs", "2", "++output_dir", str(out)))
+    latest = checkpoint.latest(str(out / "checkpoints"))
+    assert latest is not None and latest.endswith("step-0000004")
+    groups = [(g["params"], g["weight_decay"], g["lr"]) for g in portable.read_meta(latest)["optim_groups"]]
+    if form == "params":
+        assert groups == [(["hidden.weight", "hidden.bias", "LayerNorm.weight", "LayerNorm.bias", "out.weight",
+                            "out.bias"], 0.01, 0.01)]  # one group, AdamW's default weight decay
+    else:
+        assert groups == [(["hidden.weight", "out.weight"], 0.1, 0.01),
+                          (["hidden.bias", "LayerNorm.weight", "LayerNorm.bias", "out.bias"], 0.0, 0.01)]
+    # every parameter was trained by the optimizer (AdamW state for each, 4 steps)
+    entries = portable.read(latest)
+    assert {k for k in entries if k.endswith("/step")} == {f"optim/{n}/step" for g in groups for n in g[0]}
+    assert all(float(v) == 4 for k, v in entries.items() if k.endswith("/step"))

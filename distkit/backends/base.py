@@ -37,6 +37,20 @@ class Strategy(ABC):
     steps_scheduler: ClassVar[bool] = False
     #: the engine applies ``precision`` itself (DeepSpeed's bf16/fp16 blocks): no autocast or GradScaler around it
     handles_precision: ClassVar[bool] = False
+    #: the engine takes exactly ``accum_grad_multiple_step`` backward passes per optimizer step (DeepSpeed
+    #: counts micro-steps to find its accumulation boundary); elsewhere any number adds up as under DDP
+    fixed_accumulation: ClassVar[bool] = False
+
+    def check_accumulation(self, steps: int) -> None:
+        """Raise ConfigError when ``accum_grad_multiple_step = steps``, set after start-up
+        (``dk.set_accumulation``), contradicts the engine's own config. Default: any value is fine."""
+
+    @property
+    def grads_in_params(self) -> bool:
+        """Whether, after a backward outside ``no_sync``, ``param.grad`` of the bare model holds the reduced
+        gradient the optimizer will use (so ``torch.nn.utils.clip_grad_norm_`` on it is right). False
+        where the engine keeps gradients elsewhere (ZeRO's partitions)."""
+        return True
 
     def __init__(self, cfg: RunConfig, env: ClusterEnv, device: torch.device) -> None:
         self.cfg = cfg
@@ -102,8 +116,8 @@ class Strategy(ABC):
 
     # -- per step ------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's bare module inside any wrapper."""
-        return model
+        """The user's bare module inside any wrapper (``torch.compile``'s too)."""
+        return bare_module(model)
 
     def forward_is_collective(self, model: nn.Module) -> bool:
         """True where a forward pass communicates (ZeRO-3 gathers parameters in it): evaluation then
@@ -274,6 +288,14 @@ def report_failure(rank: int, world_size: int, engine: str) -> int:
     return exc.exit_code if isinstance(exc, DistkitError) else 1
 
 
+def bare_module(module: nn.Module) -> nn.Module:
+    """``module`` without ``torch.compile``'s wrapper (``OptimizedModule._orig_mod``): checkpoints, checksums
+    and averaging then use the model's own names (``fc.weight``, not ``_orig_mod.fc.weight``), so a
+    checkpoint of a compiled run loads into an uncompiled model and back. Training runs the compiled one."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
 def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
     """Buffers that are part of the model's state (``state_dict``): BatchNorm statistics, counters.
     Non-persistent buffers (``register_buffer(..., persistent=False)``: causal masks, rotary caches)
@@ -288,6 +310,12 @@ def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def float_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s floating-point parameters and buffers by name (each tensor once): what parameter
+    averaging averages of a module registered with ``dk.keep_in_sync``."""
+    return [(n, t) for n, t in parameters_and_float_buffers(module) if t.is_floating_point()]
+
+
 def parameters_and_float_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """What parameter averaging averages, with the model's names: every parameter and every
     floating-point buffer (each tensor once: tied parameters under their first name)."""
@@ -300,7 +328,7 @@ def parameters_and_float_buffers(module: nn.Module) -> Iterator[tuple[str, torch
 def param_averager(strategy: "Strategy", module: nn.Module) -> ParamAverager:
     """The :class:`~distkit.averaging.ParamAverager` of ``module``'s parameters and floating buffers,
     configured from ``strategy.cfg.distributed`` (param mode on the ddp, mpi and Horovod engines)."""
-    named = list(parameters_and_float_buffers(module))
+    named = list(parameters_and_float_buffers(bare_module(module)))
     d = strategy.cfg.distributed
     return ParamAverager(strategy, [t for _, t in named], d.param_sync_step, d.param_sync_time_diff,
                          d.outer_optimizer, names=[n for n, _ in named])

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distkit.env import resolve_rendezvous
 from distkit.netif import prepare_gloo
 
-from .base import Strategy, param_averager
+from .base import Strategy, bare_module, param_averager
 
 #: seconds the GIL is left to gloo's worker threads before the process group is torn down (see teardown)
 _DRAIN_S = 0.05
@@ -79,6 +79,11 @@ class DDPStrategy(Strategy):
               lr_scheduler: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
         model.to(self.device)
         d = self.cfg.distributed
+        if self.reduce_type == "grad" and self.world_size == 1:
+            # One process: nothing to reduce, and DDP's wrapper would only add its checks (a model with
+            # a parameter some step leaves unused fails under it without find_unused_parameters).
+            self._grad_bytes = 0
+            return model, optimizer
         if self.reduce_type == "grad":
             # DDP broadcasts rank 0's parameters and buffers in its constructor.
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -92,7 +97,7 @@ class DDPStrategy(Strategy):
         return model, optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DistributedDataParallel) else model
+        return bare_module(model.module if isinstance(model, DistributedDataParallel) else model)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         if isinstance(model, DistributedDataParallel):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import importlib.util
 import json
@@ -40,9 +41,10 @@ from torch import nn
 
 from distkit.averaging import ParamAverager
 from distkit.config import RunConfig
-from distkit.errors import BackendUnavailable, ConfigError, UnsupportedCombination
+from distkit.errors import BackendUnavailable, CollectiveTimeout, ConfigError, UnsupportedCombination, UsageError
 
 from .ddp import DDPStrategy
+from .base import bare_module
 
 #: file (under output_dir) holding the DeepSpeed config the engine really got
 RESOLVED_NAME = "deepspeed_config.resolved.json"
@@ -115,6 +117,42 @@ def _enabled(ds: dict[str, Any], key: str) -> bool:
     return bool(section.get("enabled", False)) if isinstance(section, dict) else bool(section)
 
 
+class _CollectiveForward:
+    """A module's ``forward`` under ZeRO-3 whose collective timeout names the rule it broke.
+
+    ZeRO-3 all-gathers each layer's parameters inside the forward pass, so a forward that only some ranks
+    run (evaluation under ``if dk.is_main``) waits for the others until ``distributed.timeout_s`` and gloo
+    then reports a bare "Timed out waiting ...ms for send operation". Such a timeout is re-raised as
+    :class:`CollectiveTimeout` saying so and naming the fix; any other error passes unchanged.
+
+    Set as the module's instance attribute ``forward`` (``nn.Module.__call__`` calls ``self.forward``).
+    A class rather than a closure so that ``copy.deepcopy`` of the module (an EMA copy) calls the copy's
+    own forward and pickling still works; ``__wrapped__`` keeps ``inspect.signature(module.forward)`` the
+    model's own (Hugging Face inspects it).
+    """
+
+    def __init__(self, module: nn.Module, timeout_s: float) -> None:
+        self.module, self.timeout_s = module, timeout_s
+        # a forward set on the instance before (another library's wrapper) is kept and called
+        self.inner: Optional[Callable[..., Any]] = module.__dict__.get("forward")
+        functools.update_wrapper(self, self.inner or type(module).forward.__get__(module))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+        except RuntimeError as e:  # gloo's and NCCL's errors (torch's DistBackendError is a RuntimeError)
+            text = str(e).lower()
+            if "timed out" not in text and "timeout" not in text:
+                raise
+            raise CollectiveTimeout(
+                f"a forward pass timed out after distributed.timeout_s = {self.timeout_s:g} s: under ZeRO-3 the forward "
+                "pass is collective (it gathers the parameters from every rank), so a forward that not every rank runs "
+                "(evaluation under 'if dk.is_main') waits for the others forever; run the evaluation forward passes on "
+                "every rank, the same number on each (dk.forward_is_collective says when), or use ZeRO stage 0-2") from e
+
+
 class _ReplicaGroups:
     """A Megatron-style ``mpu`` for DeepSpeed: data parallel = this rank's replica group of
     ``size`` consecutive ranks; no tensor/pipeline parallelism. Creating it is collective."""
@@ -179,7 +217,7 @@ class _MasterAverager(ParamAverager):
                  refresh: Any, params: Optional[list[tuple[str, nn.Parameter]]], **kwargs: Any) -> None:
         self._n_masters, self._refresh, self._ds, self._params = len(masters), refresh, strategy, params
         self._buffer_names = [n for n, _ in buffers]
-        names = None if params is not None else [n for n, _ in strategy.engine.module.named_parameters()] + self._buffer_names
+        names = None if params is not None else [n for n, _ in strategy.unwrap(strategy.engine).named_parameters()] + self._buffer_names
         super().__init__(strategy, masters + [b for _, b in buffers], names=names, **kwargs)
         self.strategy = self  # type: ignore[assignment]  # average_parameters/all_reduce below
 
@@ -247,6 +285,27 @@ class DeepSpeedStrategy(DDPStrategy):
     name = "deepspeed"
     steps_scheduler = True
     handles_precision = True  # precision selects the config's bf16/fp16 block (check_config)
+    fixed_accumulation = True  # the engine finds its accumulation boundary by counting micro-steps
+
+    @property
+    def grads_in_params(self) -> bool:
+        """ZeRO 1-3 move the reduced gradients into the optimizer's partitions (``param.grad`` is then None
+        or local); only stage 0 leaves them in ``param.grad``."""
+        return getattr(self, "zero_stage", 0) == 0
+
+    def check_accumulation(self, steps: int) -> None:
+        """An accumulation set after start-up must agree with the DeepSpeed config's own batch keys."""
+        ds = self.cfg.distributed.deepspeed_config or {}
+        given = ds.get("gradient_accumulation_steps")
+        if given is not None and int(given) != steps:
+            raise ConfigError(f"dk.set_accumulation({steps}) and the DeepSpeed config's 'gradient_accumulation_steps' "
+                              f"= {given} disagree: remove the key from the config or make them equal")
+        if "train_batch_size" in ds:
+            tbs = self.cfg.batch_size * steps * self._data_parallel_size()
+            if int(ds["train_batch_size"]) != tbs:
+                raise ConfigError(f"dk.set_accumulation({steps}) makes train_batch_size {tbs}, but the DeepSpeed config "
+                                  f"says {ds['train_batch_size']}: remove 'train_batch_size' from the config or make "
+                                  "them agree")
 
     # -- before any process group ------------------------------------------------------------
     @classmethod
@@ -422,6 +481,9 @@ class DeepSpeedStrategy(DDPStrategy):
 
         cfg = self.cfg
         model.to(self.device)
+        if self.zero_stage == 3 and bare_module(model) is not model:
+            raise UsageError("ZeRO-3 cannot train a torch.compile'd module (it replaces the module's parameters with "
+                             "partitioned ones): pass the uncompiled model to dk.setup, or use ZeRO stage 0-2")
         client = not self.engine_defines_optimizer()
         if client and optimizer is None:
             raise ConfigError("no optimizer: pass one to dk.setup(model, optimizer) or add an 'optimizer' block to "
@@ -446,6 +508,11 @@ class DeepSpeedStrategy(DDPStrategy):
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
         engine, ds_opt, _, self.lr_scheduler = deepspeed.initialize(**kwargs)
         self.engine = engine
+        if self.zero_stage == 3:  # a one-rank forward (evaluation on rank 0 only) times out: say why
+            # both: the engine's forward also covers the gather in the model's own pre-forward hook (it runs
+            # before the model's forward); the model's covers a call of the bare model (dk.unwrap()(x))
+            engine.module.forward = _CollectiveForward(engine.module, cfg.distributed.timeout_s)
+            engine.forward = _CollectiveForward(engine, cfg.distributed.timeout_s)
         dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
         if self.mpu is None and self.world_size > 1:  # the engine broadcast rank 0's weights (in its dtype)
             self.comm_bytes += startup_elements * (4 if dtype is None else 2)
@@ -455,14 +522,19 @@ class DeepSpeedStrategy(DDPStrategy):
                                        for a in args))
         if self.mpu is not None:
             masters, refresh = self._masters(engine)
-            buffers = [(n, b) for n, b in engine.module.named_buffers() if b.is_floating_point()]
+            buffers = [(n, b) for n, b in self.unwrap(engine).named_buffers() if b.is_floating_point()]
             groups = self._zero_groups(engine)
-            names = {id(p): n for n, p in engine.module.named_parameters()}
+            names = {id(p): n for n, p in self.unwrap(engine).named_parameters()}
             d = cfg.distributed
             self.averager = _MasterAverager(self, masters, buffers, refresh,
                                             None if groups is None else [(names[id(p)], p) for g in groups for p in g],
                                             sync_step=d.param_sync_step, sync_time_diff=d.param_sync_time_diff,
                                             outer_optimizer=d.outer_optimizer)
+        # which trainable parameters got a gradient since the last boundary (see backward)
+        self._trainable = [(n, p) for n, p in self.unwrap(engine).named_parameters() if p.requires_grad]
+        self._seen: set[int] = set()
+        for _, p in self._trainable:
+            p.register_post_accumulate_grad_hook(lambda q: self._seen.add(id(q)))
         return engine, ds_opt
 
     def engine_defines_optimizer(self) -> bool:
@@ -503,7 +575,7 @@ class DeepSpeedStrategy(DDPStrategy):
 
     # -- per step -------------------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "module", model)
+        return bare_module(getattr(model, "module", model))
 
     def forward_is_collective(self, model: nn.Module) -> bool:
         """ZeRO-3 all-gathers each layer's parameters inside the forward pass."""
@@ -519,6 +591,17 @@ class DeepSpeedStrategy(DDPStrategy):
         engine.backward(loss, scale_wrt_gas=False)  # distkit's loop already divided by the accumulation steps
         if not boundary:
             engine.step()  # a micro-step: only advances the engine's counter (no optimizer step)
+            return
+        unused = [n for n, p in self._trainable if id(p) not in self._seen]
+        self._seen = set()
+        if unused:
+            # DeepSpeed reduces zeros for them, and weight decay or Adam's momentum then moves them, where DDP
+            # leaves a parameter without gradient alone: stop before that step.
+            names = ", ".join(repr(n) for n in unused[:3]) + (" ..." if len(unused) > 3 else "")
+            raise UsageError(f"rank {self.rank}: {len(unused)} parameter(s) got no gradient in this step ({names}); "
+                             "DeepSpeed would still apply weight decay and momentum to them (DDP does not): freeze "
+                             "them (requires_grad_(False)) or use the ddp, mpi or horovod engine with "
+                             "find_unused_parameters")
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         """The engine clips inside ``engine.step`` to ``gradient_clipping`` of the resolved config; a
@@ -604,6 +687,20 @@ class DeepSpeedStrategy(DDPStrategy):
             group = inner.param_groups[g]
         return flat, inner.state.setdefault(flat, {}), group
 
+    @staticmethod
+    def _link_optimizer_state(opt: Any) -> None:
+        """Point every parameter's fragment mapping (ZeRO-1/2, bf16) at the inner optimizer's current state.
+
+        DeepSpeed links them only once, lazily, after the step of the *first* param group: ZeRO-1/2 step
+        the groups one at a time, so a second group (AdamW's no-decay group) is linked while its state is
+        still empty and ``safe_get_full_optimizer_state`` then finds no ``exp_avg`` in it. Loading an
+        engine checkpoint also rebuilds the mappings without their state (the flag stays set). Linking
+        again only takes views (``narrow``) of the state tensors, so it is cheap and safe at any time.
+        ZeRO-3 keeps no such link (it has no ``_hp_optimizer_states_linked``)."""
+        if hasattr(opt, "_hp_optimizer_states_linked"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
     def portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                        keep: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
         """Under ZeRO each parameter's fp32 master and optimizer state are assembled one tensor at a
@@ -612,10 +709,11 @@ class DeepSpeedStrategy(DDPStrategy):
         engine: Any = model
         groups = self._zero_groups(engine)
         if groups is None:
-            return super().portable_state(engine.module, engine.optimizer, keep)
+            return super().portable_state(self.unwrap(engine), engine.optimizer, keep)
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # type: ignore[import-untyped]
 
-        module, opt = engine.module, engine.optimizer
+        module, opt = self.unwrap(engine), engine.optimizer
+        self._link_optimizer_state(opt)  # DeepSpeed's own link may predate a group's state (see there)
         names = {id(p): n for n, p in module.named_parameters()}
         aliases: dict[int, list[str]] = {}  # every state_dict name of each parameter (tied weights have several)
         for key, value in module.state_dict(keep_vars=True).items():
@@ -663,13 +761,13 @@ class DeepSpeedStrategy(DDPStrategy):
         engine: Any = model
         zgroups = self._zero_groups(engine)
         if zgroups is None:
-            super().load_portable_state(engine.module, engine.optimizer, sd, optim_state, groups)
+            super().load_portable_state(self.unwrap(engine), engine.optimizer, sd, optim_state, groups)
             return
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # type: ignore[import-untyped]
 
         from distkit.portable import optimizer_state_from_names
 
-        module, opt = engine.module, engine.optimizer
+        module, opt = self.unwrap(engine), engine.optimizer
         names = {id(p): n for n, p in module.named_parameters()}
         group_names = [[names[id(p)] for p in g] for g in zgroups]
         optimizer_state_from_names(optim_state, groups, group_names)  # the same groups, or a clear error
@@ -682,9 +780,7 @@ class DeepSpeedStrategy(DDPStrategy):
                 if first and not base:  # a fresh engine: the inner optimizer creates its state at the first step
                     for key, v in first.items():
                         base[key] = torch.zeros_like(flat) if key in per_param else (v.clone() if torch.is_tensor(v) else v)
-                    if hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-1/2, bf16: link the new state to the parameters
-                        opt._hp_optimizer_states_linked = False
-                        opt._lazy_init_hp_params_optimizer_state()
+                    self._link_optimizer_state(opt)  # ZeRO-1/2, bf16: link the new state to the parameters
                 for p in params:
                     name = names[id(p)]
                     safe_set_full_fp32_param(p, sd[name].to(self.device))

@@ -20,12 +20,13 @@ import contextlib
 import os
 import sys
 import threading
+import types
 from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
-from distkit.errors import BackendUnavailable, UnsupportedCombination
+from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.netif import openmpi_interface_hint
 
 from .base import Strategy, param_averager, persistent_buffers, report_failure
@@ -94,9 +95,20 @@ class HorovodEngine(Strategy):
         self._synchronized = False
         self._buffers: list[torch.Tensor] = []
         self._buffer_hook: Any = None
+        self._micro = 0  # backward passes since the last reduction (Horovod's backward_passes_per_step)
+        self._trainable: list[tuple[str, nn.Parameter]] = []
+        self._seen: set[int] = set()  # parameters whose gradient arrived since the last reduction
+        self._grad_hooks: list[Any] = []
+        #: parameters that held a reduced gradient from an earlier reduction of this step (several backward
+        #: passes outside no_sync): find_unused_parameters never drops those
+        self._had_grad: dict[int, bool] = {}
+        self._optimizer: Any = None
 
     def teardown(self) -> None:
         if getattr(self, "_initialized", False):
+            for h in self._grad_hooks:
+                h.remove()
+            self._grad_hooks = []
             if self._buffer_hook is not None:
                 self._buffer_hook.remove()
             self.hvd.shutdown()
@@ -148,6 +160,12 @@ class HorovodEngine(Strategy):
             compression=hvd.Compression.fp16 if d.compression == "fp16" else hvd.Compression.none,
             backward_passes_per_step=self.cfg.accum_grad_multiple_step,
             op=hvd.Average if d.avg_grad else hvd.Sum)
+        # torch's zero_grad(set_to_none=True), the standard idiom, on Horovod's class (whose zero_grad
+        # takes no argument): Horovod's check that no reduction is in flight, then torch's own.
+        opt.zero_grad = types.MethodType(_zero_grad, opt)  # type: ignore[method-assign]
+        self._optimizer = opt
+        self._trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._gradient_arrived) for _, p in self._trainable]
         if had_state:
             # Only with existing state: on a fresh optimizer Horovod first takes one step with zero
             # gradients to create the state, which moves Adam's step count and applies weight decay
@@ -166,11 +184,60 @@ class HorovodEngine(Strategy):
     def _distributed(self, optimizer: torch.optim.Optimizer) -> bool:
         return hasattr(optimizer, "synchronize") and self.averager is None
 
+    def _gradient_arrived(self, p: torch.Tensor) -> None:
+        self._seen.add(id(p))
+
+    def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
+        """``loss.backward()``; in grad mode, on the last of ``accum_grad_multiple_step`` passes, the
+        gradients are reduced when it returns (as DDP's are), so a plain ``clip_grad_norm_`` between
+        backward and step clips what every rank holds. Further passes before the step add their reduced
+        gradients (DDP's result for accumulation without ``no_sync``), where Horovod itself would raise."""
+        loss.backward()
+        if self.averager is not None or self.world_size == 1 or not self._trainable:
+            return
+        self._micro += 1
+        if self._micro >= self.cfg.accum_grad_multiple_step:
+            self._synchronized = False  # a new reduction, also after one already finished in this step
+            self.wait_for_gradients(model, self._optimizer)
+
     def wait_for_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self._distributed(optimizer) and not self._synchronized:
+            self._check_unused()
             with self.waiting():
                 optimizer.synchronize()  # type: ignore[attr-defined]
+            self.comm_bytes += self._grad_bytes
+            if self._find_unused:
+                self._drop_unused_grads()
+            self._had_grad = {id(p): p.grad is not None for _, p in self._trainable}
             self._synchronized = True  # step() must then skip Horovod's own synchronize
+            self._micro = 0
+            self._seen = set()
+
+    @property
+    def _find_unused(self) -> bool:
+        return bool(self.cfg.distributed.options.get("find_unused_parameters", False))
+
+    def _check_unused(self) -> None:
+        """As DDP without ``find_unused_parameters``: a parameter that got no gradient is an error (Horovod
+        would all-reduce zeros for it, and weight decay or momentum would then move it where DDP does not)."""
+        if self._find_unused:
+            return
+        unused = [n for n, p in self._trainable if id(p) not in self._seen]
+        if unused:
+            names = ", ".join(repr(n) for n in unused[:3]) + (" ..." if len(unused) > 3 else "")
+            raise UsageError(
+                f"rank {self.rank}: {len(unused)} parameter(s) got no gradient in this step ({names}): as under "
+                "DDP, set distributed.options = {'find_unused_parameters': True} (--find_unused_parameters) for "
+                "parameters a step may leave unused, or freeze them (requires_grad_(False))")
+
+    def _drop_unused_grads(self) -> None:
+        """DDP's rule with ``find_unused_parameters``: a parameter no rank used keeps no gradient (the
+        optimizer skips it), where Horovod filled in zeros. One small all-reduce per reduction."""
+        used = torch.tensor([1.0 if id(p) in self._seen else 0.0 for _, p in self._trainable])
+        self.all_reduce(used, op="max")
+        for (_, p), u in zip(self._trainable, used.tolist(), strict=True):
+            if not u and not self._had_grad.get(id(p), False):
+                p.grad = None
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         self.wait_for_gradients(model, optimizer)  # wait for the reduced gradients, then clip them
@@ -184,8 +251,8 @@ class HorovodEngine(Strategy):
         with optimizer.skip_synchronize():  # type: ignore[attr-defined]
             optimizer.step()
         self._synchronized = False
-        optimizer.zero_grad()  # Horovod's own (no set_to_none argument); sets grads to None
-        self.comm_bytes += self._grad_bytes
+        optimizer.zero_grad()  # sets grads to None
+        self._micro, self._seen, self._had_grad = 0, set(), {}
 
     # no_sync: Horovod counts micro-steps itself (backward_passes_per_step) and sends on the last.
 
@@ -230,6 +297,15 @@ class HorovodEngine(Strategy):
             handles.append(self.hvd.broadcast_async_(t.detach(), root_rank=src))
         for h in handles:
             self.hvd.synchronize(h)
+
+
+def _zero_grad(self: Any, set_to_none: bool = True) -> None:
+    """``zero_grad`` for ``hvd.DistributedOptimizer`` with torch's signature: Horovod's own check that no
+    reduction is in flight (its zero_grad takes no argument), then ``torch.optim.Optimizer.zero_grad``."""
+    if self._handles:
+        raise UsageError("optimizer.zero_grad() between dk.backward and dk.step on Horovod would drop gradients "
+                         "that are being reduced: call it after dk.step() (which zeroes them anyway)")
+    torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
 
 
 class HorovodFallback(MPIStrategy):

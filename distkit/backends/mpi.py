@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from distkit.errors import BackendUnavailable, UnsupportedCombination
+from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.netif import openmpi_interface_hint
 from distkit.watchdog import explain_stall
 
@@ -75,6 +75,22 @@ def mpi_impl() -> str:
 
 #: size cap of the first gradient bucket (torch DDP's _DEFAULT_FIRST_BUCKET_BYTES)
 FIRST_BUCKET_BYTES = 2 ** 20
+#: longest sleep between two tests of outstanding requests while waiting (seconds): Open MPI's own
+#: Wait spins on a core, which on a shared machine takes CPU from the ranks that compute
+WAIT_BACKOFF_MAX_S = 5e-4
+
+
+def wait_all(MPI: Any, requests: list[Any]) -> None:
+    """Wait for ``requests`` without spinning: test, then sleep 10 us doubling up to
+    :data:`WAIT_BACKOFF_MAX_S` (the GIL is released while sleeping). Adds at most that much latency."""
+    delay = 1e-5
+    while requests and not MPI.Request.Testall(requests):
+        time.sleep(delay)
+        delay = min(delay * 2, WAIT_BACKOFF_MAX_S)
+
+
+class UnusedParameters(UsageError):
+    """A parameter that requires grad got no gradient in a backward, without find_unused_parameters."""
 
 
 def _np(t: torch.Tensor) -> Any:
@@ -118,11 +134,19 @@ class GradReducer:
         average: divide the sum by the world size.
     """
 
-    def __init__(self, strategy: MPIStrategy, params: list[nn.Parameter], bucket_cap_mb: float, average: bool) -> None:
+    def __init__(self, strategy: MPIStrategy, params: list[nn.Parameter], bucket_cap_mb: float, average: bool,
+                 names: Optional[list[str]] = None, find_unused: bool = False) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.s, self.average = strategy, average
         self.enabled = True  # False inside no_sync(): hooks then only accumulate
+        self.params = params
+        self.names = names or [f"parameter {i}" for i in range(len(params))]
+        #: DDP's find_unused_parameters: a parameter no rank used in a step keeps ``grad = None`` (so the
+        #: optimizer skips it: no weight decay, no momentum), as DDP leaves it; without it a parameter
+        #: that got no gradient is an error, as under DDP (which fails one step later)
+        self.find_unused = find_unused
+        self._seen: set[int] = set()  # ids of the parameters whose gradient arrived in this round
         cap = bucket_cap_mb * 2 ** 20
         self.buckets: list[_Bucket] = []
         group: list[nn.Parameter] = []
@@ -140,6 +164,7 @@ class GradReducer:
         self._where = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # index of the next bucket to start (buckets start in order on every rank)
         self.reduced = False  # finish() ran since the last zero()
+        self._had_grad: dict[int, bool] = {}  # per parameter: it had a reduced gradient from an earlier round
         self.attach()
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
@@ -155,13 +180,15 @@ class GradReducer:
     def _hook(self, p: torch.Tensor) -> None:
         if not self.enabled:
             return
-        if 0 < self._next and self.s.world_size > 1:
-            # Open MPI has no progress thread: a started Iallreduce only advances inside MPI calls.
-            # A non-blocking Testall per gradient lets the buckets already sent progress during backward.
-            self.s.MPI.Request.Testall([b.request for b in self.buckets[:self._next] if b.request is not None])
+        self._seen.add(id(p))
         b = self._where[id(p)]
         b.ready += 1
         if b.ready == len(b.params):
+            if 0 < self._next and self.s.world_size > 1:
+                # Open MPI has no progress thread: a started Iallreduce only advances inside MPI calls.
+                # One non-blocking Testall per bucket filled (not per gradient: that cost 8.5 % CPU per
+                # step on a shared machine) lets the buckets already sent progress during backward.
+                self.s.MPI.Request.Testall([b.request for b in self.buckets[:self._next] if b.request is not None])
             # Start every bucket that is full, in order; a later full bucket waits for earlier ones.
             while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
                 self._start(self.buckets[self._next])
@@ -175,25 +202,61 @@ class GradReducer:
             self.s.comm_bytes += b.nbytes
 
     def finish(self) -> None:
-        """Start what backward did not (unused parameters), wait for all, scale. Once per step."""
+        """Start what backward did not (unused parameters), wait for all, scale. Once per round
+        (a backward outside no_sync); the engine calls it when that backward returns, so that
+        ``param.grad`` holds the reduced gradient from then on, as under DDP (a plain
+        ``torch.nn.utils.clip_grad_norm_`` then clips what every rank holds)."""
         if self.reduced:
             return
+        unused = [i for i, p in enumerate(self.params) if id(p) not in self._seen]
+        if unused and not self.find_unused:
+            names = ", ".join(repr(self.names[i]) for i in unused[:3]) + (" ..." if len(unused) > 3 else "")
+            raise UnusedParameters(
+                f"rank {self.s.rank}: {len(unused)} parameter(s) got no gradient in this backward ({names}): as "
+                "under DDP, set distributed.options = {'find_unused_parameters': True} (--find_unused_parameters) "
+                "for parameters a step may leave unused, or freeze them (requires_grad_(False))")
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
             self._next += 1
         with self.s.watch("Iallreduce (gradient buckets)"), self.s.waiting():
-            self.s.MPI.Request.Waitall([b.request for b in self.buckets if b.request is not None])
+            wait_all(self.s.MPI, [b.request for b in self.buckets if b.request is not None])
         for b in self.buckets:
             b.request = None
             if b.host is not b.flat:
                 b.flat.copy_(b.host)
             if self.average and self.s.world_size > 1:
                 b.flat.div_(self.s.world_size)
+        if self.find_unused:
+            # DDP's rule: a parameter that no rank used keeps no gradient (the optimizer skips it); one
+            # that some rank used gets the mean, the others counting zero. One small all-reduce per round.
+            used = torch.tensor([1.0 if id(p) in self._seen else 0.0 for p in self.params])
+            self.s.all_reduce(used, op="max")
+            for p, u in zip(self.params, used.tolist(), strict=True):
+                if not u and p.grad is not None and not self._had_grad.get(id(p), False):
+                    p.grad = None  # attach() makes it a bucket view again before the next backward
         self.reduced = True
+
+    @property
+    def started(self) -> bool:
+        """A round is in flight or reduced: a further backward before the step must begin a new round."""
+        return self._next > 0 or self.reduced
+
+    def new_round(self) -> None:
+        """A second backward before the step (outside no_sync): finish the round in flight, then count
+        again over the reduced gradients. The next round all-reduces ``mean(g1) + g2_r``, so the result is
+        ``mean(g1) + mean(g2)``: what DDP gives for two backward passes without ``no_sync``."""
+        self.finish()
+        self._had_grad = {id(p): p.grad is not None for p in self.params}
+        self._next, self.reduced = 0, False
+        self._seen = set()
+        for b in self.buckets:
+            b.ready = 0
 
     def zero(self) -> None:
         """zero_grad for the next step: the gradients stay bucket views."""
         self._next, self.reduced = 0, False
+        self._seen = set()
+        self._had_grad = {}
         for b in self.buckets:
             b.flat.zero_()
             b.ready = 0
@@ -309,12 +372,14 @@ class MPIStrategy(Strategy):
         # rank 0's initial parameters and buffers everywhere (as DDP's constructor does).
         self.broadcast_tensors([*model.parameters(), *model.buffers()])
         if self.reduce_type == "grad":
-            params = [p for p in model.parameters() if p.requires_grad]
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            params = [p for _, p in named]
             odd = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
             if odd:
                 raise UnsupportedCombination(f"the mpi engine all-reduces fp32/fp64 gradients; the model has {', '.join(odd)} "
                                              "parameters: keep fp32 master parameters (autocast) or use ddp")
-            self.reducer = GradReducer(self, params, d.bucket_cap_mb, bool(d.avg_grad))
+            self.reducer = GradReducer(self, params, d.bucket_cap_mb, bool(d.avg_grad), names=[n for n, _ in named],
+                                       find_unused=bool(d.options.get("find_unused_parameters", False)))
             # DDP semantics for buffers (BatchNorm statistics): rank 0's, before every training forward.
             # Only buffers that are model state: a constant (non-persistent) buffer such as a causal mask
             # would cost one Bcast per step for nothing (it was broadcast once above).
@@ -331,9 +396,20 @@ class MPIStrategy(Strategy):
 
     # -- per step ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
-        if self.reducer is not None:
-            self.reducer.attach()  # cheap identity checks; repairs grads a user may have replaced
+        """``loss.backward()``; in grad mode, outside :meth:`no_sync`, the gradients are reduced when it
+        returns (as DDP's are), so code between backward and step (a plain ``clip_grad_norm_``, logging
+        of gradient norms) sees what every rank holds. A further backward before the step adds its
+        reduced gradient (DDP's result for accumulation without ``no_sync``)."""
+        r = self.reducer
+        if r is None:
+            loss.backward()
+            return
+        if r.started:
+            r.new_round()
+        r.attach()  # cheap identity checks; repairs grads a user may have replaced
         loss.backward()
+        if r.enabled:
+            r.finish()
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
@@ -377,7 +453,7 @@ class MPIStrategy(Strategy):
         self.comm_bytes += tensor.numel() * tensor.element_size()
         with self.watch(f"Allreduce({op})"):
             if buf.numel() * buf.element_size() >= NONBLOCKING_MIN_BYTES:  # libnbc's ring (MCA_DEFAULTS)
-                self.comm.Iallreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op)).Wait()
+                wait_all(self.MPI, [self.comm.Iallreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))])
             else:
                 self.comm.Allreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))
         if op == "mean":

@@ -4,10 +4,12 @@ Precedence: defaults < files (in the order given; a later file wins) < command l
 A Python config is executed like RETURNN's: its top-level globals are the keys; names
 starting with "_", imported modules, imported classes and functions, and functions/classes
 defined in the config that are not keys are helpers and are ignored (unless a helper defined
-in the config has a near-miss of a key as its name, which is an error).
+in the config has a near-miss of a key as its name, which is an error). Any other global that
+is not a key (a constant such as ``VOCAB = 65``) is an error that says to prefix it with "_".
 """
 from __future__ import annotations
 
+import __future__
 import ast
 import difflib
 import json
@@ -28,9 +30,23 @@ def nearest_key(key: str, known: Iterable[str] = ALL_KEYS) -> str | None:
 
 
 def unknown_key_error(key: str, known: Iterable[str] = ALL_KEYS, where: str = "config") -> ConfigError:
+    """``unknown <where> key '<key>'`` with the nearest known key as the fix, or where to find the keys."""
     near = nearest_key(key, known)
     hint = f"did you mean '{near}'?" if near else "see `distkit train --help` for the known keys"
     return ConfigError(f"unknown {where} key '{key}': {hint}")
+
+
+def python_unknown_key_error(name: str, path: str) -> ConfigError:
+    """An unknown top-level name in the Python config ``path``: the nearest known key, and the rule for
+    helpers. Every global of a Python config is a key unless it starts with "_" (or is a module, an import
+    or a function/class defined there), so a constant a helper uses (``VOCAB = 65``) reads as a misspelt
+    key; the message says how to keep it as a helper."""
+    helper = f"a helper name in a Python config must start with '_' (_{name}) to be ignored"
+    near = nearest_key(name)
+    if near is not None:
+        return ConfigError(f"unknown config key '{name}' in {path}: did you mean '{near}'? If it is a helper, its "
+                           f"name must start with '_' (_{name}) to be ignored in a Python config")
+    return ConfigError(f"unknown config key '{name}' in {path}: {helper} (`distkit keys` lists the keys)")
 
 
 def load_file(path: str) -> dict[str, Any]:
@@ -63,16 +79,20 @@ def _load_python(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}:{line}: error while executing config: {type(e).__name__}: {e}") from None
     out: dict[str, Any] = {}
     for name, value in namespace.items():
-        if name.startswith("_") or isinstance(value, types.ModuleType):
-            continue
+        if name.startswith("_") or isinstance(value, (types.ModuleType, type(__future__.annotations))):
+            continue  # `from __future__ import annotations` binds a _Feature: a compiler switch, not a key
         if name not in ALL_KEYS and (isinstance(value, type) or callable(value)):
             if getattr(value, "__module__", None) != namespace["__name__"]:
                 continue  # imported (from torch.utils.data import Dataset): a name, not a key
             # A helper function/class of the config. A near-miss of a key is almost surely a typo.
             near = nearest_key(name)
             if near is not None and difflib.SequenceMatcher(None, name, near).ratio() >= 0.8:
-                raise unknown_key_error(name)
+                raise python_unknown_key_error(name, path)
             continue
+        if name not in ALL_KEYS:
+            # Refused here rather than in resolve(), which no longer knows that the name came from a
+            # Python file, where the likely cause is a helper constant without the "_" prefix.
+            raise python_unknown_key_error(name, path)
         out[name] = value
     return out
 

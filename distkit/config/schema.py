@@ -83,10 +83,12 @@ class RunConfig:
     #: like train_step, for evaluation (under torch.no_grad); None = train_step
     eval_step: Optional[Callable[..., Any]] = None
     #: evaluation metrics: "accuracy" or callables ``(outputs, targets) -> float``; None = the task's own
-    #: (accuracy for the built-in tasks, none for a custom one)
+    #: (accuracy for the built-in tasks, none for a custom one). For dict batches (Hugging Face), accuracy
+    #: compares the output's ``logits`` with the batch's ``labels``
     metrics: Optional[list[Any]] = None
     #: ``{"class": <any torch.optim class name, case-insensitive>, **kwargs}`` (lr = learning_rate), or a
-    #: factory ``params -> Optimizer`` (it sets its own lr)
+    #: factory ``params -> Optimizer`` (it sets its own lr); a factory with a parameter named
+    #: ``named_parameters`` gets ``(name, parameter)`` pairs (Hugging Face's no-decay grouping by name)
     optimizer: Any = field(default_factory=lambda: {"class": "sgd"})
     #: None, ``{"class": "constant"|"linear"|"cosine"|"step"|<torch.optim.lr_scheduler class>, "warmup_steps": N,
     #: ...}`` or a factory ``(optimizer, total_steps) -> scheduler``; stepped once per optimizer step

@@ -37,7 +37,8 @@ class Task:
     eval: Optional["Dataset[Any]"]
     #: ``loss(outputs, targets)`` for (inputs, targets) batches (dict batches: see ``hf_loss``)
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-    #: evaluation metrics by name: ``(outputs, targets) -> float``, averaged over samples
+    #: evaluation metrics by name: ``(outputs, targets) -> float``, averaged over samples; for dict batches
+    #: (``model(**batch).loss``) outputs = the model output's ``logits``, targets = ``batch["labels"]``
     metrics: dict[str, Callable[[Any, Any], float]] = field(default_factory=lambda: {"accuracy": accuracy})
     #: ``train_step(model, batch) -> loss | (loss, metrics)`` replacing the forward + loss above
     train_step: Optional[Callable[..., Any]] = None

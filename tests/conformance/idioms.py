@@ -1,0 +1,320 @@
+"""The conformance script: everyday idioms of real training scripts, run in a row on one engine.
+
+Each idiom ("phase") takes a few optimizer steps on one small model, the way nanoGPT, a Hugging Face
+classifier or a pytorch/examples CNN writes it; after each phase every rank records its state
+(parameters, learning rates, an EMA copy) or the error the phase raised, into ``OUT/rank-R.pt``.
+``tests/test_conformance.py`` runs it on every engine and mode and compares each phase with DDP's
+(or with plain PyTorch for one process), or checks the documented error. ``--plain`` runs the same
+phases without distkit at all (one process: the reference for a one-process run).
+
+The model: Linear-LayerNorm-Linear, a frozen Linear (requires_grad False), and with ``--unused`` a
+Linear that forward never uses. AdamW with two param groups chosen by name (weight decay 0.1 for
+matrices, 0 for biases and the norm: Hugging Face's grouping) and a StepLR schedule (a scheduler
+object, or a factory with ``--scheduler factory``). Every rank draws its own batches from a seed of
+(phase, step, micro-step, rank), so every engine sees the same data.
+
+A phase that raises a DistkitError (an idiom an engine refuses with a message) is recorded with
+that message; the step in progress is completed, and the next phases run on (their states then no
+longer compare with DDP's: the suite puts such idioms last).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+STEPS = 2  # optimizer steps per phase
+BATCH = 8  # samples per rank per micro-step
+
+
+class Net(nn.Module):
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.fc2 = nn.Linear(32, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.extra = nn.Linear(4, 4) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.fc2(torch.tanh(self.norm(self.fc1(x)))))
+
+
+def batch(phase: int, step: int, micro: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 * phase + 1000 * step + 10 * micro + rank)
+    return torch.randn(BATCH, 16, generator=g).to(device), torch.randint(0, 4, (BATCH,), generator=g).to(device)
+
+
+def param_groups(named: Any) -> list[dict[str, Any]]:
+    """Hugging Face's grouping by name: no weight decay for biases and the norm."""
+    decay, no_decay = [], []
+    for n, p in named:
+        if p.requires_grad:
+            (no_decay if n.endswith("bias") or n.startswith("norm.") else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Runner:
+    """The loop state the phases share: the session (or None for --plain), model, optimizer, scheduler."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.plain = args.plain
+        if self.plain:
+            self.dk: Any = None
+            self.rank, self.world, self.device = 0, 1, torch.device("cpu")
+        else:
+            import distkit
+
+            self.dk = distkit.init(args)
+            if args.accum_api:
+                self.dk.set_accumulation(args.accum_api)  # the nanoGPT way: once the world size is known
+            self.rank, self.world, self.device = self.dk.rank, self.dk.world_size, self.dk.device
+        self.accum = args.accum_api or (self.dk.accumulation if self.dk is not None else 1)
+        torch.manual_seed(1234)  # the same initial model with and without distkit (init seeds with its own seed)
+        model: nn.Module = Net(unused=args.unused)
+        self.named_names = [n for n, _ in model.named_parameters()]
+        optimizer = torch.optim.AdamW(param_groups(model.named_parameters()), lr=0.02)
+        if args.compile:
+            model = torch.compile(model, backend="eager")  # type: ignore[assignment]
+        factory = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # noqa: E731
+        if self.plain:
+            self.model, self.optimizer, self.scheduler = model, optimizer, factory(optimizer)
+        elif args.scheduler == "factory":
+            self.model, self.optimizer, self.scheduler = self.dk.setup(model, optimizer, factory)
+        else:
+            self.model, self.optimizer, self.scheduler = self.dk.setup(model, optimizer, factory(optimizer))
+        self.ema: Any = None
+        self.extra: dict[str, Any] = {}  # what a phase records besides the state
+        self.phase = 0
+        self.pending = False  # a backward ran since the last step
+
+    # -- the loop's primitives, with and without distkit ------------------------------------------
+    def bare(self) -> nn.Module:
+        return self.model if self.dk is None else self.dk.unwrap(self.model)
+
+    def loss(self, step: int, micro: int) -> torch.Tensor:
+        x, y = batch(self.phase, step, micro, self.rank, self.device)
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.pending = True
+        if self.dk is None:
+            loss.backward()
+        else:
+            self.dk.backward(loss)
+
+    def step(self) -> None:
+        self.pending = False
+        if self.dk is None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        else:
+            self.dk.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.bare())
+
+    def no_sync(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext() if self.dk is None else self.dk.no_sync()
+
+    def micro_steps(self, step: int, use_no_sync: bool = True) -> None:
+        """One step's ``accum`` backward passes, each loss divided by ``accum``; the first ``accum - 1``
+        inside no_sync (or all outside it, nanoGPT's ``require_backward_grad_sync`` habit left out)."""
+        for m in range(self.accum):
+            last = m == self.accum - 1
+            with self.no_sync() if use_no_sync and not last else _null():
+                self.backward(self.loss(step, m) / self.accum)
+
+    def state(self) -> dict[str, Any]:
+        bare = self.bare()
+        out: dict[str, Any] = {"params": {n: p.detach().cpu().clone().float() for n, p in bare.named_parameters()},
+                               "lrs": [g["lr"] for g in self.optimizer.param_groups]}
+        if self.ema is not None:
+            out["ema"] = {n: p.detach().cpu().clone() for n, p in self.ema.module.named_parameters()}
+        out.update(self.extra)
+        self.extra = {}
+        return out
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+# -- the phases ---------------------------------------------------------------------------------------
+def plain(r: Runner) -> None:
+    """The loop as written: backward (with no_sync micro-steps when accumulating), step."""
+    for s in range(STEPS):
+        r.micro_steps(s)
+        r.step()
+
+
+def accumulate_without_no_sync(r: Runner) -> None:
+    """Every micro-step's backward outside no_sync (DDP reduces each time; the sum is the same)."""
+    for s in range(STEPS):
+        r.micro_steps(s, use_no_sync=False)
+        r.step()
+
+
+def double_backward(r: Runner) -> None:
+    """Two backward passes per step with accumulation left at 1 (nanoGPT without its sync flag)."""
+    for s in range(STEPS):
+        r.backward(r.loss(s, 0) / 2)
+        r.backward(r.loss(s, 1) / 2)
+        r.step()
+
+
+def zero_grad_set_to_none(r: Runner) -> None:
+    """``optimizer.zero_grad(set_to_none=True)`` before each backward, the standard PyTorch idiom."""
+    for s in range(STEPS):
+        r.optimizer.zero_grad(set_to_none=True)
+        r.micro_steps(s)
+        r.step()
+
+
+def raw_clip(r: Runner) -> None:
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)`` kept from the original script (it clips:
+    the gradient norm here is about 1)."""
+    for s in range(STEPS):
+        r.micro_steps(s)
+        torch.nn.utils.clip_grad_norm_(r.model.parameters(), 0.05)
+        r.step()
+
+
+def save_load(r: Runner) -> None:
+    """``dk.save`` then ``dk.load`` (a resume) in the middle of the LR schedule, then more steps: the
+    scheduler must go on setting the learning rate the engine steps with."""
+    plain(r)
+    if r.dk is not None:
+        path = os.path.join(r.args.out, "ckpt")
+        state = {"model": r.model, "optimizer": r.optimizer, "scheduler": r.scheduler}
+        r.dk.save(path, state)
+        r.dk.load(path, state)
+    r.phase += 1000
+    plain(r)
+
+
+def ema(r: Runner) -> None:
+    """An EMA copy (``torch.optim.swa_utils.AveragedModel``), registered with ``dk.keep_in_sync``."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    r.ema = AveragedModel(r.bare(), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    if r.dk is not None:
+        r.dk.keep_in_sync(r.ema)
+    plain(r)
+    if r.dk is not None:
+        r.dk.finish()  # param mode: the final sync averages the model and the EMA
+        r.extra["ema_in_sync"] = r.dk.summary()["ranks_in_sync"]
+        with torch.no_grad():  # ranks_in_sync must see an EMA that differs on one rank
+            first = next(r.ema.module.parameters())
+            kept = first.clone()
+            first.add_(1.0 if r.rank == 1 else 0.0)
+            r.extra["ema_off_in_sync"] = r.dk.summary()["ranks_in_sync"]
+            first.copy_(kept)
+
+
+def module_attribute(r: Runner) -> None:
+    """``model.module`` (DDP's wrapper attribute), then ``dk.unwrap(model)`` (every engine)."""
+    try:
+        inner = r.model.module
+    except AttributeError as e:  # the message names the fix (dk.unwrap) where the model is not wrapped
+        raise RuntimeError(str(e)) from None
+    assert inner is not None
+
+
+def print_flush(r: Runner) -> None:
+    """``dk.print(..., flush=True)``, as scripts call print."""
+    if r.dk is not None:
+        r.dk.print("conformance: print with flush", flush=True)
+
+
+def drop_last(r: Runner) -> None:
+    """``dk.dataloader(..., drop_last=True)`` (what DataLoader users write), and ``dk.print(..., flush=True)``."""
+    if r.dk is None:
+        return
+    r.dk.print("conformance: print with flush", flush=True)
+    data = torch.utils.data.TensorDataset(torch.arange(40.0).reshape(20, 2))
+    assert len(r.dk.dataloader(data, batch_size=4, drop_last=True)) == 20 // (4 * r.world)
+
+
+def distributed_sampler(r: Runner) -> None:
+    """A kept ``torch.utils.data.DistributedSampler(dataset)`` (no num_replicas): works where
+    torch.distributed runs; elsewhere the process must stop with one line naming the fix (uncaught:
+    this phase is last, and its error goes through distkit's exception hook)."""
+    data = torch.utils.data.TensorDataset(torch.arange(40.0).reshape(20, 2))
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
+    assert len(list(sampler)) == 20 // r.world
+
+
+PHASES: dict[str, Callable[[Runner], None]] = {f.__name__: f for f in (
+    plain, accumulate_without_no_sync, double_backward, zero_grad_set_to_none, raw_clip, save_load, ema,
+    module_attribute, print_flush, drop_last, distributed_sampler)}
+#: phases whose exception is left to distkit's exception hook (the process ends there)
+UNCAUGHT = {"distributed_sampler"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--phases", required=True, help="comma-separated, run in this order")
+    parser.add_argument("--unused", action="store_true", help="add a parameter forward never uses")
+    parser.add_argument("--compile", action="store_true", help="torch.compile(model, backend='eager') before setup")
+    parser.add_argument("--scheduler", choices=["object", "factory"], default="object")
+    parser.add_argument("--accum-api", type=int, default=0, help="dk.set_accumulation(N) after init")
+    parser.add_argument("--plain", action="store_true", help="no distkit: plain PyTorch, one process")
+    args, rest = parser.parse_known_args()
+    if not args.plain:
+        import distkit
+
+        distkit.add_arguments(parser)
+        args = parser.parse_args()
+    phases = args.phases.split(",")
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        parser.error(f"unknown phases {unknown}; known: {sorted(PHASES)}")
+    os.makedirs(args.out, exist_ok=True)
+    r = Runner(args)
+    record: dict[str, Any] = {"world_size": r.world, "phases": {}}
+    path = os.path.join(args.out, f"rank-{r.rank}.pt")
+    for i, name in enumerate(phases):
+        r.phase = i + 1
+        error = None
+        if name in UNCAUGHT:
+            torch.save(record, path)  # what ran so far, before the process may end here
+            PHASES[name](r)
+        else:
+            from distkit.errors import DistkitError
+
+            try:
+                PHASES[name](r)
+            except (DistkitError, RuntimeError) as e:
+                error = f"{type(e).__name__}: {e}"
+                if r.pending and isinstance(e, DistkitError):
+                    # The engine refused before the step (on every rank alike): complete the step and go on
+                    # (the next phases' states no longer compare with DDP's). Where the step refuses too,
+                    # the error ends the process (exit 2, one line): the refusal is not recoverable.
+                    r.step()
+        record["phases"][name] = {"error": error, **r.state()}
+        torch.save(record, path)
+    if r.dk is not None:
+        r.dk.finish()  # param mode: the final sync, after which ranks_in_sync must hold
+        summary = r.dk.summary()
+        record["ranks_in_sync"] = summary["ranks_in_sync"]
+        torch.save(record, path)
+        r.dk.close()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
