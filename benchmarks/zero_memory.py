@@ -148,6 +148,10 @@ def worker(stage: int, size: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(recs, f)
+    # Leave together: a rank that tears its gloo connections down while a peer is still inside the last
+    # exchange can end that peer with "terminate called ... gloo::IoException" (SIGABRT); distkit's
+    # Session.close has the same barrier. The likely cause of the one ZeRO-3 abort seen here (not reproduced).
+    dist.barrier()
     dist.destroy_process_group()
 
 

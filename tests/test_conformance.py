@@ -214,3 +214,46 @@ def test_api_md_shows_the_table_this_suite_proves() -> None:
     table = render_table()
     assert table in doc, "docs/api.md's idiom table differs from tests/test_conformance.py's EXPECTED; paste:\n" + table
     assert len(re.findall(r"^\| idiom \|", doc, flags=re.M)) == 1
+
+
+ARGV_STRIPPING = '''
+import argparse, json, os, sys
+import torch, distkit
+parser = argparse.ArgumentParser()
+distkit.add_arguments(parser)
+args, rest = parser.parse_known_args()
+sys.argv = [sys.argv[0]] + rest      # nanoGPT's configurator reads sys.argv itself: distkit's flags removed
+dk = distkit.init(args, progress_bar=False)
+model, opt = dk.setup(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+print(f"rank {dk.rank}: engine {dk.backend}", flush=True)
+'''
+
+ENGINE_BY_ENV = '''
+import os, torch, distkit
+# the launching process and its ranks resolve different engines (the script reads its own environment)
+launched = any(k in os.environ for k in ("DISTKIT_SPAWN_ID", "OMPI_COMM_WORLD_RANK"))
+dk = distkit.init({"distributed": {"backend": "ddp" if launched else "mpi"}, "nprocs": 2, "progress_bar": False})
+print("trained on", dk.backend, flush=True)
+'''
+
+
+def test_script_that_strips_distkit_flags_from_argv_runs_the_engine_it_asked_for(tmp_path: Path) -> None:
+    """nanoGPT-style argv handling: the ``--nprocs`` relaunch uses the original command line, so the ranks
+    run the mpi engine the flags ask for (they ran ddp under mpirun before)."""
+    script = tmp_path / "strip.py"
+    script.write_text(ARGV_STRIPPING)
+    res = run([PY, str(script), "--nprocs", "2", "++distributed", "{'backend': 'mpi'}", "--batch_size=4"], timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(ln for ln in res.stdout.splitlines() if ln.startswith("rank ")) == [
+        "rank 0: engine mpi", "rank 1: engine mpi"]
+
+
+def test_ranks_that_resolve_another_engine_than_their_launcher_stop_with_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "by_env.py"
+    script.write_text(ENGINE_BY_ENV)
+    res = run([PY, str(script)], timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "trained on" not in res.stdout
+    errors = [ln.lstrip("\x00") for ln in res.stderr.splitlines() if "resolved engine 'ddp'" in ln]
+    assert errors and all(ln.startswith("distkit: error") and "chose 'mpi'" in ln for ln in errors), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
