@@ -63,3 +63,22 @@ class RankLost(RankStalled):
     """A rank is gone: this rank's connection to a peer closed (reset, refused) and a rank's heartbeat
     stopped with it: it died, was killed, or its host went down or was cut off. The text names it;
     ``stalled_ranks`` lists the global ranks (see :func:`distkit.watchdog.lost_peer_error`)."""
+
+
+class NonFiniteLoss(DistkitError):
+    """The training loss became NaN or infinite (:meth:`distkit.Session.backward`): training stops at that
+    step, before its optimizer step, so no later checkpoint holds the diverged model. The text names the
+    rank and the step. A failure during training, not bad input: exit status 1."""
+
+    exit_code = 1
+
+
+class PortInUse(ConfigError):
+    """The rendezvous port the launcher chose is taken (another job on the host): the text names the flag
+    that gives this job its own."""
+
+
+class OutputError(DistkitError):
+    """A run's own output file (``summary.json``, ``config.resolved.json``) cannot be written (a full
+    disk, a read-only directory). The file written before, if any, is intact; the text names the path
+    and the fix."""

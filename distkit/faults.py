@@ -9,7 +9,8 @@ optimizer step, the default) or a point inside the checkpoint save of that step
 complete, not renamed), ``checkpoint`` (this rank's file in place, before the manifest),
 ``manifest`` (rank 0: the manifest written, the directory still under its temporary name),
 ``swap`` (rank 0, re-saving an existing step: the old directory moved aside, the new one not yet
-in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced). Read once
+in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced), or ``init``
+(with STEP 0: the mpi engine's start-up, before ``MPI_Init``). Read once
 at import; unset in normal runs, where it costs one comparison.
 
 ``DISTKIT_FAULT_STAMP=PATH``: just before firing, the rank writes ``PID TIME`` (``time.time()``,

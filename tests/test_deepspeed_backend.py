@@ -385,3 +385,25 @@ def test_deepspeed_keys_fill_distkit_keys(tmp_path: Path) -> None:
     resolved = json.loads((out / "deepspeed_config.resolved.json").read_text())
     assert resolved["gradient_accumulation_steps"] == 2
     assert summary(out)["samples"] == 4 * 64
+
+
+def test_deepspeed_launcher_on_a_taken_port_is_one_line_naming_the_flag(tmp_path: Path) -> None:
+    """Two jobs under the deepspeed launcher on one host: its port (default 29500) is taken by the other.
+    Rank 0 says so in one line naming the flag, and the job ends at once (not after timeout_s)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        res = run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(ROOT / "examples" / "byo_loop.py"),
+                   "--epochs", "1", "--out", str(tmp_path), "--deepspeed_config", "configs/ds_byo.json"], timeout=120)
+        wall = time.monotonic() - t0
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    lines = [ln for ln in out.splitlines() if f"the rendezvous port {port}" in ln]
+    assert lines and all("deepspeed --master_port P" in ln and "Traceback" not in ln for ln in lines), out[-3000:]
+    assert "EADDRINUSE" not in out  # torch's own multi-line error is replaced
+    assert wall < 60, f"{wall:.1f}s"  # not the 300 s default timeout_s
+    assert not (tmp_path / "summary.json").exists()

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distkit.env import resolve_rendezvous
+from distkit.errors import PortInUse
 from distkit.netif import prepare_gloo
 
 from .base import Strategy, bare_module, param_averager
@@ -45,8 +46,19 @@ class DDPStrategy(Strategy):
         # A TCPStore on rank 0; timeout_s bounds both rendezvous and every collective, so a
         # vanished rank surfaces as an error instead of gloo's 30-minute default hang.
         # Under torchrun the agent already serves the store on MASTER_PORT; rank 0 only connects.
-        store = dist.TCPStore(addr, port, self.world_size, is_master=self.rank == 0 and not self.env.agent_store,
-                              timeout=datetime.timedelta(seconds=d.timeout_s))
+        master = self.rank == 0 and not self.env.agent_store
+        try:
+            store = dist.TCPStore(addr, port, self.world_size, is_master=master,
+                                  timeout=datetime.timedelta(seconds=d.timeout_s))
+        except RuntimeError as e:  # DistNetworkError: a RuntimeError
+            if master and "EADDRINUSE" in str(e):
+                # Launchers with a fixed default port (the deepspeed launcher's 29500) collide when two jobs
+                # run on one host; the ranks of this job get no store and would wait timeout_s for it.
+                raise PortInUse(f"the rendezvous port {port} (MASTER_PORT, from the {self.env.launcher} launcher) is "
+                                "in use, probably by another job on this host: give this job its own port (deepspeed "
+                                "--master_port P, torchrun --master_port P or --rdzv-endpoint localhost:0, or "
+                                "MASTER_PORT=P)") from None
+            raise
         dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=d.timeout_s))
         # Groups created later without a timeout (DeepSpeed's clone of the world group that ZeRO reduces

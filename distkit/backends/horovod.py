@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import types
 from typing import Any, ClassVar, Optional
 
@@ -29,7 +28,7 @@ from torch import nn
 from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.netif import openmpi_interface_hint
 
-from .base import Strategy, param_averager, persistent_buffers, report_failure
+from .base import Strategy, param_averager, persistent_buffers, report_failure, startup_guard
 from .mpi import MPIStrategy, mpi_impl
 
 INSTALL_HINT = "build and install it with `make horovod` (runs scripts/build_horovod.sh .venv, ~3 min once, then cached)"
@@ -67,24 +66,11 @@ class HorovodEngine(Strategy):
             os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(min(60, timeout)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout))
         # hvd.init() waits for its background thread's first collectives, which never complete where
-        # Open MPI's TCP transport dials an interface the other hosts cannot reach; no stall check
-        # runs that early. After timeout_s this rank says so and exits non-zero: mpirun then ends
-        # the job (MPI may not be usable from this thread, so no MPI_Abort).
-        done = threading.Event()
-
-        def give_up() -> None:
-            if not done.wait(timeout):
-                print(f"distkit: rank {self.rank}: horovod's init did not complete within distributed.timeout_s = "
-                      f"{timeout:g} s (another rank hangs or died{openmpi_interface_hint(self.env)}): ending this "
-                      "rank", file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(1)
-
-        threading.Thread(target=give_up, name="distkit-horovod-init-watch", daemon=True).start()
-        try:
+        # Open MPI's TCP transport dials an interface the other hosts cannot reach, or a rank is stopped
+        # or missing; no stall check runs that early. After timeout_s this rank says so and exits
+        # non-zero: mpirun then ends the job.
+        with startup_guard(self.rank, timeout, "horovod's init", openmpi_interface_hint(self.env)):
             hvd.init()
-        finally:
-            done.set()
         self._initialized = True
         if (hvd.size(), hvd.rank()) != (self.world_size, self.rank):
             raise UnsupportedCombination(

@@ -30,11 +30,12 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from distkit import faults
 from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.netif import openmpi_interface_hint
 from distkit.watchdog import explain_stall
 
-from .base import Strategy, param_averager, persistent_buffers, report_failure
+from .base import Strategy, param_averager, persistent_buffers, report_failure, startup_guard
 
 INSTALL_HINT = "pip install 'distkit[mpi]' (mpi4py + the Open MPI wheel), then launch with mpirun -np N"
 
@@ -288,6 +289,14 @@ class MPIStrategy(Strategy):
 
     # -- lifecycle -------------------------------------------------------------------
     def init(self) -> None:
+        # MPI_Init (the first import of mpi4py) and the first communication wait for every rank with no
+        # timeout of their own, before distkit's heartbeat watchdog can start: bounded by timeout_s.
+        with startup_guard(self.rank, float(self.cfg.distributed.timeout_s), "MPI start-up (MPI_Init, MPI_Comm_dup)",
+                           openmpi_interface_hint(self.env)):
+            faults.maybe_fire(self.rank, 0, "init")
+            self._init_mpi()
+
+    def _init_mpi(self) -> None:
         self.MPI = import_mpi()
         size, rank = self.MPI.COMM_WORLD.Get_size(), self.MPI.COMM_WORLD.Get_rank()
         if (size, rank) != (self.world_size, self.rank):
