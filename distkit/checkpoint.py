@@ -15,9 +15,15 @@ the newest ``keep`` checkpoints. Re-saving an existing step moves the old direct
 (``.step-N.old``) and deletes it only after the new one is in place; :func:`resolve` finds
 the aside copy if a kill came in between. So ``latest`` always names a complete checkpoint.
 
-Resuming (:func:`find_resumable`) verifies every file's size and sha256 and falls back to the
-newest complete checkpoint when ``latest`` is missing, incomplete or damaged, saying so; when
-checkpoints exist but none is complete it raises, naming the damaged file.
+Resuming (:func:`find_resumable`) verifies every file's size and sha256 and continues from the
+newest complete checkpoint, saying so when ``latest`` names another (missing, damaged, not text,
+naming an incomplete checkpoint, or stale: a newer one is complete); when checkpoints exist but
+none is complete it raises, naming the damaged file. :func:`check_layout` refuses, at start,
+a ``checkpoints`` that is a file or a ``latest`` that is a directory.
+
+One run per ``output_dir`` (:func:`lock_output_dir`): the process owning the run holds an
+``flock`` on ``output_dir/.distkit.lock`` to its end. :func:`write_json` writes the run's small
+JSON files (``summary.json``, ``config.resolved.json``) atomically.
 
 Each rank saves its own state (in param mode ranks differ between syncs, and RNG states always
 do). Assumes ``output_dir`` is on a filesystem every rank sees (one node, or a shared FS).
@@ -26,11 +32,13 @@ from __future__ import annotations
 
 import copy
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -39,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from distkit import faults, portable
-from distkit.errors import CheckpointError, ConfigError
+from distkit.errors import CheckpointError, ConfigError, OutputError
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
@@ -370,14 +378,35 @@ def resolve(root: str, name: str) -> Optional[str]:
     return None
 
 
-def latest(root: str) -> Optional[str]:
-    """The complete directory ``latest`` points to (see :func:`resolve`), or None (not verified:
-    :func:`find_resumable` is what a resume uses)."""
+def read_latest(root: str) -> tuple[Optional[str], Optional[str]]:
+    """``(name, None)``: the checkpoint name ``root/latest`` holds; ``(None, why)`` when it holds none, ``why``
+    completing "checkpoints/latest ..." ("is missing", "is damaged (...)"). The pointer is a file of ours, but
+    a disk error, a copy gone wrong or a user may have left anything there: bytes that are not text, another
+    text, a directory; each is a damaged pointer, never an exception."""
     pointer = os.path.join(root, "latest")
+    if not os.path.lexists(pointer):
+        return None, "is missing"
     if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as f:
-        name = f.read().strip()
+        return None, "is damaged (it is not a file)"
+    try:
+        with open(pointer, "rb") as f:
+            data = f.read(256)  # a checkpoint name is 12 characters: more is damage too, and is not read whole
+        name = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, "is damaged (it holds bytes that are not UTF-8 text, not a checkpoint name)"
+    except OSError as e:
+        return None, f"is damaged (it cannot be read: {e.strerror or e})"
+    if not name:
+        return None, "is damaged (it is empty)"
+    if not STEP_RE.match(name):  # also keeps a NUL byte or a path out of os.path calls
+        return None, f"is damaged (it holds {name[:40]!r}, not a checkpoint name)"
+    return name, None
+
+
+def latest(root: str) -> Optional[str]:
+    """The complete directory ``latest`` points to (see :func:`resolve`), or None, also when ``latest`` is
+    missing or damaged (not verified: :func:`find_resumable` is what a resume uses)."""
+    name, _ = read_latest(root)
     return resolve(root, name) if name else None
 
 
@@ -444,45 +473,65 @@ def _step_of(name: str) -> int:
     return int(name.rsplit("-", 1)[1].split(".")[0])
 
 
-def find_resumable(root: str) -> tuple[Optional[str], list[str]]:
-    """For ``++resume auto``: the newest verified complete checkpoint under ``root`` and notes on what was
-    skipped (``latest`` missing, incomplete or damaged). (None, []) when there is no checkpoint at all.
-    Raises :class:`CheckpointError` naming the damaged file when checkpoints exist but none is complete:
-    a resume never silently starts from step 0 over an earlier run."""
+def find_resumable(root: str, doing: str = "resuming from") -> tuple[Optional[str], list[str]]:
+    """For ``++resume auto``: the newest verified complete checkpoint under ``root`` and notes on why it is
+    not the one ``latest`` names (``latest`` missing, damaged, naming an unusable checkpoint, or an older one:
+    a save whose ``latest`` update failed or was killed leaves a newer complete checkpoint, the one to
+    continue from). ``doing`` words the notes ("resuming from", "inspecting"). (None, []) when there is no
+    checkpoint at all. Raises :class:`CheckpointError` naming the damaged file when checkpoints exist but
+    none is complete: a resume never silently starts from step 0 over an earlier run."""
     if not os.path.isdir(root):
         return None, []
     entries = os.listdir(root)
     names = {e for e in entries if STEP_RE.match(e)} | {m.group(1) for e in entries if (m := _ASIDE_RE.match(e))}
-    pointer, named = os.path.join(root, "latest"), None
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            named = f.read().strip() or None
-    if not names and named is None:
+    named, pointer_problem = read_latest(root)
+    if not names and named is None and pointer_problem == "is missing":
         return None, []
-    order = sorted(names, key=_step_of, reverse=True)
-    if named is not None:
-        order = [named] + [n for n in order if n != named]
-    notes: list[str] = []
-    first_problem = None
+    order = sorted(names, key=_step_of, reverse=True)  # newest first, whatever `latest` says
+    problems: dict[str, str] = {}
+    if named is not None and named not in names:  # (neither the directory nor its aside copy is there)
+        problems[named] = f"{os.path.join(root, named)} does not exist"
     for name in order:
         path = resolve(root, name)
         problem = verify(path) if path else (
             f"{os.path.join(root, name)} has no manifest.json (an interrupted save)" if os.path.isdir(os.path.join(root, name))
             else f"{os.path.join(root, name)} does not exist")
-        if problem is None:
-            if name != named:
-                why = "names no checkpoint" if named is None else f"names {named}, which is unusable: {first_problem}"
-                notes.append(f"checkpoints/latest {why}; resuming from {name}, the newest complete checkpoint")
-                if named is None:
-                    notes[-1] = f"checkpoints/latest is missing; resuming from {name}, the newest complete checkpoint"
-            return path, notes
-        first_problem = first_problem or problem
+        if problem is not None:
+            problems[name] = problem
+            continue
+        if name == named:
+            return path, []
+        if named is None:
+            why = pointer_problem
+        elif named in problems:
+            why = f"names {named}, which is unusable: {problems[named]}"
+        else:  # an older checkpoint (not verified: a newer complete one is there)
+            why = f"names {named}, but {name} is newer and complete"
+        return path, [f"checkpoints/latest {why}; {doing} {name}, the newest complete checkpoint"]
+    first_problem = next(iter(problems.values()), f"checkpoints/latest {pointer_problem}")
     raise CheckpointError(f"no complete checkpoint in {root} to resume from: {first_problem}; restore the file, "
                           "resume from a checkpoint directory with ++resume DIR, or start over with ++resume none")
 
 
+def check_layout(output_dir: str) -> None:
+    """ConfigError unless ``output_dir/checkpoints`` is a directory (or absent) and its ``latest`` a file (or
+    absent): anything else would only fail at the first save, after training (and after the run's
+    metrics.jsonl was started over). Reads only."""
+    root = os.path.join(output_dir, "checkpoints")
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise ConfigError(f"'{root}' is a file, where distkit keeps the run's checkpoint directory: move or delete it, "
+                          "or choose another output_dir")
+    pointer = os.path.join(root, "latest")
+    if os.path.isdir(pointer):
+        raise ConfigError(f"'{pointer}' is a directory, where distkit keeps the file naming the newest checkpoint: "
+                          "move or delete it (++resume auto then finds the newest complete checkpoint), or choose "
+                          "another output_dir")
+
+
 def checkpoint_for(cfg: "RunConfig") -> tuple[Optional[str], list[str]]:
-    """The checkpoint ``cfg.resume`` asks for, verified, and notes for the user (see :func:`find_resumable`)."""
+    """The checkpoint ``cfg.resume`` asks for, verified, and notes for the user (see :func:`find_resumable`).
+    First :func:`check_layout`, whatever ``resume`` is: every run saves into ``checkpoints/``."""
+    check_layout(cfg.output_dir)
     if cfg.resume == "auto":
         return find_resumable(os.path.join(cfg.output_dir, "checkpoints"))
     if cfg.resume is None:  # unset: an earlier run's checkpoints are never replaced without being asked
@@ -557,15 +606,116 @@ def check_output_dir(output_dir: str) -> None:
                               "writable output_dir or fix its permissions") from None
 
 
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` (its directory made if missing) atomically: into a hidden temporary
+    sibling, flushed to disk, then renamed over ``path``. A failure (a full disk) removes the temporary file
+    and leaves the earlier ``path`` as it was, instead of truncated to 0 bytes by an ``open(path, "w")``.
+    Raises :class:`OutputError` with one line naming the file and the fix."""
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.tmp")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk surfaces here at the latest, before the old file is replaced
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        what = "no space left on device" if _is_no_space(e) else (e.strerror or str(e))
+        before = "the previous one is intact" if os.path.isfile(path) else "it was not written"
+        raise OutputError(f"{what} writing '{path}' ({before}): free space or fix the permissions of "
+                          f"'{directory}', then continue with ++resume auto") from None
+
+
+#: the lock file of a run under ``output_dir``: flock-ed by the process that owns the run for its whole life
+LOCK_NAME = ".distkit.lock"
+#: set by the launching command (``--nprocs``) for the ranks it starts: the output_dir whose lock it holds
+LOCK_ENV = "DISTKIT_OUTPUT_DIR_LOCKED"
+#: output_dirs (absolute) whose lock this process holds, with the open descriptor that holds it
+_LOCKS: dict[str, int] = {}
+
+
+def holds_lock(output_dir: str) -> bool:
+    """Whether this process holds the run's lock on ``output_dir`` (:func:`lock_output_dir`)."""
+    return os.path.abspath(output_dir) in _LOCKS
+
+
+def unlock_output_dir(output_dir: str) -> None:
+    """Release the lock this process holds on ``output_dir`` (if any): a ``Trainer.fit()`` in a process that
+    goes on (a notebook) lets the next run there start. The file stays: deleting it could let two runs lock
+    two different files of the same name."""
+    fd = _LOCKS.pop(os.path.abspath(output_dir), None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor releases the flock
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """Take the run's lock on ``output_dir`` (created if missing): an exclusive ``flock`` on
+    ``output_dir/.distkit.lock``, held until this process ends (the kernel releases it when the process
+    dies, so a killed run never leaves a stale lock). Two runs on one output_dir would overwrite each
+    other's checkpoints, metrics and summary, and collide in the same temporary checkpoint directory.
+    Raises ConfigError (exit 2) naming the holder (pid, host, start time, which the holder writes into
+    the file) when another run holds it. A no-op when this process holds it already, or when the
+    launching command holds it for this rank (:data:`LOCK_ENV`): ranks of one job never refuse each other.
+    Assumes a filesystem whose ``flock`` is seen by every process that may start a run on it (local, or
+    a shared FS that supports it)."""
+    target = os.path.abspath(output_dir)
+    if target in _LOCKS or os.environ.get(LOCK_ENV) == target:
+        return
+    os.makedirs(target, exist_ok=True)
+    path = os.path.join(target, LOCK_NAME)
+    # not inheritable across exec (PEP 446): a spawned rank gets LOCK_ENV instead; a forked rank shares it
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        try:
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+        except OSError:
+            holder = ""
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise ConfigError(f"output_dir '{output_dir}' cannot be locked ({e.strerror or e}: '{path}'): choose an "
+                              "output_dir on a filesystem that supports flock") from None
+        raise ConfigError(f"output_dir '{output_dir}' is in use by another distkit run "
+                          f"({holder or 'its holder has not recorded itself yet'}): wait for it to end, stop it, or "
+                          "choose another output_dir") from None
+    # who holds it, for the message a second run prints (the lock itself is the flock, not this text)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(), 0)
+    _LOCKS[target] = fd
+
+
 def preflight(cfg: "RunConfig", world_size: int,
-              shapes: Optional[Callable[[], Optional[dict[str, list[int]]]]] = None) -> Optional[str]:
+              shapes: Optional[Callable[[], Optional[dict[str, list[int]]]]] = None,
+              lock: bool = False) -> Optional[str]:
     """Before any rank starts or anything is written: a writable ``output_dir``, and for a resume a
     verified checkpoint that fits ``world_size`` ranks and the model (``shapes()``). Returns the
-    checkpoint a resume will use (None: a fresh start). Raises ConfigError/CheckpointError (exit 2)."""
+    checkpoint a resume will use (None: a fresh start). Raises ConfigError/CheckpointError (exit 2).
+    With ``lock`` (the process that owns the whole run: a single process, or the command that starts the
+    ranks) it also takes the run's lock (:func:`lock_output_dir`), held until this process ends."""
     check_output_dir(cfg.output_dir)
-    path, _ = checkpoint_for(cfg)
-    if path is not None:
-        check_fits(path, world_size, shapes)
+    held = holds_lock(cfg.output_dir)
+    # An existing output_dir is locked before its checkpoints are read: another run may be writing them,
+    # and "in use by another run" is then the one line to print. A new one is created only once every
+    # check passed, so bad input leaves no directory behind.
+    if lock and os.path.isdir(cfg.output_dir):
+        lock_output_dir(cfg.output_dir)
+    try:
+        path, _ = checkpoint_for(cfg)
+        if path is not None:
+            check_fits(path, world_size, shapes)
+    except BaseException:
+        if not held:  # refused: no run follows, the lock must not outlive this call (main() in a longer process)
+            unlock_output_dir(cfg.output_dir)
+        raise
+    if lock:
+        lock_output_dir(cfg.output_dir)
     return path
 
 

@@ -144,12 +144,25 @@ def _as_rank(argv: list[str]) -> int:
 
 
 def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list[str]) -> int:
+    """``distkit train``: the run of :func:`_train`, and the output_dir lock it took released when it ends
+    (``main()`` may be called in a process that goes on; the ``distkit`` command exits anyway)."""
     if args.local_rank is None:
         args.local_rank = args.top_local_rank
     flags = LaunchFlags(local_rank=args.local_rank, distributed_backend=args.distributed_backend,
                         find_unused_parameters=args.find_unused_parameters, deepspeed=args.deepspeed,
                         deepspeed_config=args.deepspeed_config, nprocs=args.nprocs)
     cfg: RunConfig = load_config(args.configs, overrides, flags)
+    from distkit.checkpoint import holds_lock, unlock_output_dir
+
+    held = holds_lock(cfg.output_dir)  # a rank forked from the launching process: its lock, not this call's
+    try:
+        return _train(args, cfg, argv)
+    finally:
+        if not held:
+            unlock_output_dir(cfg.output_dir)
+
+
+def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
     from distkit.backends import check_backend, strategy_class
     from distkit.env import detect
     from distkit.tasks import check_task
@@ -168,13 +181,18 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
 
     # an unwritable output_dir, or a resume that cannot work (damaged, other world size, other model):
     # one line and exit 2 here, before any rank starts and before anything is written
-    verified = preflight(cfg, cfg.nprocs if env.launcher == "single" else env.world_size, lambda: _model_shapes(cfg))
+    # Started without a launcher, this process owns the whole run (it trains, or starts and outlives the
+    # ranks): it takes output_dir's lock here, so a second run on the same output_dir stops with one line
+    # before anything is written. Under torchrun/mpirun/srun rank 0 takes it in the Trainer.
+    verified = preflight(cfg, cfg.nprocs if env.launcher == "single" else env.world_size, lambda: _model_shapes(cfg),
+                         lock=env.launcher == "single")
     if env.launcher == "single" and cfg.nprocs > 1:
-        from distkit.checkpoint import TRUSTED_ENV
+        from distkit.checkpoint import LOCK_ENV, TRUSTED_ENV
         from distkit.launch import run_local
 
         if verified is not None:  # the ranks started here need not hash the same files again (seconds per GB)
             os.environ[TRUSTED_ENV] = os.path.abspath(verified)
+        os.environ[LOCK_ENV] = os.path.abspath(cfg.output_dir)  # held here: the ranks must not take it again
         global launched_only
         try:
             launched_only = True
@@ -182,6 +200,7 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
                              strategy_class(cfg.distributed.backend).local_launcher, target=lambda: _as_rank(argv))
         finally:
             os.environ.pop(TRUSTED_ENV, None)
+            os.environ.pop(LOCK_ENV, None)
     from distkit.trainer import Trainer
 
     try:

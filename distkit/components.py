@@ -213,6 +213,21 @@ def _check_components(cfg: RunConfig) -> None:
     if cfg.precision == "16-mixed" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise ConfigError("precision '16-mixed' (float16 with loss scaling) needs a CUDA device; on the CPU use "
                           "precision = 'bf16-mixed'")
+    check_device(cfg)
+
+
+def check_device(cfg: RunConfig) -> None:
+    """Before any rank starts: the process-group backend can work on the device the ranks will use.
+    ``pg_backend 'nccl'`` only moves CUDA tensors; without a CUDA device every rank would fail in
+    ``init_process_group`` or its first collective, each with a traceback. ConfigError (exit status 2)."""
+    if cfg.distributed.pg_backend != "nccl":
+        return
+    if cfg.device == "cpu":
+        raise ConfigError("distributed.pg_backend 'nccl' needs CUDA tensors but device is 'cpu': use pg_backend "
+                          "'gloo', or leave pg_backend unset (nccl on CUDA, gloo on the CPU)")
+    if not torch.cuda.is_available():
+        raise ConfigError("distributed.pg_backend 'nccl' needs a CUDA device but none is visible: use pg_backend "
+                          "'gloo', or leave pg_backend unset (nccl on CUDA, gloo on the CPU)")
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:

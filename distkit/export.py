@@ -39,6 +39,20 @@ def find_checkpoint(path: str) -> str:
                       "pass a checkpoints/step-NNNNNNN directory or the run's output_dir")
 
 
+def locate(path: str, doing: str = "inspecting") -> tuple[str, list[str]]:
+    """Like :func:`find_checkpoint`, but when ``latest`` is missing or damaged (or names no complete
+    checkpoint) the newest complete checkpoint, as ``++resume auto`` finds it, with a note saying why
+    (worded with ``doing``): what a resume would use is still there to inspect."""
+    try:
+        return find_checkpoint(path), []
+    except ConfigError:
+        for root in (path, os.path.join(path, "checkpoints")):
+            found, notes = checkpoint.find_resumable(root, doing)
+            if found:
+                return found, notes
+        raise
+
+
 def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the model's ``state_dict``, whole and fp32 (integer buffers keep their dtype)."""
     ckpt = find_checkpoint(path)

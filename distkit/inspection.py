@@ -5,7 +5,8 @@ Reported: step, samples (global), global batch, engine, reduce_type, ZeRO stage,
 has the engine-neutral portable part (then it resumes anywhere), the model's tensors
 (count, elements, fp32 bytes, from the manifest's shapes), every file with its size, and integrity:
 each file's size and sha256 against the manifest. Exit status 0 when intact, 1 when damaged, 2 for
-a path that is not a checkpoint.
+a path that is not a checkpoint. When the run's ``latest`` is missing or damaged, the newest complete
+checkpoint is inspected and one line on stderr says so (as ``++resume auto`` does).
 """
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ import argparse
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import torch
 
 from distkit import checkpoint
-from distkit.export import find_checkpoint
+from distkit.export import locate
 
 
 def describe(path: str) -> dict[str, Any]:
-    """The report for checkpoint ``path`` (see the module docstring) as a dict."""
-    ckpt = find_checkpoint(path)
+    """The report for checkpoint ``path`` (see the module docstring) as a dict; ``notes``: why it is not the
+    checkpoint ``latest`` names (missing or damaged), as ``++resume auto`` says it."""
+    ckpt, notes = locate(path)
     manifest = checkpoint.read_manifest(ckpt)
     info: dict[str, Any] = {"checkpoint": ckpt, "step": manifest.get("step"), "samples": manifest.get("samples"),
                             "engine": manifest.get("engine"), "reduce_type": manifest.get("reduce_type"),
@@ -50,6 +53,7 @@ def describe(path: str) -> dict[str, Any]:
     info["bytes_on_disk"] = sum(info["files"].values())
     info["intact"] = problem is None
     info["problem"] = problem
+    info["notes"] = notes
     return info
 
 
@@ -64,6 +68,8 @@ def add_parser(sub: "argparse._SubParsersAction[Any]") -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     info = describe(args.checkpoint)
+    for note in info["notes"]:  # on stderr: --json's stdout stays one JSON object
+        print(f"distkit: {note}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(info, indent=2), flush=True)
         return 0 if info["intact"] else 1

@@ -224,9 +224,30 @@ def _threads(nprocs: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // nprocs))
 
 
+#: at most this many local ranks per CPU core (:func:`check_nprocs`)
+RANKS_PER_CPU = 64
+
+
+def check_nprocs(nprocs: int) -> None:
+    """ConfigError (exit status 2, before any rank starts) for more local ranks than :data:`RANKS_PER_CPU`
+    times the CPU count. Each rank is a whole Python process with torch loaded (hundreds of MB) and all
+    start at once: ``--nprocs 10000`` (a typo, or a global count meant for a cluster) would fork until
+    fork() or memory fails, leaving thousands of processes to clean up. 64 per core is far past any
+    useful oversubscription, and still allows running many small ranks on a small machine for tests."""
+    limit = RANKS_PER_CPU * (os.cpu_count() or 1)
+    if nprocs > limit:
+        from distkit.errors import ConfigError
+
+        raise ConfigError(f"--nprocs {nprocs} is more local ranks than this machine can start ({limit}: "
+                          f"{RANKS_PER_CPU} per CPU core, {os.cpu_count() or 1} cores): use at most one rank per "
+                          "device or core, and a launcher (torchrun, mpirun, srun) to run more ranks on several hosts")
+
+
 def run_local(cmd: list[str], nprocs: int, launcher: str, target: Optional[Callable[[], int]] = None) -> int:
     """Run ``cmd`` as ``nprocs`` local ranks with ``launcher`` ("spawn" or "mpirun"); returns the exit status.
-    ``target``: what ``cmd`` runs, callable in this process (see :func:`spawn`)."""
+    ``target``: what ``cmd`` runs, callable in this process (see :func:`spawn`). ConfigError for a number
+    of ranks this machine cannot start (:func:`check_nprocs`)."""
+    check_nprocs(nprocs)
     return mpirun(cmd, nprocs) if launcher == "mpirun" else spawn(cmd, nprocs, target)
 
 

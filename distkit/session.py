@@ -49,11 +49,13 @@ from distkit import checkpoint, ompi_leftovers, portable
 from distkit.netif import host_identity
 from distkit.backends import check_backend, strategy_class
 from distkit.backends.base import Strategy, float_state, persistent_buffers
-from distkit.components import pick_device
+from distkit.components import check_device, pick_device
 from distkit.config import LaunchFlags, RunConfig, load_config, resolve, split_overrides
 from distkit.data import BatchPlan, PlanSampler, ShardedLoader
 from distkit.env import ClusterEnv, detect
-from distkit.errors import CheckpointError, CollectiveTimeout, ConfigError, DistkitError, UsageError
+from distkit.errors import (
+    CheckpointError, CollectiveTimeout, ConfigError, DistkitError, NonFiniteLoss, UsageError,
+)
 from distkit.evaluation import param_checksum
 from distkit.launch import record_failure, record_stall, settle_if_peer
 from distkit.main_process import set_current_strategy
@@ -146,6 +148,7 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
     _install_excepthook()
     cfg, local_rank = config_from(source, **keys)
     check_backend(cfg)
+    check_device(cfg)  # e.g. nccl without CUDA: one line now, not a traceback per rank later
     environ = dict(os.environ)
     if local_rank is not None:  # the old torch.distributed.launch passes it only as an argument
         environ.setdefault("LOCAL_RANK", str(local_rank))
@@ -311,6 +314,10 @@ class Session:
         self.checkpoint_stalls_s: list[float] = []
         self._unscaled = False  # 16-mixed: this step's gradients were already unscaled (by clip_grad_norm)
         self._last_loss: Optional[torch.Tensor] = None
+        # CUDA only (see _check_loss): the first step whose loss was not finite (0: none yet) and that loss,
+        # kept on the device so that checking costs no host synchronisation per step
+        self._bad_step: Optional[torch.Tensor] = None
+        self._bad_loss: Optional[torch.Tensor] = None
         self._micro = 0  # backward passes since the last step
         self._kept: list[nn.Module] = []  # keep_in_sync
         self._given_optimizer: Any = None  # the optimizer the user passed to setup (the engine may return another)
@@ -581,7 +588,17 @@ class Session:
 
         The newest batch a :meth:`dataloader` handed out counts as this micro-step's: its samples go
         into ``num_samples`` and the time since its fetch began into ``compute_time_s`` (so batches
-        of an evaluation loader count for neither)."""
+        of an evaluation loader count for neither).
+
+        A loss that is NaN or infinite stops training with :class:`~distkit.errors.NonFiniteLoss` naming
+        the rank and the step (``num_steps + 1``), instead of training on and saving NaN checkpoints. On
+        the CPU the check runs here, on every call, before the backward pass and so before that step's
+        optimizer step (``isfinite`` of a scalar: microseconds). On CUDA, reading the result here would
+        make the host wait for the GPU every micro-step; the first bad step and its loss are instead
+        recorded on the device (no synchronisation) and read at every ``log_every``-th :meth:`step` (the
+        points where the loss is read anyway), in :meth:`finish` and before every :meth:`save`, so the
+        error may come up to ``log_every`` steps after the step it names, but no checkpoint is written
+        after it."""
         self._require_setup("backward()")
         k = self.cfg.accum_grad_multiple_step
         if self._strategy.fixed_accumulation and self._micro >= k:
@@ -598,6 +615,7 @@ class Session:
         if self._t_batch is None:
             self._t_batch = t_fetch
         self._last_loss = loss.detach()
+        self._check_loss(self._last_loss)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         self._t_grad_ready = None
@@ -609,6 +627,37 @@ class Session:
             # The engine waited for its all-reduce inside backward: from the last gradient computed to
             # the return is waiting on communication (DDP's reducer finalising its buckets).
             self._step_wait_s += max(0.0, time.perf_counter() - self._t_grad_ready)
+
+    def _check_loss(self, loss: torch.Tensor) -> None:
+        """NonFiniteLoss if ``loss`` (detached, scalar) is NaN or infinite: at once on the CPU; on other
+        devices only recorded, for :meth:`_raise_if_loss_was_bad` (see :meth:`backward`)."""
+        step = self.num_steps + 1
+        if loss.device.type == "cpu":
+            if not bool(torch.isfinite(loss)):
+                raise self._non_finite(float(loss), step)
+            return
+        if self._bad_step is None:
+            self._bad_step = torch.zeros((), dtype=torch.long, device=loss.device)
+            self._bad_loss = torch.zeros((), dtype=torch.float32, device=loss.device)
+        assert self._bad_loss is not None
+        # only the first bad step is kept: the later ones follow from it
+        first = ~torch.isfinite(loss) & (self._bad_step == 0)
+        self._bad_step = torch.where(first, torch.full_like(self._bad_step, step), self._bad_step)
+        self._bad_loss = torch.where(first, loss.float(), self._bad_loss)
+
+    def _raise_if_loss_was_bad(self) -> None:
+        """NonFiniteLoss for the first non-finite loss recorded on the device (CUDA), if any: reads two
+        scalars, a host synchronisation, so only called at log points, in finish and before a save."""
+        if self._bad_step is not None and self._bad_loss is not None:
+            step = int(self._bad_step)
+            if step:
+                raise self._non_finite(float(self._bad_loss), step)
+
+    def _non_finite(self, value: float, step: int) -> NonFiniteLoss:
+        what = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return NonFiniteLoss(f"rank {self.rank}: the loss is {what} at step {step}: training stopped; no "
+                             "checkpoint of this step or later is written (lower the learning_rate, set gradient_clip, or check "
+                             "the data and the loss for nan/inf)")
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
         self._t_grad_ready = time.perf_counter()
@@ -659,6 +708,8 @@ class Session:
             self._t_batch = None
         self.comm_wait_s += self._step_wait_s
         self._step_wait_s = 0.0
+        if self.num_steps % self.cfg.log_every == 0:
+            self._raise_if_loss_was_bad()  # CUDA: the device-side record of backward's check
 
     def _unscale(self) -> None:
         """fp16: divide the reduced gradients by the loss scale, once per step, before clipping or stepping."""
@@ -672,6 +723,7 @@ class Session:
         the final sync (the average), in grad mode rank 0's persistent buffers (BatchNorm statistics,
         which each rank's last forward updated on its own data)."""
         self._require_setup("finish()")
+        self._raise_if_loss_was_bad()
         self._strategy.finish(self._model)  # type: ignore[arg-type]
 
     # -- collectives ----------------------------------------------------------------------------
@@ -757,6 +809,7 @@ class Session:
     def _start_save(self, path: str, state: dict[str, Any], background: bool) -> checkpoint.PendingCheckpoint:
         if not isinstance(state, dict):
             raise UsageError(f"dk.save(path, state): state must be a dict, got {type(state).__name__}")
+        self._raise_if_loss_was_bad()  # CUDA: never save the model of a run whose loss already diverged
         # Grad mode: the replicas are equal, and the portable part holds them once, each tensor written
         # by one rank; the rank files then carry no model or optimizer (no rank gathers a ZeRO-3 model,
         # and the N copies are not written). Param mode: the replicas differ between syncs, each rank

@@ -2,7 +2,8 @@
 
 Per rank: build the task with the same seed everywhere, let the Strategy wrap model and
 optimizer, then loop over this rank's batches (:mod:`distkit.data`). Rank 0 writes
-``config.resolved.json``, ``metrics.jsonl`` and ``summary.json`` under ``output_dir``.
+``config.resolved.json``, ``metrics.jsonl`` and ``summary.json`` under ``output_dir`` (the JSON
+files atomically), holding the output_dir's lock unless the command that started it does.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from distkit import checkpoint, faults
 from distkit.components import build_optimizer, build_scheduler, check_components
 from distkit.config import RunConfig, resolve
 from distkit.env import ClusterEnv
-from distkit.errors import DistkitError
+from distkit.errors import DistkitError, OutputError
 from distkit.evaluation import batch_loss, evaluate
 from distkit.session import Session, init
 from distkit.tasks import Task, check_task, make_task
@@ -44,6 +45,9 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train, evaluate, save; returns the summary (the content of summary.json) on every rank."""
+        # the output_dir lock rank 0 takes (TrainingRun) is released at the end of this fit, unless whoever
+        # called it (`distkit train`) holds it already, for its whole process
+        held = checkpoint.holds_lock(self.cfg.output_dir)
         dk = init(self.cfg, env=self.env)
         try:
             return TrainingRun(self.cfg, dk).run()
@@ -52,6 +56,8 @@ class Trainer:
             raise
         finally:
             dk.close()
+            if not held:
+                checkpoint.unlock_output_dir(self.cfg.output_dir)
 
 
 class TrainingRun:
@@ -88,11 +94,9 @@ class TrainingRun:
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         self.out = None
         self._maybe_resume()  # before anything is written: a checkpoint that does not fit leaves output_dir untouched
+        resolved = {**cfg.to_json(), "world_size": dk.world_size, **dk.topology(), "launcher": dk.env.launcher}
+        self._write_json("config.resolved.json", resolved)
         if dk.is_main:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-            with open(os.path.join(cfg.output_dir, "config.resolved.json"), "w") as f:
-                json.dump({**cfg.to_json(), "world_size": dk.world_size, **dk.topology(), "launcher": dk.env.launcher},
-                          f, indent=2)
             d = cfg.distributed
             print(f"distkit: {d.backend}/{d.reduce_type} on {dk.world_size} rank(s) via {dk.env.launcher}, "
                   f"task {self.task.name}, batch {cfg.batch_size}/rank, {self.total_steps} steps; "
@@ -152,6 +156,9 @@ class TrainingRun:
                 path, notes = checkpoint.checkpoint_for(self.cfg)
                 if path is not None:
                     checkpoint.check_fits(path, self.dk.world_size, lambda: checkpoint.model_shapes(self.dk.unwrap()))
+                # the run's lock on output_dir, held by rank 0 to its end (a no-op where `distkit train` or
+                # the command that started the ranks holds it): another run there stops every rank with one line
+                checkpoint.lock_output_dir(self.cfg.output_dir)
                 choice = (path, notes, None)
             except DistkitError as e:
                 choice = (None, [], e)
@@ -316,9 +323,23 @@ class TrainingRun:
             summary.pop("eval_accuracy", None)
         summary["stopped_early"] = stopped
         self._call("on_train_end", summary)
-        if dk.is_main:
-            with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
-            if self.out is not None:
-                self.out.close()
+        if self.out is not None:
+            self.out.close()
+        self._write_json("summary.json", summary)
         return summary
+
+    def _write_json(self, name: str, obj: Any) -> None:
+        """Collective: rank 0 writes ``obj`` to ``output_dir/name`` atomically (a full disk leaves the previous
+        file intact, see :func:`distkit.checkpoint.write_json`); its error is raised on every rank, so the job
+        stops with one line and no rank waits for rank 0."""
+        error: Optional[BaseException] = None
+        if self.dk.is_main:
+            try:
+                checkpoint.write_json(os.path.join(self.cfg.output_dir, name), obj)
+            except OutputError as e:
+                error = e
+        if self.dk.world_size > 1:
+            error = self.dk.broadcast_object(error, 0)
+        if error is not None:
+            error.agreed = True  # every rank raises it here: reported once
+            raise error

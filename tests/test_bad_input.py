@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import distkit
 from distkit.cli import main
@@ -65,6 +66,22 @@ CASES = [
     ("keep_checkpoints_zero", "keep_checkpoints = 0\n", [], ["'keep_checkpoints' must be an integer >= 1", "0"]),
     ("output_dir_below_a_file", "", ["++output_dir", "/etc/hostname/run"], ["output_dir '/etc/hostname/run' cannot be created",
                                                                            "'/etc/hostname' is a file"]),
+    # issue 23 item 8: a non-finite number in the config (NaN passes every "> 0" check)
+    ("learning_rate_nan_word", "", ["++learning_rate", "nan"], ["'learning_rate' must be a positive, finite number", "'nan'"]),
+    ("learning_rate_inf_word", "", ["++learning_rate", "inf"], ["'learning_rate' must be a positive, finite number", "'inf'"]),
+    ("learning_rate_nan", "", ["++learning_rate", "NaN"], ["'learning_rate' is nan", "must be finite"]),
+    ("learning_rate_overflow", "", ["++learning_rate", "1e999"], ["'learning_rate' is inf", "must be finite"]),
+    ("learning_rate_nan_in_file", "learning_rate = float('nan')\n", [], ["'learning_rate' is nan", "must be finite"]),
+    ("optimizer_argument_inf", "optimizer = {'class': 'adamw', 'weight_decay': float('inf')}\n", [],
+     ["'optimizer.weight_decay' is inf", "must be finite"]),
+    ("gradient_clip_nan", "", ["++gradient_clip", "NaN"], ["'gradient_clip' is nan"]),
+    # issue 23 item 9: a Python config that ends the process
+    ("config_calls_sys_exit", "import sys\nsys.exit(0)\n", [], [":3:", "called sys.exit(0)", "must only define keys"]),
+    ("config_calls_exit", "task = 'digits'\nexit()\n", [], [":3:", "called sys.exit()"]),
+    # issue 23 item 10: checked against the machine and the launcher before any rank starts
+    ("nccl_on_cpu_device", "device = 'cpu'\n", ["++distributed.pg_backend", "nccl"],
+     ["pg_backend 'nccl' needs CUDA tensors but device is 'cpu'", "'gloo'"]),
+    ("nprocs_beyond_the_machine", "", ["--nprocs", "10000"], ["--nprocs 10000 is more local ranks", "per CPU core"]),
 ]
 
 
@@ -101,7 +118,9 @@ def test_yaml_and_json_errors_name_the_line(tmp_path: Path, capsys: pytest.Captu
         assert "\n" not in line and word in line
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("misspelt_key", "syntax_error", "nprocs_zero", "model_no_import")],
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("misspelt_key", "syntax_error", "nprocs_zero", "model_no_import",
+                                                                 "learning_rate_nan", "config_calls_sys_exit",
+                                                                 "nprocs_beyond_the_machine")],
                          ids=lambda c: c[0])
 def test_bad_input_real_process(case: tuple[str, str, list[str], list[str]], tmp_path: Path) -> None:
     """The same through the real entry point: status 2, one stderr line, no traceback."""
@@ -157,3 +176,116 @@ def test_read_only_output_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert sorted(p.name for p in ro.rglob("*")) == (["checkpoints", "run"] if exists else [])
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+@pytest.mark.parametrize("kind", ["py", "yaml", "json", "deepspeed"])
+def test_a_config_file_that_is_not_utf8(kind: str, tmp_path: Path) -> None:
+    """Issue 23 item 9: a config saved as Latin-1 is one line naming the file, its line and that it is not
+    UTF-8, exit 2 (was a UnicodeDecodeError traceback, exit 1), through the real entry point; the same for
+    a DeepSpeed config file."""
+    out = tmp_path / "out"
+    text = {"py": f"output_dir = {str(out)!r}\n# caf\xe9\n", "yaml": f"output_dir: {out}\n# caf\xe9\n",
+            "json": f'{{"output_dir": "{out}",\n "task": "caf\xe9"}}\n',
+            "deepspeed": '{"train_micro_batch_size_per_gpu": 8,\n "comment": "caf\xe9"}\n'}[kind]
+    cfg = tmp_path / ("ds.json" if kind == "deepspeed" else f"cfg.{kind}")
+    cfg.write_bytes(text.encode("latin-1"))
+    offset = text.index("\xe9")
+    args = [str(_write(tmp_path, "")[0]), "--deepspeed_config", str(cfg)] if kind == "deepspeed" else [str(cfg)]
+    res = distkit("train", *args, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [f"distkit: error: {cfg}:2: the config file is not UTF-8 text (byte 0xe9 at offset "
+                                       f"{offset}): save it as UTF-8"], res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text", ["", "# nothing here yet\n"], ids=["empty", "only_a_comment"])
+def test_an_empty_yaml_config(text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 23 item 9: an empty YAML file (null) is refused, not trained with every default."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    assert main(["train", str(cfg), "++output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"distkit: error: config file '{cfg}' is empty (no keys): write the keys in it (`distkit keys` lists them), "
+        "or '{}' for the defaults"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("spelling", [["++distributed.pg_backend", "nccl"], ["--distributed_backend", "nccl"]],
+                         ids=["override", "flag"])
+def test_nccl_without_cuda_is_refused_before_start(spelling: list[str], tmp_path: Path) -> None:
+    """Issue 23 item 10: pg_backend nccl without a CUDA device is one line and exit 2 before any rank starts
+    (was one traceback per rank)."""
+    cfg, out = _write(tmp_path, "task = 'digits'\n")
+    res = distkit("train", str(cfg), "--nprocs", "2", *spelling, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "distkit: error: distributed.pg_backend 'nccl' needs a CUDA device but none is visible: use pg_backend 'gloo', "
+        "or leave pg_backend unset (nccl on CUDA, gloo on the CPU)"], res.stderr
+    assert not out.exists()
+
+
+def _written(out: Path) -> list[str]:
+    """What a run that failed after its ranks started left under ``out``: every file but the run's lock on
+    the directory (``.distkit.lock``, taken before the ranks start; it holds no output)."""
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.name != ".distkit.lock") if out.exists() else []
+
+
+_DATASET = ("def dataset():\n    import torch\n    return torch.utils.data.TensorDataset(torch.zeros(16, 4), "
+            "torch.zeros(16, dtype=torch.long))\n")
+_MODEL = "def model():\n    import torch\n    return torch.nn.Linear(4, 2)\n"
+
+
+@pytest.mark.parametrize("key", ["model", "dataset", "train_dataset"])
+def test_a_factory_that_raises_is_one_line(key: str, tmp_path: Path) -> None:
+    """Issue 23 item 10: a model or dataset factory of the config that raises is one line naming the key,
+    the error and where it was raised, exit 2, nothing written (was a traceback, exit 1)."""
+    broken = f"def {key}():\n    raise ValueError('width must be even')\n"
+    text = {"model": broken + _DATASET, "dataset": _MODEL + broken,
+            "train_dataset": _MODEL + broken}[key]
+    cfg, out = _write(tmp_path, text)
+    res = distkit("train", str(cfg), "++progress_bar", "False", timeout=120)
+    assert res.returncode == 2 and res.stdout == ""
+    line = text.splitlines().index(f"def {key}():") + 3  # output_dir is line 1; the raise follows the def
+    assert res.stderr.splitlines() == [
+        f"distkit: error: the '{key}' factory raised ValueError: width must be even (at {cfg}:{line}): "
+        "fix the factory in the config"], res.stderr
+    assert _written(out) == []
+
+
+def test_a_diverging_loss_stops_at_the_first_bad_step(tmp_path: Path) -> None:
+    """Issue 23 item 8: a learning rate so large that the loss turns nan within a few steps stops the run
+    on 2 ranks at the first non-finite loss (was: trained to the end, exit 0, NaN checkpoints): exit 1,
+    a line naming the rank and the step, no checkpoint of that step or later (one is written every step)."""
+    import re
+
+    cfg, out = _write(tmp_path, "task = 'digits'\nlearning_rate = 1e12\ncheckpoint_every = 1\nprogress_bar = False\n")
+    res = distkit("train", str(cfg), "--nprocs", "2", timeout=120)
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    # not anchored to line starts: the two ranks' lines may interleave on the shared stderr
+    found = re.findall(r"distkit: rank (\d) failed: NonFiniteLoss: rank \1: the loss is (nan|inf|-inf) at step (\d+): "
+                       r"training stopped; no checkpoint of this step or later is written \(lower the learning_rate, set "
+                       r"gradient_clip, or check the data and the loss for nan/inf\)", res.stderr)
+    assert found, res.stderr
+    bad = min(int(step) for _, _, step in found)
+    assert 1 < bad < 22  # diverged within a few of the run's 22 steps, after a first finite one
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["latest", *(f"step-{s:07d}" for s in range(1, bad))], (bad, names)
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{bad - 1:07d}"
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("only_rank_1", [False, True], ids=["every_rank", "rank_1_only"])
+def test_a_factory_that_raises_on_two_ranks_is_one_line(only_rank_1: bool, tmp_path: Path) -> None:
+    """Issue 23 item 10 with --nprocs 2: the ranks agree on the factory's error and rank 0 alone reports it
+    (not a line per rank plus the launcher's), exit 2, nothing written; a failure on one rank names it."""
+    cond = "_os.environ['RANK'] == '1'" if only_rank_1 else "True"
+    cfg, out = _write(tmp_path, f"import os as _os\ndef model():\n    if {cond}:\n        raise ValueError('width must be even')\n"
+                                "    import torch\n    return torch.nn.Linear(4, 2)\n" + _DATASET)
+    res = distkit("train", str(cfg), "--nprocs", "2", "++progress_bar", "False", timeout=120)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"distkit: error: the 'model' factory raised ValueError: width must be even (at {cfg}:5): fix the factory in "
+        "the config" + (" (on rank 1)" if only_rank_1 else "")], res.stderr
+    assert _written(out) == []

@@ -272,3 +272,75 @@ def test_inspect_reports_progress_engine_model_files_and_integrity(base: Path, t
     assert "DAMAGED" in (out := capsys.readouterr().out) and "rank-00001.pt does not match its sha256" in out
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
     assert "is neither a complete distkit checkpoint" in capsys.readouterr().err
+
+
+def test_latest_of_non_utf8_bytes_is_a_damaged_pointer(base: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 23 item 5a: `latest` holding bytes that are not text is damage like any other, for inspect and resume."""
+    out = copy(base, tmp_path)
+    root = out / "checkpoints"
+    (root / "latest").write_bytes(b"\xff\xfe\x00step")
+    why = "checkpoints/latest is damaged (it holds bytes that are not UTF-8 text, not a checkpoint name)"
+    assert main(["inspect", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"distkit: {why}; inspecting step-0000010, the newest complete checkpoint"]
+    assert f"checkpoint   {root / 'step-0000010'}\n" in captured.out and "integrity    intact" in captured.out
+    resumed = ok(train(out, "++resume", "auto"))
+    assert f"distkit: {why}; resuming from step-0000010, the newest complete checkpoint\n" in resumed.stdout
+    assert "at step 10" in resumed.stdout and "Traceback" not in resumed.stderr
+    assert (root / "latest").read_text() == "step-0000010"  # the save at its end wrote a good pointer
+    assert same(final_params(out), final_params(base))
+
+
+def test_inspect_with_latest_missing_inspects_the_newest_complete(base: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 23 item 5c: inspect finds what `++resume auto` would use, and says that `latest` is missing."""
+    out = copy(base, tmp_path)
+    root = out / "checkpoints"
+    (root / "latest").unlink()
+    for where in (out, root):
+        assert main(["inspect", str(where), "--json"]) == 0
+        captured = capsys.readouterr()
+        info = json.loads(captured.out)
+        assert (info["checkpoint"], info["step"], info["intact"]) == (str(root / "step-0000010"), 10, True)
+        assert captured.err.splitlines() == [
+            "distkit: checkpoints/latest is missing; inspecting step-0000010, the newest complete checkpoint"]
+    assert not (root / "latest").exists()  # inspect writes nothing
+
+
+@pytest.mark.parametrize("case", ["checkpoints_a_file", "latest_a_directory"])
+def test_checkpoints_a_file_or_latest_a_directory_is_one_line_at_start(base: Path, tmp_path: Path, case: str) -> None:
+    """Issue 23 item 5b: found before training (not at the first save), one line, exit 2, nothing written."""
+    out = copy(base, tmp_path)
+    root = out / "checkpoints"
+    before = untouched(out)
+    if case == "checkpoints_a_file":
+        shutil.rmtree(root)
+        root.write_text("not a directory")
+        res = train(out, "++resume", "none")
+        want = (f"distkit: error: '{root}' is a file, where distkit keeps the run's checkpoint directory: move or "
+                "delete it, or choose another output_dir")
+    else:
+        (root / "latest").unlink()
+        (root / "latest").mkdir()
+        res = train(out, "++resume", "auto")
+        want = (f"distkit: error: '{root / 'latest'}' is a directory, where distkit keeps the file naming the newest "
+                "checkpoint: move or delete it (++resume auto then finds the newest complete checkpoint), or choose "
+                "another output_dir")
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.splitlines() == [want], res.stderr
+    assert untouched(out) == before  # metrics.jsonl not started over, config.resolved.json not rewritten
+
+
+def test_resume_prefers_a_newer_complete_checkpoint_over_a_stale_latest(base: Path, tmp_path: Path) -> None:
+    """Issue 23 item 5d: killed after step 10's checkpoint was complete but before `latest` named it, the run
+    continues from step 10 (and says why), not from the step 5 that `latest` still names."""
+    out = tmp_path / "run"
+    killed = train(out, DISTKIT_FAULT="0:10:kill:latest")
+    root = out / "checkpoints"
+    assert killed.returncode != 0 and "rank 0 failed (killed by SIGKILL)" in killed.stderr
+    assert (root / "latest").read_text() == "step-0000005" and checkpoint.verify(str(root / "step-0000010")) is None
+    resumed = ok(train(out, "++resume", "auto"))
+    assert ("distkit: checkpoints/latest names step-0000005, but step-0000010 is newer and complete; resuming from "
+            "step-0000010, the newest complete checkpoint\n") in resumed.stdout
+    assert "at step 10" in resumed.stdout and (root / "latest").read_text() == "step-0000010"
+    assert same(final_params(out), final_params(base)) and same(final_params(out, 1), final_params(base, 1))

@@ -63,9 +63,22 @@ def load_file(path: str) -> dict[str, Any]:
     raise ConfigError(f"config file '{path}': unknown extension '{ext}': use .py, .yaml, .yml or .json")
 
 
+def read_text(path: str) -> str:
+    """The text of the config file ``path``, which must be UTF-8 (what Python, YAML and JSON configs are
+    read as): ConfigError naming the file and the first bad byte otherwise, not a UnicodeDecodeError
+    traceback (a file saved as Latin-1 or UTF-16, or a binary file given by mistake)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: the config file is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}): save it as UTF-8") from None
+
+
 def _load_python(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
+    source = read_text(path)
     try:
         code = compile(source, path, "exec")
     except SyntaxError as e:
@@ -77,6 +90,13 @@ def _load_python(path: str) -> dict[str, Any]:
         frames = [fr for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
         line = frames[-1].lineno if frames else "?"
         raise ConfigError(f"{path}:{line}: error while executing config: {type(e).__name__}: {e}") from None
+    except SystemExit as e:
+        # sys.exit() / exit() in a config would end distkit silently, with that status (0: "success",
+        # having trained nothing); KeyboardInterrupt still propagates
+        frames = [fr for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
+        line = frames[-1].lineno if frames else "?"
+        raise ConfigError(f"{path}:{line}: the config file called sys.exit({'' if e.code is None else repr(e.code)}): "
+                          "a config file must only define keys; remove the call") from None
     out: dict[str, Any] = {}
     for name, value in namespace.items():
         if name.startswith("_") or isinstance(value, (types.ModuleType, type(__future__.annotations))):
@@ -100,20 +120,24 @@ def _load_python(path: str) -> dict[str, Any]:
 def _load_yaml(path: str) -> dict[str, Any]:
     import yaml
 
+    text = read_text(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path
         raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}: fix the YAML syntax (no !tags)") from None
+    if data is None:
+        # an empty file (or only comments) parses as null: training the defaults instead is never what was meant
+        raise ConfigError(f"config file '{path}' is empty (no keys): write the keys in it (`distkit keys` lists "
+                          "them), or '{}' for the defaults")
     return _mapping_or_error(data, path)
 
 
 def _load_json(path: str) -> dict[str, Any]:
+    text = read_text(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
     return _mapping_or_error(data, path)

@@ -8,13 +8,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from distkit.errors import BackendUnavailable, ConfigError
 
-from .loader import nearest_key, unknown_key_error
+from .loader import nearest_key, read_text, unknown_key_error
 from .schema import (
     ALL_KEYS, DATA_DISTRIBUTIONS, DEVICES, DISTRIBUTED_KEYS, KNOWN_BACKENDS, PRECISIONS,
     PG_BACKENDS, REDUCE_TYPES, DistributedConfig, RunConfig,
@@ -49,8 +51,7 @@ def _load_deepspeed_config(value: Any) -> dict[str, Any]:
         raise ConfigError(f"DeepSpeed config file '{value}' does not exist: check the --deepspeed_config path")
     import json
 
-    with open(value, encoding="utf-8") as f:
-        text = f.read()
+    text = read_text(value)  # not UTF-8: one line naming the file, not a UnicodeDecodeError
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -141,6 +142,7 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None, cli_keys: fro
     for key in raw:
         if key not in ALL_KEYS:
             raise unknown_key_error(key)
+    _refuse_non_finite(raw)
     notes: list[str] = []
     _drop_replaced_selectors(raw, flags, cli_keys, notes)
     selectors: dict[str, str] = {}  # spelling -> backend it selects
@@ -212,6 +214,29 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None, cli_keys: fro
         cfg.nprocs = flags.nprocs
     _validate(cfg)
     return cfg
+
+
+#: keys whose values are data or objects, not settings: their numbers are not the config's to judge (a
+#: dataset given as a list may hold NaN on purpose, and walking it would cost time for nothing)
+_NOT_SETTINGS = frozenset({"train_dataset", "eval_dataset", "dataset", "model", "callbacks", "metrics"})
+
+
+def _refuse_non_finite(value: Any, path: str = "") -> None:
+    """ConfigError for the first NaN or infinite number in the config's settings (nested dicts, lists and
+    tuples too: optimizer and scheduler arguments, the DeepSpeed dict). ``learning_rate = float("nan")``
+    or ``++learning_rate 1e999`` would otherwise pass every ``> 0`` check (NaN compares false) and train
+    to the end on NaN, or fail inside torch with a traceback."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not path and key in _NOT_SETTINGS:
+                continue
+            _refuse_non_finite(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _refuse_non_finite(item, f"{path}[{i}]")
+    elif isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and not math.isfinite(value):
+        raise ConfigError(f"'{path}' is {float(value)!r}: config numbers must be finite (no nan or inf): "
+                          "set a finite value")
 
 
 def _fold_torch_distributed(td: Any, dist: DistributedConfig) -> None:
@@ -291,11 +316,14 @@ def _validate(cfg: RunConfig) -> None:
     _int("log_every", cfg.log_every, 1)
     _int("checkpoint_every", cfg.checkpoint_every, 1, optional=True)
     _int("nprocs", cfg.nprocs, 1)
+    from distkit.launch import check_nprocs
+
+    check_nprocs(cfg.nprocs)  # here, not only where the ranks are started: before anything is written
     _int("charlm_seq_len", cfg.charlm_seq_len, 2)
     choice("device", cfg.device, DEVICES)
     choice("data_distribution", cfg.data_distribution, DATA_DISTRIBUTIONS)
     if not isinstance(cfg.learning_rate, (int, float)) or isinstance(cfg.learning_rate, bool) or cfg.learning_rate <= 0:
-        raise ConfigError(f"'learning_rate' must be a positive number, got {cfg.learning_rate!r}")
+        raise ConfigError(f"'learning_rate' must be a positive, finite number, got {cfg.learning_rate!r}")
     if cfg.gradient_clip is not None and (not isinstance(cfg.gradient_clip, (int, float)) or cfg.gradient_clip <= 0):
         raise ConfigError(f"'gradient_clip' must be a positive number (max gradient norm) or None, got {cfg.gradient_clip!r}")
     # names are checked against torch.optim where the model is built (distkit.components.check_components)
