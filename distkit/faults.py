@@ -10,7 +10,8 @@ complete, not renamed), ``checkpoint`` (this rank's file in place, before the ma
 ``manifest`` (rank 0: the manifest written, the directory still under its temporary name),
 ``swap`` (rank 0, re-saving an existing step: the old directory moved aside, the new one not yet
 in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced), or ``init``
-(with STEP 0: the mpi engine's start-up, before ``MPI_Init``). Read once
+(with STEP 0: the mpi engine's start-up, before ``MPI_Init``), or ``close`` (the end of the run:
+``Session.close`` after its last barrier; STEP = the steps taken). Read once
 at import; unset in normal runs, where it costs one comparison.
 
 ``DISTKIT_FAULT_STAMP=PATH``: just before firing, the rank writes ``PID TIME`` (``time.time()``,

@@ -14,6 +14,7 @@ process never acts on SIGTERM. Engines that need an MPI launcher (mpi, horovod) 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -306,6 +307,7 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
         stopping["signal"] = signum
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopped_since = 0.0  # since when every rank still running has been stopped (SIGSTOP)
     try:
         while True:
             if stopping["signal"] is not None:
@@ -332,6 +334,23 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 return 0
+            left = [r for r, c in enumerate(codes) if c is None]
+            if len(left) < nprocs and all(_is_stopped(procs[r].pid) for r in left):
+                # Some ranks finished (exit 0) and every other one is stopped (SIGSTOP): it will never end by
+                # itself, and nothing else is left to notice (its peers' watchdogs are gone). A second to be sure.
+                stopped_since = stopped_since or time.monotonic()
+                if time.monotonic() - stopped_since >= 1.0:
+                    names = ", ".join(str(r) for r in left)
+                    print(f"distkit: rank{'s' * (len(left) > 1)} {names} stopped responding (stopped) while the job "
+                          "ended, after the other ranks finished; ending it: the job exits non-zero",
+                          file=sys.stderr, flush=True)
+                    for r in left:
+                        with contextlib.suppress(OSError):
+                            procs[r].kill()
+                        procs[r].wait()
+                    return 1
+            else:
+                stopped_since = 0.0
             time.sleep(0.05)
     finally:
         shutil.rmtree(failures, ignore_errors=True)

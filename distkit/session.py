@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from distkit import checkpoint, ompi_leftovers, portable
+from distkit import checkpoint, faults, ompi_leftovers, portable
 from distkit.netif import host_identity
 from distkit.backends import check_backend, strategy_class
 from distkit.backends.base import Strategy, float_state, persistent_buffers
@@ -1081,9 +1081,12 @@ class Session:
         if Session.current is self:
             Session.current = None
             set_current_strategy(None)
+        together = False
         if not self._failed and not self._closed and self.world_size > 1:
             with contextlib.suppress(Exception):
                 self._strategy.barrier()
+                together = True
+            faults.maybe_fire(self.rank, self.num_steps, "close")
         self._closed = True
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -1091,6 +1094,19 @@ class Session:
         # the group's last reference at interpreter exit (see DDPStrategy.teardown)
         self._model = self._optimizer = self._scheduler = None
         self._strategy.teardown()
+        if together and self._watchdog is not None:
+            # The run is over, but the job is not until every rank has left: a rank stopped now would keep
+            # the launcher waiting forever once the others are gone. The lowest rank of each host sees its
+            # host's ranks out (issue 23).
+            self._watchdog.leave()
+            killed = self._watchdog.reap_local_peers(float(self.cfg.distributed.timeout_s))
+            if killed:
+                names = ", ".join(str(r) for r in killed)
+                print(f"distkit: rank{'s' * (len(killed) > 1)} {names} stopped responding while the job ended (after "
+                      f"the last collective); ended {'them' if len(killed) > 1 else 'it'}: the run's outputs are "
+                      "complete, the job exits non-zero", file=sys.__stderr__ or sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
 
     def __enter__(self) -> "Session":
         return self

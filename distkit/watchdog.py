@@ -120,6 +120,48 @@ class Watchdog:
         if _ACTIVE is self:
             _ACTIVE = None
 
+    # -- the end of the job: every rank on this host must have left ------------------------------
+    def leave(self) -> None:
+        """Mark this rank as leaving (after its engine's teardown), for :meth:`reap_local_peers`. Best effort."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"left/{self.rank}", "1")
+
+    def reap_local_peers(self, timeout_s: float) -> list[int]:
+        """The end of a run, on the lowest rank of this host only: wait until every other rank on this host
+        has left (marked by :meth:`leave`) or exited. A peer that is stopped (SIGSTOP, state T) for a
+        second, or still there after ``timeout_s``, would keep the launcher (mpirun, torchrun, the
+        spawner) waiting forever once the others have gone: it is SIGKILLed and returned. Not collective;
+        the other ranks return [] at once (only one rank per host waits, so none waits for a waiter)."""
+        here = host_identity()
+        local = sorted(r for r, (host, _) in self._where.items() if host == here)
+        if not local or local[0] != self.rank:
+            return []
+        peers = {r: self._where[r][1] for r in local if r != self.rank}
+        deadline, stopped_since = time.monotonic() + timeout_s, {}
+        killed: list[int] = []
+        while peers:
+            now = time.monotonic()
+            for r, pid in list(peers.items()):
+                state = _process_state(pid)
+                left = False
+                if state not in (None, "Z"):
+                    with contextlib.suppress(Exception):
+                        left = bool(self.store.check([f"left/{r}"]))
+                if state in (None, "Z") or left:
+                    del peers[r]
+                    continue
+                if state in ("T", "t"):
+                    stopped_since.setdefault(r, now)
+                else:
+                    stopped_since.pop(r, None)
+                if now - stopped_since.get(r, now) >= 1.0 or now >= deadline:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                    killed.append(r)
+                    del peers[r]
+            time.sleep(0.05)
+        return killed
+
     # -- the beater: store I/O ---------------------------------------------------------------
     def _beat_loop(self) -> None:
         keys = [_key(r) for r in range(self.world_size)]
@@ -222,6 +264,15 @@ class Watchdog:
             if not any(a >= 1.5 * self.interval_s for a in self.ages().values()):
                 return  # the late rank beat again: it was slow, not stalled
             time.sleep(0.05)
+
+
+def _process_state(pid: int) -> Optional[str]:
+    """Process ``pid``'s state letter (R, S, T, Z, ...) from /proc, or None when it is gone (or unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]:

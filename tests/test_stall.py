@@ -243,3 +243,32 @@ def test_a_rank_with_its_own_error_is_named_failed_even_when_a_peer_saw_it_go(tm
     (tmp_path / "rank-0.json").unlink()
     rank, code, what = launch.verdict(str(tmp_path), [(1, 1)])
     assert (rank, code) == (0, 1) and what.startswith("stopped responding") and "noticed by rank 1" in what
+
+
+END_CASES = [  # (id, command prefix, the stopped rank, extra config)
+    ("spawn-rank1", [sys.executable, "-m", "distkit"], 1, ["--nprocs", "2"]),
+    ("spawn-rank0", [sys.executable, "-m", "distkit"], 0, ["--nprocs", "2"]),
+    ("mpirun-mpi-rank1", [str(BIN / "mpirun"), "-np", "2", "--bind-to", "none", sys.executable, "-m", "distkit"], 1,
+     ["++distributed.backend", "mpi"]),
+    ("torchrun-rank1", [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        "localhost:0", "-m", "distkit"], 1, []),
+]
+
+
+@pytest.mark.parametrize("case", END_CASES, ids=[c[0] for c in END_CASES])
+def test_a_rank_stopped_while_the_job_ends_does_not_hang_it(tmp_path: Path, case: tuple[str, list[str], int, list[str]]) -> None:
+    """SIGSTOP on one rank after the run's last collective (summary.json written): the job hung forever (5 of
+    8 runs). Now the lowest rank of the host sees its host's ranks out (a stopped one is SIGKILLed), and the
+    spawner ends a stopped rank 0 once the others have finished: the job ends non-zero, naming the rank."""
+    name, prefix, rank, extra = case
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    res = run([*prefix, "train", "configs/returnn_ddp.py", "++output_dir", str(out), "++max_steps", "6",
+               "++progress_bar", "False", "++log_every", "3", "++distributed.timeout_s", str(T), *extra],
+              timeout=STARTUP_S + 30, DISTKIT_FAULT=f"{rank}:6:stop:close")
+    wall = time.monotonic() - t0
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text[-3000:]
+    assert (out / "summary.json").exists()  # the run itself completed
+    assert f"rank {rank} stopped responding" in text or f"ranks {rank}" in text, text[-3000:]
+    assert wall < STARTUP_S + 15, f"{wall:.1f}s"
