@@ -192,6 +192,13 @@ def _install_excepthook() -> None:
         if session is not None:
             record_failure(session.rank, exc)
             settle_if_peer(exc, session.world_size)
+        if isinstance(exc, DistkitError) and exc.agreed and session is not None:
+            # every rank raised this same error at the same point (agreed by a collective): nobody waits for
+            # anybody, so no abort; one line for the job, from rank 0
+            if session.rank == 0:
+                print(f"distkit: error: {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(exc.exit_code)
         if session is not None and session.world_size > 1:
             with contextlib.suppress(BaseException):
                 try:
@@ -570,9 +577,11 @@ class Session:
                          self.cfg.seed, shuffle=shuffle)
         # Ranks may hold different data (per-rank datasets): the minimum never hangs.
         steps = int(self.all_reduce(torch.tensor([plan.steps_per_epoch]), op="min").item())
-        if steps == 0:
-            raise UsageError(f"dk.dataloader: {len(dataset)} samples make no full global batch of "
-                             f"{batch_size} x {self.world_size} ranks: use a smaller batch_size")
+        if steps == 0:  # (the same on every rank: agreed by the all-reduce above)
+            error = UsageError(f"dk.dataloader: {len(dataset)} samples make no full global batch of "
+                               f"{batch_size} x {self.world_size} ranks: use a smaller batch_size")
+            error.agreed = True
+            raise error
         return ShardedLoader(dataset, PlanSampler(plan, steps), self.device, collate_fn=collate_fn,
                              num_workers=num_workers, pin_memory=pin_memory, on_batch=self._batch_handed_out,
                              **kwargs)

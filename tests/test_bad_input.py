@@ -2,12 +2,13 @@
 no traceback, nothing written under output_dir."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import distkit
+from conftest import distkit, run
 from distkit.cli import main
 
 # (id, config file text or None, extra CLI args, words the one line must contain)
@@ -289,3 +290,36 @@ def test_a_factory_that_raises_on_two_ranks_is_one_line(only_rank_1: bool, tmp_p
         f"distkit: error: the 'model' factory raised ValueError: width must be even (at {cfg}:5): fix the factory in "
         "the config" + (" (on rank 1)" if only_rank_1 else "")], res.stderr
     assert _written(out) == []
+
+
+TINY_DATA = '''
+import argparse, torch, distkit
+p = argparse.ArgumentParser(); distkit.add_arguments(p)
+dk = distkit.init(p.parse_args(), progress_bar=False)
+model, opt = dk.setup(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+loader = dk.dataloader(torch.utils.data.TensorDataset(torch.zeros(10, 2)), batch_size=8)  # 10 < 8 x 2 ranks
+'''
+
+
+@pytest.mark.parametrize("engine", ["ddp", "mpi"])
+def test_an_error_every_rank_finds_alike_is_one_line_for_the_job(tmp_path: Path, engine: str) -> None:
+    """A dataset smaller than the global batch on 2 ranks: every rank found it (the step count is agreed by an
+    all-reduce), and it printed one block per rank. Now rank 0 prints the one line; exit 2."""
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_DATA)
+    res = run([sys.executable, str(script), "--nprocs", "2", "++distributed", f"{{'backend': '{engine}'}}"], timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = [ln.lstrip("\x00") for ln in (res.stdout + res.stderr).splitlines() if "make no full global batch" in ln]
+    assert lines == ["distkit: error: dk.dataloader: 10 samples make no full global batch of 8 x 2 ranks: use a "
+                     "smaller batch_size"], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_param_sync_group_size_not_dividing_nprocs_is_refused_before_start(tmp_path: Path) -> None:
+    res = run([sys.executable, "-m", "distkit", "train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir",
+               str(tmp_path / "out"), "++distributed", "{'backend': 'deepspeed', 'reduce_type': 'param', "
+               "'param_sync_group_size': 3}"], timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines() == ["distkit: error: param_sync_group_size 3 does not divide nprocs 2: use "
+                                               "a divisor of the number of ranks"], res.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
