@@ -30,6 +30,8 @@ do). Assumes ``output_dir`` is on a filesystem every rank sees (one node, or a s
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
 import errno
 import fcntl
@@ -637,6 +639,8 @@ LOCK_NAME = ".distkit.lock"
 LOCK_ENV = "DISTKIT_OUTPUT_DIR_LOCKED"
 #: output_dirs (absolute) whose lock this process holds, with the open descriptor that holds it
 _LOCKS: dict[str, int] = {}
+#: output_dirs this process created for its lock (removed again if nothing else was written in them)
+_CREATED: set[str] = set()
 
 
 def holds_lock(output_dir: str) -> bool:
@@ -648,9 +652,18 @@ def unlock_output_dir(output_dir: str) -> None:
     """Release the lock this process holds on ``output_dir`` (if any): a ``Trainer.fit()`` in a process that
     goes on (a notebook) lets the next run there start. The file stays: deleting it could let two runs lock
     two different files of the same name."""
-    fd = _LOCKS.pop(os.path.abspath(output_dir), None)
+    target = os.path.abspath(output_dir)
+    fd = _LOCKS.pop(target, None)
     if fd is not None:
         os.close(fd)  # closing the only descriptor releases the flock
+    if target in _CREATED:
+        # A run that failed before writing anything (e.g. its engine did not start) leaves nothing behind:
+        # the directory it created holds only the lock file.
+        _CREATED.discard(target)
+        with contextlib.suppress(OSError):
+            if os.listdir(target) == [LOCK_NAME]:
+                os.remove(os.path.join(target, LOCK_NAME))
+                os.rmdir(target)
 
 
 def lock_output_dir(output_dir: str) -> None:
@@ -666,6 +679,7 @@ def lock_output_dir(output_dir: str) -> None:
     target = os.path.abspath(output_dir)
     if target in _LOCKS or os.environ.get(LOCK_ENV) == target:
         return
+    created = not os.path.isdir(target)
     os.makedirs(target, exist_ok=True)
     path = os.path.join(target, LOCK_NAME)
     # not inheritable across exec (PEP 446): a spawned rank gets LOCK_ENV instead; a forked rank shares it
@@ -689,6 +703,9 @@ def lock_output_dir(output_dir: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(), 0)
     _LOCKS[target] = fd
+    if created:
+        _CREATED.add(target)
+        atexit.register(unlock_output_dir, target)  # (an exit through os._exit leaves the lock file)
 
 
 def preflight(cfg: "RunConfig", world_size: int,

@@ -161,7 +161,8 @@ def test_open_mpi_on_an_interface_the_other_host_cannot_reach_ends_naming_the_va
     # The start-up of the mpi engine (its MPI_Comm_dup) and of Horovod (hvd.init) is watched: every
     # rank stops within timeout_s and says which mpirun option to give.
     timeout_s = 8
-    engines = {"mpi": (["++torch_distributed", "None", "++distributed.backend", "mpi"], "MPI_Comm_dup (start-up)"),
+    engines = {"mpi": (["++torch_distributed", "None", "++distributed.backend", "mpi"],
+                       "MPI start-up (MPI_Init, MPI_Comm_dup)"),
                "horovod": (["++torch_distributed", "None", "++use_horovod", "1"], "horovod's init")}
     with nethosts.Hosts(2) as h:
         h.add_private_interface()

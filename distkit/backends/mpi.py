@@ -317,9 +317,8 @@ class MPIStrategy(Strategy):
             self._watchdog.start()
         # Our own communicator: user code on COMM_WORLD never interleaves with ours. The first call
         # that needs the ranks' TCP connections: where they cannot be made (an interface the other
-        # hosts cannot reach), it would wait forever.
-        with self.watch("MPI_Comm_dup (start-up)"):
-            self.comm = self.MPI.COMM_WORLD.Dup()
+        # hosts cannot reach), it would wait forever; init's start-up guard bounds it.
+        self.comm = self.MPI.COMM_WORLD.Dup()
 
     def teardown(self) -> None:
         if getattr(self, "_stop", None) is None:
