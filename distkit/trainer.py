@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm import tqdm
@@ -210,18 +210,24 @@ class TrainingRun:
         """Collective: point ``latest`` at the complete checkpoint ``path`` (rank 0; every rank raises its
         error) and call the ``on_checkpoint`` hooks."""
         name = os.path.basename(path)
+        # e.g. a full disk: every rank stops with it, none waits for rank 0
+        self._on_main(lambda: checkpoint.mark_latest(self.ckpt_root, name, keep=self.cfg.keep_checkpoints), DistkitError)
+        self._call("on_checkpoint", path)
+
+    def _on_main(self, write: Callable[[], Any], errors: type[BaseException]) -> None:
+        """Collective: rank 0 runs ``write``; an ``errors`` exception it raises is raised on every rank, marked
+        agreed (reported once), so the job stops with one line and no rank waits for rank 0."""
         error: Optional[BaseException] = None
         if self.dk.is_main:
             try:
-                checkpoint.mark_latest(self.ckpt_root, name, keep=self.cfg.keep_checkpoints)
-            except DistkitError as e:  # e.g. a full disk: every rank stops with it, none waits for rank 0
+                write()
+            except errors as e:
                 error = e
         if self.dk.world_size > 1:
             error = self.dk.broadcast_object(error, 0)
         if error is not None:
-            error.agreed = True  # every rank raises it here: reported once
+            error.agreed = True  # type: ignore[attr-defined]  # every rank raises it here: reported once
             raise error
-        self._call("on_checkpoint", path)
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.out is not None:
@@ -332,14 +338,4 @@ class TrainingRun:
         """Collective: rank 0 writes ``obj`` to ``output_dir/name`` atomically (a full disk leaves the previous
         file intact, see :func:`distkit.checkpoint.write_json`); its error is raised on every rank, so the job
         stops with one line and no rank waits for rank 0."""
-        error: Optional[BaseException] = None
-        if self.dk.is_main:
-            try:
-                checkpoint.write_json(os.path.join(self.cfg.output_dir, name), obj)
-            except OutputError as e:
-                error = e
-        if self.dk.world_size > 1:
-            error = self.dk.broadcast_object(error, 0)
-        if error is not None:
-            error.agreed = True  # every rank raises it here: reported once
-            raise error
+        self._on_main(lambda: checkpoint.write_json(os.path.join(self.cfg.output_dir, name), obj), OutputError)
