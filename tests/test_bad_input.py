@@ -320,6 +320,6 @@ def test_param_sync_group_size_not_dividing_nprocs_is_refused_before_start(tmp_p
                str(tmp_path / "out"), "++distributed", "{'backend': 'deepspeed', 'reduce_type': 'param', "
                "'param_sync_group_size': 3}"], timeout=120)
     assert res.returncode == 2, res.stderr[-3000:]
-    assert res.stderr.strip().splitlines() == ["distkit: error: param_sync_group_size 3 does not divide nprocs 2: use "
-                                               "a divisor of the number of ranks"], res.stderr[-3000:]
+    assert res.stderr.strip().splitlines() == ["distkit: error: param_sync_group_size 3 does not divide the world size "
+                                               "2 (nprocs): use a divisor of the number of ranks"], res.stderr[-3000:]
     assert not (tmp_path / "out").exists()

@@ -387,8 +387,8 @@ class DeepSpeedStrategy(DDPStrategy):
             raise ConfigError("'lr_scheduler' (distkit) and the 'scheduler' block of the DeepSpeed config both choose "
                               "the LR schedule: remove one of them")
         if d.reduce_type == "param" and cfg.nprocs > 1 and cfg.nprocs % d.param_sync_group_size:
-            raise UnsupportedCombination(f"param_sync_group_size {d.param_sync_group_size} does not divide nprocs "
-                                         f"{cfg.nprocs}: use a divisor of the number of ranks")
+            raise UnsupportedCombination(f"param_sync_group_size {d.param_sync_group_size} does not divide the world "
+                                         f"size {cfg.nprocs} (nprocs): use a divisor of the number of ranks")
         if d.reduce_type == "grad" and d.param_sync_group_size != 1:
             raise ConfigError("'distributed.param_sync_group_size' only applies to reduce_type 'param': remove it")
         if d.reduce_type == "param":
