@@ -82,3 +82,8 @@ class OutputError(DistkitError):
     """A run's own output file (``summary.json``, ``config.resolved.json``) cannot be written (a full
     disk, a read-only directory). The file written before, if any, is intact; the text names the path
     and the fix."""
+
+
+class UnusedParameters(UsageError):
+    """A parameter that requires grad got no gradient in a step where the engine cannot leave it alone as
+    DDP does (without ``find_unused_parameters``; on DeepSpeed always). The text names the parameters."""

@@ -239,7 +239,7 @@ class _NoModuleAttribute(UsageError, AttributeError):
 _NAMED_CLASSES: dict[type, type] = {}
 
 
-def _name_missing_module(model: nn.Module, engine: str) -> None:
+def _name_missing_module(model: nn.Module) -> None:
     """Make ``model.module`` (DDP's wrapper attribute, which scripts reach for) fail with the fix in its text on
     engines that return the model itself. The model's class is swapped for a subclass that only adds that
     message; it pickles and deep-copies as the original class. (A ``module`` attribute pointing at the model
@@ -418,7 +418,7 @@ class Session:
         self._given_optimizer = given
         self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler)
         if not hasattr(self._model, "module"):
-            _name_missing_module(self._model, self.backend)
+            _name_missing_module(self._model)
         if not self._strategy.grads_in_params:
             self._guard_raw_clip()
         if self._strategy.reduces_in_backward:  # DDP/DeepSpeed wait for the all-reduce inside backward

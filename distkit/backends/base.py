@@ -21,7 +21,7 @@ from torch import nn
 from distkit.averaging import ParamAverager
 from distkit.config import RunConfig
 from distkit.env import ClusterEnv
-from distkit.errors import DistkitError, UnsupportedCombination
+from distkit.errors import DistkitError, UnsupportedCombination, UnusedParameters
 from distkit import portable
 from distkit.portable import optimizer_state_by_name
 
@@ -303,6 +303,29 @@ def startup_guard(rank: int, timeout_s: float, what: str, hint: str = "") -> Ite
         assert guard.stdin is not None
         guard.stdin.close()  # done: the guard exits at once
         guard.wait()
+
+
+#: the fix for a parameter without gradient where the engine follows DDP's rule (mpi, Horovod)
+FIND_UNUSED_FIX = ("as under DDP, set distributed.options = {'find_unused_parameters': True} (--find_unused_parameters) "
+                   "for parameters a step may leave unused, or freeze them (requires_grad_(False))")
+
+
+def unused_parameters(rank: int, names: list[str], fix: str = FIND_UNUSED_FIX) -> UnusedParameters:
+    """The error for trainable parameters ``names`` that got no gradient in this step on ``rank``."""
+    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    return UnusedParameters(f"rank {rank}: {len(names)} parameter(s) got no gradient in this step ({shown}): {fix}")
+
+
+def drop_globally_unused(strategy: "Strategy", params: list[torch.Tensor], seen: set[int],
+                         had_grad: dict[int, bool]) -> None:
+    """Collective: DDP's rule with ``find_unused_parameters``: a parameter that no rank used (its id in no
+    rank's ``seen``) keeps no gradient, so the optimizer skips it (no weight decay, no momentum), unless an
+    earlier reduction of this step gave it one (``had_grad``). One small MAX all-reduce of a used-mask."""
+    used = torch.tensor([1.0 if id(p) in seen else 0.0 for p in params])
+    strategy.all_reduce(used, op="max")
+    for p, u in zip(params, used.tolist(), strict=True):
+        if not u and not had_grad.get(id(p), False):
+            p.grad = None
 
 
 def report_failure(rank: int, world_size: int, engine: str) -> int:

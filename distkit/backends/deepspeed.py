@@ -44,7 +44,7 @@ from distkit.config import RunConfig
 from distkit.errors import BackendUnavailable, CollectiveTimeout, ConfigError, UnsupportedCombination, UsageError
 
 from .ddp import DDPStrategy
-from .base import bare_module
+from .base import bare_module, unused_parameters
 
 #: file (under output_dir) holding the DeepSpeed config the engine really got
 RESOLVED_NAME = "deepspeed_config.resolved.json"
@@ -604,11 +604,9 @@ class DeepSpeedStrategy(DDPStrategy):
         if unused:
             # DeepSpeed reduces zeros for them, and weight decay or Adam's momentum then moves them, where DDP
             # leaves a parameter without gradient alone: stop before that step.
-            names = ", ".join(repr(n) for n in unused[:3]) + (" ..." if len(unused) > 3 else "")
-            raise UsageError(f"rank {self.rank}: {len(unused)} parameter(s) got no gradient in this step ({names}); "
-                             "DeepSpeed would still apply weight decay and momentum to them (DDP does not): freeze "
-                             "them (requires_grad_(False)) or use the ddp, mpi or horovod engine with "
-                             "find_unused_parameters")
+            raise unused_parameters(self.rank, unused, "DeepSpeed would still apply weight decay and momentum to them "
+                                    "(DDP does not): freeze them (requires_grad_(False)) or use the ddp, mpi or "
+                                    "horovod engine with find_unused_parameters")
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         """The engine clips inside ``engine.step`` to ``gradient_clipping`` of the resolved config; a

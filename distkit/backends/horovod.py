@@ -28,7 +28,9 @@ from torch import nn
 from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.netif import openmpi_interface_hint
 
-from .base import Strategy, param_averager, persistent_buffers, report_failure, startup_guard
+from .base import (
+    Strategy, drop_globally_unused, param_averager, persistent_buffers, report_failure, startup_guard, unused_parameters,
+)
 from .mpi import MPIStrategy, mpi_impl
 
 INSTALL_HINT = "build and install it with `make horovod` (runs scripts/build_horovod.sh .venv, ~3 min once, then cached)"
@@ -192,8 +194,8 @@ class HorovodEngine(Strategy):
             with self.waiting():
                 optimizer.synchronize()  # type: ignore[attr-defined]
             self.comm_bytes += self._grad_bytes
-            if self._find_unused:
-                self._drop_unused_grads()
+            if self._find_unused:  # where Horovod filled in zeros
+                drop_globally_unused(self, [p for _, p in self._trainable], self._seen, self._had_grad)
             self._had_grad = {id(p): p.grad is not None for _, p in self._trainable}
             self._synchronized = True  # step() must then skip Horovod's own synchronize
             self._micro = 0
@@ -210,20 +212,7 @@ class HorovodEngine(Strategy):
             return
         unused = [n for n, p in self._trainable if id(p) not in self._seen]
         if unused:
-            names = ", ".join(repr(n) for n in unused[:3]) + (" ..." if len(unused) > 3 else "")
-            raise UsageError(
-                f"rank {self.rank}: {len(unused)} parameter(s) got no gradient in this step ({names}): as under "
-                "DDP, set distributed.options = {'find_unused_parameters': True} (--find_unused_parameters) for "
-                "parameters a step may leave unused, or freeze them (requires_grad_(False))")
-
-    def _drop_unused_grads(self) -> None:
-        """DDP's rule with ``find_unused_parameters``: a parameter no rank used keeps no gradient (the
-        optimizer skips it), where Horovod filled in zeros. One small all-reduce per reduction."""
-        used = torch.tensor([1.0 if id(p) in self._seen else 0.0 for _, p in self._trainable])
-        self.all_reduce(used, op="max")
-        for (_, p), u in zip(self._trainable, used.tolist(), strict=True):
-            if not u and not self._had_grad.get(id(p), False):
-                p.grad = None
+            raise unused_parameters(self.rank, unused)
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         self.wait_for_gradients(model, optimizer)  # wait for the reduced gradients, then clip them

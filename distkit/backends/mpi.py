@@ -31,11 +31,13 @@ import torch
 from torch import nn
 
 from distkit import faults
-from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
+from distkit.errors import BackendUnavailable, UnsupportedCombination
 from distkit.netif import openmpi_interface_hint
 from distkit.watchdog import explain_stall
 
-from .base import Strategy, param_averager, persistent_buffers, report_failure, startup_guard
+from .base import (
+    Strategy, drop_globally_unused, param_averager, persistent_buffers, report_failure, startup_guard, unused_parameters,
+)
 
 INSTALL_HINT = "pip install 'distkit[mpi]' (mpi4py + the Open MPI wheel), then launch with mpirun -np N"
 
@@ -88,10 +90,6 @@ def wait_all(MPI: Any, requests: list[Any]) -> None:
     while requests and not MPI.Request.Testall(requests):
         time.sleep(delay)
         delay = min(delay * 2, WAIT_BACKOFF_MAX_S)
-
-
-class UnusedParameters(UsageError):
-    """A parameter that requires grad got no gradient in a backward, without find_unused_parameters."""
 
 
 def _np(t: torch.Tensor) -> Any:
@@ -209,13 +207,10 @@ class GradReducer:
         ``torch.nn.utils.clip_grad_norm_`` then clips what every rank holds)."""
         if self.reduced:
             return
-        unused = [i for i, p in enumerate(self.params) if id(p) not in self._seen]
-        if unused and not self.find_unused:
-            names = ", ".join(repr(self.names[i]) for i in unused[:3]) + (" ..." if len(unused) > 3 else "")
-            raise UnusedParameters(
-                f"rank {self.s.rank}: {len(unused)} parameter(s) got no gradient in this backward ({names}): as "
-                "under DDP, set distributed.options = {'find_unused_parameters': True} (--find_unused_parameters) "
-                "for parameters a step may leave unused, or freeze them (requires_grad_(False))")
+        if not self.find_unused:
+            unused = [n for n, p in zip(self.names, self.params) if id(p) not in self._seen]
+            if unused:
+                raise unused_parameters(self.s.rank, unused)
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
             self._next += 1
@@ -227,14 +222,8 @@ class GradReducer:
                 b.flat.copy_(b.host)
             if self.average and self.s.world_size > 1:
                 b.flat.div_(self.s.world_size)
-        if self.find_unused:
-            # DDP's rule: a parameter that no rank used keeps no gradient (the optimizer skips it); one
-            # that some rank used gets the mean, the others counting zero. One small all-reduce per round.
-            used = torch.tensor([1.0 if id(p) in self._seen else 0.0 for p in self.params])
-            self.s.all_reduce(used, op="max")
-            for p, u in zip(self.params, used.tolist(), strict=True):
-                if not u and p.grad is not None and not self._had_grad.get(id(p), False):
-                    p.grad = None  # attach() makes it a bucket view again before the next backward
+        if self.find_unused:  # (attach() makes a dropped gradient a bucket view again before the next backward)
+            drop_globally_unused(self.s, self.params, self._seen, self._had_grad)
         self.reduced = True
 
     @property
