@@ -45,6 +45,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from distkit.errors import RankLost, RankStalled
+from distkit.launcher_guard import end_launcher_after
 from distkit.netif import host_identity, reachable_address
 
 if TYPE_CHECKING:
@@ -207,7 +208,15 @@ class Watchdog:
         while not self._stop.wait(self.interval_s / 2):
             ranks = self.stalled()
             if ranks:
-                self.fire(ranks)
+                self.fire(self.late_with(ranks))
+
+    def late_with(self, ranks: list[int]) -> list[int]:
+        """``ranks`` and every other rank whose heartbeat is within one interval of ``timeout_s`` too:
+        ranks that stopped together (a frozen host) are seen to stop up to one interval apart, as this
+        rank reads their counters once per interval, and are named together. A live rank is never that
+        late: its age stays about one interval, and ``timeout_s`` is at least four."""
+        near = self.timeout_s - self.interval_s
+        return sorted(set(ranks) | {r for r, age in self.ages().items() if age >= near})
 
     def fire(self, ranks: list[int]) -> None:
         """Name ``ranks``, record them for the spawner, SIGKILL those on this host, end the job."""
@@ -223,6 +232,7 @@ class Watchdog:
                     f"distributed.timeout_s = {self.timeout_s:g}); ending all {self.world_size} ranks")
             print(f"distkit: {text}", file=sys.__stderr__ or sys.stderr, flush=True)
             record_stall(self.rank, RankStalled(text, ranks))
+            end_launcher_after(f"{which} stopped responding")
             here = host_identity()  # (not the host name: hosts may share one)
             for r in ranks:
                 host, pid = self._where.get(r, ("", 0))
@@ -355,6 +365,7 @@ def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
         hosts = sorted({host.split("|")[0] for host, _ in where if host})
         which = _ranks_text(ranks)
         on = f" (host {', '.join(hosts)})" if hosts else ""
+        end_launcher_after(f"{which}{on} gone")
         _LOST = RankLost(
             f"{which}{on} is gone: the connection to it closed and its heartbeat stopped (noticed by rank "
             f"{watchdog.rank}): it died, was killed, or its host went down; its own output, if any, has "

@@ -144,10 +144,11 @@ class Hosts:
         ``agent [-opts] HOST CMD...`` runs CMD (one shell string, as ssh does) inside host HOST."""
         path = os.path.join(directory, "netns-rsh")
         with open(path, "w") as f:
-            f.write('#!/bin/sh\n# ssh stand-in: enter the host\'s network namespace under its own hostname\n'
+            f.write('#!/bin/sh\n# ssh stand-in: enter the host\'s network namespace under its own hostname; like ssh, this\n'
+                    '# process stays on the launching host (no exec), so a lost host does not take it along\n'
                     'while [ "${1#-}" != "$1" ]; do shift; done\n'
                     'host=$1; shift\n'
-                    'exec ip netns exec "$host" unshare --uts sh -c "hostname $host && $*"\n')
+                    'ip netns exec "$host" unshare --uts sh -c "hostname $host && $*"\n')
         os.chmod(path, 0o755)
         return path
 

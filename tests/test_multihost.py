@@ -244,9 +244,10 @@ def test_a_host_lost_three_ways_ends_every_rank_and_resumes_bit_identical(ddp_sh
     Each time every remaining rank exits non-zero within timeout_s + 10 s naming the lost one, and the
     next run resumes from the shared checkpoint directory (``++resume auto``); the last one finishes
     bit-identical to the uninterrupted run. 2 hosts x 1 rank, because a resumed run is bit-identical
-    only with 2 ranks: see docs/multinode.md, "Resume". (Host 1's torchrun agent, where it lives on,
-    then waits for its rendezvous store, up to its own exit-barrier timeout: torchrun's behaviour, not
-    a rank's; the test ends it.)"""
+    only with 2 ranks: see docs/multinode.md, "Resume". The torchrun agents whose ranks noticed the
+    loss end within the same bound (:mod:`distkit.launcher_guard`; without it host 0's agent waited
+    40 s and a cut-off host's for good); a frozen rank's own agent waits for its worker (torchrun's
+    behaviour, out of distkit's reach): the test ends it."""
     timeout_s = 5
     stamp = tmp_path / "fault"
     args = [*TRAIN, "++output_dir", str(tmp_path / "run"), "++checkpoint_every", "5",
@@ -277,6 +278,12 @@ def test_a_host_lost_three_ways_ends_every_rank_and_resumes_bit_identical(ddp_sh
                 while time.time() < seen["lost"] + 60 and any(rank_pids(h, i) for i in watched):
                     time.sleep(0.1)
                 seen["ranks_gone"] = time.time()
+                # the torchrun agents that can still act end too (distkit.launcher_guard): both after a
+                # link cut, host 0's otherwise; a frozen rank's own agent waits for it (torchrun's)
+                agents = procs if how == "link down" else procs[:1]
+                while time.time() < seen["lost"] + 60 and any(p.poll() is None for p in agents):
+                    time.sleep(0.1)
+                seen["agents_gone"] = time.time()
                 h.kill(1)  # what is left on host 1: its agent, a stopped rank
 
             results = torchrun_on_hosts(h, [*args, *resume], per_host=1, during=take_host_1, timeout=120,
@@ -284,6 +291,8 @@ def test_a_host_lost_three_ways_ends_every_rank_and_resumes_bit_identical(ddp_sh
         assert "lost" in seen, f"the fault never fired ({how})"
         alive = seen["ranks_gone"] - seen["lost"]
         assert alive <= timeout_s + 10, f"ranks alive {alive:.1f} s after {how}"
+        agents = seen["agents_gone"] - seen["lost"]
+        assert agents <= timeout_s + 10, f"torchrun alive {agents:.1f} s after {how}"
         host0, host1 = (r.stdout + r.stderr for r in results)
         assert results[0].returncode != 0, host0[-3000:]
         if resume:
@@ -310,3 +319,54 @@ def test_a_host_lost_three_ways_ends_every_rank_and_resumes_bit_identical(ddp_sh
     floor_s = 5 * grad_bytes * 8 / (rate_mbit * 1e6)  # steps 16-20 through this link: none can be faster
     assert s["comm_wait_s"] >= 0.8 * floor_s, (s["comm_wait_s"], floor_s)
     assert s["compute_fraction"] < 0.3, s["compute_fraction"]  # it read 0.86 before waits were separated
+
+
+def test_mpirun_ends_non_zero_naming_the_ranks_of_a_host_that_froze_or_was_cut_off(tmp_path: Path) -> None:
+    """One ``mpirun`` over 2 hosts x 2 ranks (the mpi engine); at step 10 rank 2 pauses (its heartbeat
+    goes on) and the others wait for it; then host 1 is lost:
+
+    1. frozen: every process on it (both ranks and Open MPI's daemon) SIGSTOPped;
+    2. cut off: its link goes down, everything on it runs on.
+
+    Each time ``mpirun`` exits non-zero within timeout_s + 10 s and its output names both lost ranks
+    ("ranks 2, 3 stopped responding"); after the cut, host 1 keeps no process either. Before
+    :mod:`distkit.launcher_guard`, the ranks on host 0 exited at about timeout_s + 1 s, but ``mpirun``
+    waited for host 1's daemon forever (4 of 4 still running at 120-300 s), as did host 1's daemon."""
+    timeout_s = 5
+    stamp = tmp_path / "fault"
+    for how in ("freeze", "link down"):
+        stamp.unlink(missing_ok=True)
+        seen: dict[str, float] = {}
+        with nethosts.Hosts(2) as h:
+            agent = h.rsh_agent(str(tmp_path))
+            cmd = [str(BIN / "mpirun"), "-np", "4", "--host", f"{h.names[0]}:2,{h.names[1]}:2", *h.mpirun_args(agent),
+                   "-x", "PATH", "-x", "PYTHONPATH", "-x", "DISTKIT_FAULT", "-x", "DISTKIT_FAULT_STAMP",
+                   str(BIN / "python"), "-m", "distkit", *TRAIN, "++output_dir", str(tmp_path / how.replace(" ", "_")),
+                   "++torch_distributed", "None", "++distributed.backend", "mpi",
+                   "++distributed.timeout_s", str(timeout_s)]
+            p = h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+                        env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", DISTKIT_FAULT="2:10:hang",
+                                     DISTKIT_FAULT_STAMP=str(stamp)))
+            deadline = time.time() + 120
+            while not stamp.exists() and time.time() < deadline and p.poll() is None:
+                time.sleep(0.05)
+            assert stamp.exists(), f"the fault never fired ({how})"
+            time.sleep(0.5)  # the other ranks are inside the next collective now
+            if how == "freeze":
+                h.kill(1, signal.SIGSTOP)
+            else:
+                h.link_down(1)
+            seen["lost"] = time.time()
+            res = _finish(p, timeout_s + 60)
+            seen["mpirun_gone"] = time.time()
+            if how == "link down":
+                while h.pids(1) and time.time() < seen["lost"] + timeout_s + 10:
+                    time.sleep(0.1)
+                left = h.pids(1)
+            h.kill(1)
+        took = seen["mpirun_gone"] - seen["lost"]
+        assert res.returncode != 0, (how, res.stderr[-3000:])
+        assert took <= timeout_s + 10, f"mpirun alive {took:.1f} s after host 1 was lost ({how})"
+        assert "distkit: ranks 2, 3 stopped responding" in res.stderr, res.stderr[-3000:]
+        if how == "link down":
+            assert left == [], f"host 1 kept {left} after the cut"
