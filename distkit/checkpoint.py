@@ -44,6 +44,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -276,7 +277,8 @@ def _cpu_copy(obj: Any) -> Any:
 def start(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = None, step: int = -1,
           shapes: Optional[dict[str, list[int]]] = None, samples: Optional[int] = None,
           portable_part: Optional[tuple[dict[str, Any], dict[str, Any]]] = None,
-          global_batch: Optional[int] = None, background: bool = True) -> PendingCheckpoint:
+          global_batch: Optional[int] = None, background: bool = True,
+          run_id: Optional[str] = None) -> PendingCheckpoint:
     """Collective: the first half of :func:`write`. Makes the temporary directory, writes the engine's own
     files (DeepSpeed: synchronous), plans the portable part, and starts writing this rank's files, in a
     background thread with ``background`` (then ``state`` and the portable tensors are copied first, so
@@ -327,6 +329,8 @@ def start(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
                 "portable": portable_part is not None, "world_size": strategy.world_size,
                 "engine": strategy.name, "reduce_type": d.reduce_type,
                 "zero_stage": getattr(strategy, "zero_stage", None), "shapes": shapes}
+    if run_id is not None:
+        manifest["run_id"] = run_id  # which run wrote it (see run_id_note)
     return PendingCheckpoint(strategy, final, tmp, step, work, job, manifest, background)
 
 
@@ -554,6 +558,33 @@ def checkpoint_for(cfg: "RunConfig") -> tuple[Optional[str], list[str]]:
     return path, []
 
 
+def new_run_id() -> str:
+    """A fresh run id: 12 hex digits (48 random bits)."""
+    return uuid.uuid4().hex[:12]
+
+
+def recorded_run_id(output_dir: str) -> Optional[str]:
+    """The run id an earlier run recorded in ``output_dir/config.resolved.json`` (None: none there, or
+    unreadable). A run that continues from its own checkpoints keeps it, so it names the output_dir's run."""
+    try:
+        with open(os.path.join(output_dir, "config.resolved.json"), encoding="utf-8") as f:
+            value = json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def run_id_note(path: str, run_id: str) -> Optional[str]:
+    """A note when checkpoint ``path`` was written by another run than ``run_id`` (its manifest records
+    the writer's id; checkpoints older than run ids record none and are not questioned)."""
+    theirs = read_manifest(path).get("run_id")
+    if not theirs or theirs == run_id:
+        return None
+    return (f"{os.path.basename(os.path.normpath(path))} was written by another run (run id {theirs}; this "
+            f"output_dir's run is {run_id}): continuing from it; if it was copied here by mistake, stop and "
+            "remove it, or resume from the intended checkpoint with ++resume PATH")
+
+
 def check_fits(path: str, world_size: int, shapes: Optional[Callable[[], Optional[dict[str, list[int]]]]] = None) -> None:
     """ConfigError unless checkpoint ``path`` can be loaded by ``world_size`` ranks into a model whose
     tensor shapes ``shapes()`` returns (None: not checked)."""
@@ -700,8 +731,9 @@ def lock_output_dir(output_dir: str) -> None:
                           "choose another output_dir") from None
     # who holds it, for the message a second run prints (the lock itself is the flock, not this text)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(), 0)
+    with contextlib.suppress(OSError):  # best effort (a full disk): the flock is held all the same
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(), 0)
     _LOCKS[target] = fd
     if created:
         _CREATED.add(target)

@@ -23,7 +23,7 @@ import torch
 
 from distkit import checkpoint, portable
 from distkit.errors import ConfigError
-from distkit.export import find_checkpoint
+from distkit.export import located
 
 
 class _OneProcess:
@@ -40,7 +40,7 @@ class _OneProcess:
 
 def to_file(path: str, out: str) -> str:
     """Write the portable state of checkpoint ``path`` to the single file ``out``; returns the checkpoint."""
-    ckpt = find_checkpoint(path)
+    ckpt = located(path, "converting")
     problem = checkpoint.verify(ckpt, under=portable.DIR)
     if problem:
         raise ConfigError(f"checkpoint '{ckpt}' is damaged: {problem}")

@@ -53,6 +53,14 @@ def locate(path: str, doing: str = "inspecting") -> tuple[str, list[str]]:
         raise
 
 
+def located(path: str, doing: str) -> str:
+    """:func:`locate`, printing its notes (why not ``latest``) on stderr, one line each."""
+    ckpt, notes = locate(path, doing)
+    for note in notes:
+        print(f"distkit: {note}", file=sys.stderr, flush=True)
+    return ckpt
+
+
 def consolidated_state_dict(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the model's ``state_dict``, whole and fp32 (integer buffers keep their dtype)."""
     ckpt = find_checkpoint(path)
@@ -90,8 +98,9 @@ def _save_safetensors(sd: dict[str, torch.Tensor], path: str) -> None:
 
 def export(path: str, out: str) -> tuple[str, list[str]]:
     """Write the model of checkpoint ``path`` to ``out`` (format by name, see the module docstring;
-    each file atomically). Returns the checkpoint used and the files written."""
-    ckpt = find_checkpoint(path)
+    each file atomically). Returns the checkpoint used and the files written. Where ``latest`` is missing
+    or damaged, the newest complete checkpoint is used, as ``++resume auto`` would, with a line on stderr."""
+    ckpt = located(path, "exporting")
     sd = consolidated_state_dict(ckpt)
     if out.endswith(os.sep) or os.path.isdir(out):
         os.makedirs(out, exist_ok=True)

@@ -24,6 +24,7 @@ ranks have already reported the loss)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Optional
@@ -121,3 +122,24 @@ def end_launcher_after(why: str, grace_s: float = GRACE_S) -> bool:
     except OSError:
         return False
     return True
+
+
+def kill_stopped_siblings() -> list[int]:
+    """SIGKILL the processes that share this rank's launcher (its parent) and are stopped (SIGSTOP, state
+    T): at start-up, before the heartbeat watchdog knows any pid, they are the local ranks that never
+    arrived. A stopped process acts on a launcher's SIGTERM only once continued, so torchrun would wait
+    30 s before its SIGKILL. Returns their pids. Not collective; never touches a running process."""
+    parent, me, killed = os.getppid(), os.getpid(), []
+    if parent <= 1:
+        return killed
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        fields = _stat(int(entry))
+        if fields is not None and len(fields) > 1 and fields[1] == str(parent) and fields[0] in ("T", "t"):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except OSError:
+                pass
+    return killed

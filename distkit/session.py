@@ -306,6 +306,9 @@ class Session:
         self.num_steps, self.num_samples = 0, 0
         #: training samples per step of the run a checkpoint from another layout was written by (set by load)
         self.resumed_global_batch: Optional[int] = None
+        #: the run this session's checkpoints belong to (``distkit train`` sets it: recorded in each manifest,
+        #: ``config.resolved.json`` and ``summary.json``); None in the own-loop API unless the script sets it
+        self.run_id: Optional[str] = None
         self._pending_samples = 0  # local samples of this step's micro-batches (those a backward used)
         self._last_batch: Optional[tuple[int, float]] = None  # (samples, fetch start) of the newest batch
         self._t_batch: Optional[float] = None  # when fetching this step's first micro-batch began
@@ -842,7 +845,7 @@ class Session:
         shapes = checkpoint.model_shapes(self.unwrap()) if self._model is not None else None
         return checkpoint.start(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes,
                                 samples=self.num_samples, portable_part=self._portable_part(state, out),
-                                global_batch=self.global_batch, background=background)
+                                global_batch=self.global_batch, background=background, run_id=self.run_id)
 
     @property
     def global_batch(self) -> Optional[int]:

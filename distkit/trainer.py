@@ -94,7 +94,7 @@ class TrainingRun:
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         self.out = None
         self._maybe_resume()  # before anything is written: a checkpoint that does not fit leaves output_dir untouched
-        resolved = {**cfg.to_json(), "world_size": dk.world_size, **dk.topology(), "launcher": dk.env.launcher}
+        resolved = {**cfg.to_json(), "run_id": dk.run_id, "world_size": dk.world_size, **dk.topology(), "launcher": dk.env.launcher}
         self._write_json("config.resolved.json", resolved)
         if dk.is_main:
             d = cfg.distributed
@@ -150,19 +150,23 @@ class TrainingRun:
         """Rank 0 picks the checkpoint (``resume``: "auto" = the newest verified complete one, falling
         back from a damaged ``latest`` and saying so; a directory; None/"none" = start fresh) and checks
         that it fits this world size and model; every rank then loads it or raises the same error."""
-        choice: tuple[Optional[str], list[str], Optional[BaseException]] = (None, [], None)
+        choice: tuple[Optional[str], list[str], Optional[BaseException], str] = (None, [], None, "")
         if self.dk.is_main:
             try:
                 path, notes = checkpoint.checkpoint_for(self.cfg)
+                # the run id: the output_dir's run's when it continues, a new one when it starts (over)
+                run_id = (checkpoint.recorded_run_id(self.cfg.output_dir) if path else None) or checkpoint.new_run_id()
                 if path is not None:
                     checkpoint.check_fits(path, self.dk.world_size, lambda: checkpoint.model_shapes(self.dk.unwrap()))
+                    foreign = checkpoint.run_id_note(path, run_id)
+                    notes = [*notes, foreign] if foreign else notes
                 # the run's lock on output_dir, held by rank 0 to its end (a no-op where `distkit train` or
                 # the command that started the ranks holds it): another run there stops every rank with one line
                 checkpoint.lock_output_dir(self.cfg.output_dir)
-                choice = (path, notes, None)
+                choice = (path, notes, None, run_id)
             except DistkitError as e:
-                choice = (None, [], e)
-        path, notes, error = self.dk.broadcast_object(choice, 0) if self.dk.world_size > 1 else choice
+                choice = (None, [], e, "")
+        path, notes, error, self.dk.run_id = self.dk.broadcast_object(choice, 0) if self.dk.world_size > 1 else choice
         if error is not None:
             if isinstance(error, DistkitError):
                 error.agreed = True  # every rank raises rank 0's finding: reported once
@@ -328,6 +332,7 @@ class TrainingRun:
             # or an eval_step's {"accuracy": ...}) stays, even where the task itself asks for none.
             summary.pop("eval_accuracy", None)
         summary["stopped_early"] = stopped
+        summary["run_id"] = dk.run_id
         self._call("on_train_end", summary)
         if self.out is not None:
             self.out.close()

@@ -63,7 +63,7 @@ _LOST: Optional[RankLost] = None
 _LOOKED = False  # lost_peer_error looked already (it waits once per process)
 
 
-def _ranks_text(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
     """``rank 1`` or ``ranks 1, 3``: how the judge and :func:`lost_peer_error` name ranks."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
@@ -226,7 +226,7 @@ class Watchdog:
             if self._stop.is_set():
                 return
             ages = self.ages()
-            which = _ranks_text(ranks)
+            which = ranks_text(ranks)
             age = max(ages.get(r, self.timeout_s) for r in ranks)
             text = (f"{which} stopped responding: no heartbeat for {age:.1f} s (noticed by rank {self.rank}; "
                     f"distributed.timeout_s = {self.timeout_s:g}); ending all {self.world_size} ranks")
@@ -363,7 +363,7 @@ def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
             return None
         where = [watchdog._where.get(r, ("", 0)) for r in ranks]
         hosts = sorted({host.split("|")[0] for host, _ in where if host})
-        which = _ranks_text(ranks)
+        which = ranks_text(ranks)
         on = f" (host {', '.join(hosts)})" if hosts else ""
         end_launcher_after(f"{which}{on} gone")
         _LOST = RankLost(

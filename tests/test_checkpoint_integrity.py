@@ -290,6 +290,9 @@ def test_latest_of_non_utf8_bytes_is_a_damaged_pointer(base: Path, tmp_path: Pat
     assert "at step 10" in resumed.stdout and "Traceback" not in resumed.stderr
     assert (root / "latest").read_text() == "step-0000010"  # the save at its end wrote a good pointer
     assert same(final_params(out), final_params(base))
+    # the run continued from its own checkpoint: its run id is kept, and nothing says otherwise
+    assert "written by another run" not in resumed.stdout
+    assert json.loads((out / "summary.json").read_text())["run_id"] == json.loads((base / "summary.json").read_text())["run_id"]
 
 
 def test_inspect_with_latest_missing_inspects_the_newest_complete(base: Path, tmp_path: Path,
@@ -306,6 +309,52 @@ def test_inspect_with_latest_missing_inspects_the_newest_complete(base: Path, tm
         assert captured.err.splitlines() == [
             "distkit: checkpoints/latest is missing; inspecting step-0000010, the newest complete checkpoint"]
     assert not (root / "latest").exists()  # inspect writes nothing
+
+
+def test_run_ids_are_recorded_and_a_checkpoint_of_another_run_is_named(base: Path, tmp_path: Path) -> None:
+    """Issue 23 item 5: a checkpoint records the run that wrote it; resuming from another run's checkpoint of
+    the same shape (copied into `checkpoints/`) says so in one line, naming both run ids (it was resumed
+    without a word)."""
+    mine = json.loads((base / "summary.json").read_text())["run_id"]
+    assert len(mine) == 12 and int(mine, 16) >= 0
+    assert json.loads((base / "config.resolved.json").read_text())["run_id"] == mine
+    for step in ("step-0000005", "step-0000010"):
+        assert json.loads((base / "checkpoints" / step / "manifest.json").read_text())["run_id"] == mine
+    other = tmp_path / "other"
+    ok(train(other, "++seed", "7"))
+    theirs = json.loads((other / "summary.json").read_text())["run_id"]
+    assert theirs != mine
+    out = copy(base, tmp_path)
+    shutil.rmtree(out / "checkpoints" / "step-0000010")
+    shutil.copytree(other / "checkpoints" / "step-0000010", out / "checkpoints" / "step-0000010")
+    res = ok(train(out, "++resume", "auto", "++max_steps", "12"))
+    notes = [ln for ln in res.stdout.splitlines() if "written by another run" in ln]
+    assert notes == [f"distkit: step-0000010 was written by another run (run id {theirs}; this output_dir's run is "
+                     f"{mine}): continuing from it; if it was copied here by mistake, stop and remove it, or resume "
+                     "from the intended checkpoint with ++resume PATH"], res.stdout
+    assert json.loads((out / "summary.json").read_text())["run_id"] == mine
+
+
+def test_export_and_convert_with_latest_damaged_use_the_newest_complete(base: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 23 item 5: `distkit export` and `distkit convert` find what `++resume auto` would use when
+    `latest` is damaged, and say so in one line (they stopped with "is neither a complete checkpoint")."""
+    out = copy(base, tmp_path)
+    root = out / "checkpoints"
+    (root / "latest").write_text("step-9999999")
+    why = "distkit: checkpoints/latest names step-9999999, which is unusable"
+    assert main(["export", str(out), str(tmp_path / "model.pt")]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.err.splitlines()) == 1 and why in captured.err, captured.err
+    assert "exporting step-0000010, the newest complete checkpoint" in captured.err, captured.err
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert same(exported, final_params(base))
+    assert main(["convert", str(out), str(tmp_path / "state.pt")]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.err.splitlines()) == 1 and why in captured.err
+    assert "converting step-0000010, the newest complete checkpoint" in captured.err
+    assert f"wrote the portable state of {root / 'step-0000010'}" in captured.out
+    assert (root / "latest").read_text() == "step-9999999"  # neither writes into the run
 
 
 @pytest.mark.parametrize("case", ["checkpoints_a_file", "latest_a_directory"])

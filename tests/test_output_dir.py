@@ -123,3 +123,32 @@ def test_full_disk_while_writing_summary_keeps_the_previous_one(tmp_path: Path) 
             f"free space or fix the permissions of '{out}', then continue with ++resume auto"], res.stderr
         assert (out / "summary.json").read_bytes() == before
         assert not (out / ".summary.json.tmp").exists()
+
+
+def test_full_disk_while_writing_the_deepspeed_config_keeps_the_previous_one(tmp_path: Path) -> None:
+    """Issue 23 item 6: DeepSpeed's resolved config is written like the run's other JSON files (write, then
+    rename): on a full disk the previous file stays whole and rank 0 says so in one line (it was truncated)."""
+    from test_checkpoint_integrity import tmpfs
+
+    with tmpfs(tmp_path / "small", "size=1m") as disk:
+        out = disk / "run"
+        out.mkdir()
+        before = b'{"an earlier run": true}\n'
+        (out / "deepspeed_config.resolved.json").write_bytes(before)
+        (out / ".distkit.lock").write_text("an earlier run\n")  # the lock's holder line then fits its page
+        try:
+            with open(disk / "filler", "wb") as f:
+                while True:
+                    f.write(b"x" * 4096)
+                    f.flush()
+        except OSError:
+            pass  # the disk is full now
+        res = distkit(*ARGS, "--nprocs", "2", "++output_dir", str(out), "++resume", "none", "++distributed",
+                      '{"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}')
+        assert res.returncode != 0
+        lines = [ln for ln in res.stderr.splitlines() if "deepspeed_config.resolved.json" in ln]
+        assert lines and all("no space left on device writing" in ln and "(the previous one is intact)" in ln
+                             for ln in lines), res.stderr[-3000:]
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
+        assert (out / "deepspeed_config.resolved.json").read_bytes() == before
+        assert not (out / ".deepspeed_config.resolved.json.tmp").exists()

@@ -272,3 +272,34 @@ def test_a_rank_stopped_while_the_job_ends_does_not_hang_it(tmp_path: Path, case
     assert (out / "summary.json").exists()  # the run itself completed
     assert f"rank {rank} stopped responding" in text or f"ranks {rank}" in text, text[-3000:]
     assert wall < STARTUP_S + 15, f"{wall:.1f}s"
+
+
+START_CASES = [  # (id, command prefix, extra config)
+    ("torchrun", [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                  "localhost:0", "-m", "distkit"], []),
+    ("spawn", [sys.executable, "-m", "distkit"], ["--nprocs", "2"]),
+]
+
+
+@pytest.mark.parametrize("case", START_CASES, ids=[c[0] for c in START_CASES])
+def test_a_ddp_rank_stopped_during_start_up_is_named_and_ends_the_job(tmp_path: Path,
+                                                                      case: tuple[str, list[str], list[str]]) -> None:
+    """Rank 1 stops (SIGSTOP) before it reaches the rendezvous store. Under torchrun, rank 0 failed after
+    timeout_s with "DistStoreError: wait timeout ... keys: /0//cpu//0/1" and the job ended only after
+    torchrun's 30 s wait for the stopped rank's SIGTERM (39.5 s at timeout_s = 6). Now rank 0 names the
+    rank that never arrived and SIGKILLs it (a stopped sibling under the same launcher): the job ends
+    non-zero within timeout_s + start-up, nothing written."""
+    name, prefix, extra = case
+    out = tmp_path / "out"
+    stamp = tmp_path / "stopped"
+    res = run([*prefix, "train", "configs/returnn_ddp.py", "++output_dir", str(out), "++max_steps", "6",
+               "++progress_bar", "False", "++distributed.timeout_s", str(T), *extra], timeout=STARTUP_S + 60,
+              DISTKIT_FAULT="1:0:stop:init", DISTKIT_FAULT_STAMP=str(stamp))
+    ended = time.time()
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text[-3000:]
+    assert f"rank 1 did not arrive at start-up within distributed.timeout_s = {T:g} s (noticed by rank 0)" in text, \
+        text[-3000:]
+    after = ended - float(stamp.read_text().split()[1])  # from the moment rank 1 stopped
+    assert after < T + 15, f"the job ended {after:.1f} s after rank 1 stopped"
+    assert not (out / "summary.json").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import time
 from typing import Any
 
@@ -18,15 +19,33 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distkit import faults
 from distkit.env import resolve_rendezvous
-from distkit.errors import PortInUse
+from distkit.errors import PortInUse, RankStalled
+from distkit.launcher_guard import kill_stopped_siblings
 from distkit.netif import prepare_gloo
+from distkit.watchdog import ranks_text
 
 from .base import Strategy, bare_module, param_averager
 
 #: seconds the GIL is left to gloo's worker threads before the process group is torn down (see teardown)
 _DRAIN_S = 0.05
+#: the store key prefix each rank sets once it reached the rendezvous store (see init); per torchrun
+#: restart, as its agent's store outlives the workers it restarts
+_ARRIVED = f"distkit/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _not_arrived(store: Any, world_size: int) -> list[int]:
+    """The ranks that never set their arrival key in ``store`` (none when it cannot be asked)."""
+    missing = []
+    for r in range(world_size):
+        try:
+            if not store.check([f"{_ARRIVED}{r}"]):
+                missing.append(r)
+        except Exception:  # noqa: BLE001 - the store's host is gone: nothing to name from here
+            return []
+    return missing
 
 
 class DDPStrategy(Strategy):
@@ -40,6 +59,7 @@ class DDPStrategy(Strategy):
         self.pg_backend = d.pg_backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if dist.is_initialized():  # the user's script initialised it already (SpeechBrain style)
             return
+        faults.maybe_fire(self.rank, 0, "init")
         addr, port = resolve_rendezvous(self.env)
         if self.pg_backend == "gloo":  # across hosts: the interface that reaches MASTER_ADDR, not the host name's
             prepare_gloo(addr)
@@ -47,20 +67,33 @@ class DDPStrategy(Strategy):
         # vanished rank surfaces as an error instead of gloo's 30-minute default hang.
         # Under torchrun the agent already serves the store on MASTER_PORT; rank 0 only connects.
         master = self.rank == 0 and not self.env.agent_store
+        timeout = datetime.timedelta(seconds=d.timeout_s)
+        store = None
         try:
-            store = dist.TCPStore(addr, port, self.world_size, is_master=master,
-                                  timeout=datetime.timedelta(seconds=d.timeout_s))
-        except RuntimeError as e:  # DistNetworkError: a RuntimeError
-            if master and "EADDRINUSE" in str(e):
+            # wait_for_workers=False: init_process_group waits for every rank below, and a rank that never
+            # arrives is then named from the store (a store that waited itself would leave none to ask)
+            store = dist.TCPStore(addr, port, self.world_size, is_master=master, timeout=timeout,
+                                  wait_for_workers=False)
+            store.set(f"{_ARRIVED}{self.rank}", "1")
+            dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timeout)
+        except RuntimeError as e:  # DistNetworkError, DistStoreError: RuntimeErrors
+            if store is None and master and "EADDRINUSE" in str(e):
                 # Launchers with a fixed default port (the deepspeed launcher's 29500) collide when two jobs
                 # run on one host; the ranks of this job get no store and would wait timeout_s for it.
                 raise PortInUse(f"the rendezvous port {port} (MASTER_PORT, from the {self.env.launcher} launcher) is "
                                 "in use, probably by another job on this host: give this job its own port (deepspeed "
                                 "--master_port P, torchrun --master_port P or --rdzv-endpoint localhost:0, or "
                                 "MASTER_PORT=P)") from None
-            raise
-        dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=d.timeout_s))
+            missing = _not_arrived(store, self.world_size) if store is not None else []
+            if not missing:
+                raise
+            # A rank stopped before it reached the store never acts on its launcher's SIGTERM (torchrun then
+            # waits 30 s before SIGKILL): stopped ranks on this host are ended now.
+            kill_stopped_siblings()
+            raise RankStalled(f"{ranks_text(missing)} did not arrive at start-up within distributed.timeout_s = "
+                              f"{d.timeout_s:g} s (noticed by rank {self.rank}): it did not start, is stopped, hangs "
+                              "or died; its own output, if any, has the cause", missing) from None
         # Groups created later without a timeout (DeepSpeed's clone of the world group that ZeRO reduces
         # on, distkit's replica groups) would get torch's default (30 minutes for gloo): make it timeout_s.
         self._default_timeouts = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)

@@ -30,7 +30,6 @@ import copy
 import functools
 import importlib
 import importlib.util
-import json
 import os
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -41,7 +40,8 @@ from torch import nn
 
 from distkit.averaging import ParamAverager
 from distkit.config import RunConfig
-from distkit.errors import BackendUnavailable, CollectiveTimeout, ConfigError, UnsupportedCombination, UsageError
+from distkit.errors import (BackendUnavailable, CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination,
+                            UsageError)
 
 from .ddp import DDPStrategy
 from .base import bare_module, unused_parameters
@@ -502,10 +502,20 @@ class DeepSpeedStrategy(DDPStrategy):
         self._grad_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
         startup_elements = sum(p.numel() for p in model.parameters())
         conf = self.resolved_deepspeed_config(client)
+        # atomically, by rank 0: a full disk leaves the previous file whole and stops every rank with rank 0's
+        # one line (agreed), instead of rank 0 failing while the others wait for it in DeepSpeed's start-up
+        from distkit.checkpoint import write_json
+
+        failed: Optional[OutputError] = None
         if self.is_main:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-            with open(os.path.join(cfg.output_dir, RESOLVED_NAME), "w") as f:
-                json.dump(conf, f, indent=2)
+            try:
+                write_json(os.path.join(cfg.output_dir, RESOLVED_NAME), conf)
+            except OutputError as e:
+                failed = e
+        failed = self.broadcast_object(failed, 0)
+        if failed is not None:
+            failed.agreed = True
+            raise failed
         if self.mpu is not None:  # groups would each broadcast from their own first rank: use rank 0's state
             self.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         kwargs: dict[str, Any] = {"model": model, "config": conf, "mpu": self.mpu, "lr_scheduler": lr_scheduler}
