@@ -1061,7 +1061,7 @@ class Session:
             "total_time_s": time.perf_counter() - self._t_created, "samples_per_s": self.num_samples / max(wall, 1e-9),
             "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_wait_s": self.comm_wait_s,
             "comm_bytes": s.comm_bytes,
-            "stopped_early": False,
+            "stopped_early": False, "run_id": self.run_id,
         }
         out.update(extra)
         return out

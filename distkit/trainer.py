@@ -332,7 +332,6 @@ class TrainingRun:
             # or an eval_step's {"accuracy": ...}) stays, even where the task itself asks for none.
             summary.pop("eval_accuracy", None)
         summary["stopped_early"] = stopped
-        summary["run_id"] = dk.run_id
         self._call("on_train_end", summary)
         if self.out is not None:
             self.out.close()
