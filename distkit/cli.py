@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--deepspeed_config", default=None, metavar="JSON", help="DeepSpeed config file (implies --deepspeed)")
     k = sub.add_parser("keys", help="list every config key with its default and meaning", allow_abbrev=False)
     k.add_argument("pattern", nargs="?", default="", help="only keys containing this text")
+    k.add_argument("--markdown", action="store_true",
+                   help="print a Markdown document (one table of every key, then the seed spellings): docs/config.md")
     from distkit.export import add_parser as add_export_parser
     from distkit.inspection import add_parser as add_inspect_parser
 
@@ -81,18 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_keys(pattern: str) -> int:
-    """Every config key (``distkit keys [TEXT]``): name, default, meaning; then the seed spellings."""
+def _print_keys(pattern: str, markdown: bool = False) -> int:
+    """Every config key (``distkit keys [TEXT] [--markdown]``): name, default, meaning; then the seed spellings."""
     import signal
     import textwrap
 
-    from distkit.config.schema import ALIAS_KEYS, key_docs
+    from distkit.config.schema import ALIAS_KEYS, key_docs, keys_markdown
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `distkit keys | head` ends quietly
 
     rows = [r for r in key_docs() if pattern in r[0]]
     if not rows and not any(pattern in a for a in ALIAS_KEYS):
         raise ConfigError(f"no config key contains {pattern!r}: run `distkit keys` for all of them")
+    if markdown:
+        sys.stdout.write(keys_markdown(pattern))
+        return 0
     width = max((len(k) for k, _, _ in rows), default=0)
     for key, default, meaning in rows:
         shown = default if not callable(default) else getattr(default, "__name__", default)
@@ -240,7 +245,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             build_parser().print_help()
             return 2
         if args.command == "keys":
-            return _print_keys(args.pattern)
+            return _print_keys(args.pattern, args.markdown)
         if args.command == "inspect":
             from distkit.inspection import run as inspect_checkpoint
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, distkit, ok, run, summary
+from conftest import BIN, ROOT, distkit, ok, run, summary
 
 FLAGS = ["--nprocs", "--local_rank", "--local-rank", "--distributed_backend", "--distributed_launch",
          "--find_unused_parameters", "--deepspeed", "--deepspeed_config"]
@@ -72,3 +72,15 @@ def test_keys_lists_every_key_with_its_meaning() -> None:
     assert "distkit keys" in ok(distkit("train", "--help")).stdout
     bad = distkit("keys", "no_such_key")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("distkit: error: no config key contains")
+
+
+def test_docs_config_md_is_the_generated_key_table() -> None:
+    from distkit.config.schema import keys_markdown
+
+    expected = keys_markdown()
+    assert ok(distkit("keys", "--markdown")).stdout == expected
+    assert "| key | default | meaning |" in expected and "\n- `torch_distributed`" in expected
+    doc = ROOT / "docs" / "config.md"
+    assert doc.read_text() == expected, (
+        "docs/config.md differs from `distkit keys --markdown` (distkit/config/schema.py changed?): regenerate it with "
+        "`.venv/bin/python -m distkit keys --markdown > docs/config.md`")

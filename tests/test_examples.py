@@ -1,4 +1,4 @@
-"""Every example config runs as the README documents it (shortened with ++max_steps)."""
+"""Every example config runs as docs/running.md documents it (shortened with ++max_steps)."""
 from __future__ import annotations
 
 from pathlib import Path

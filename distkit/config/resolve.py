@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import math
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from distkit.errors import BackendUnavailable, ConfigError
+from distkit.errors import ConfigError
 
-from .loader import nearest_key, read_text, unknown_key_error
-from .schema import (
-    ALL_KEYS, DATA_DISTRIBUTIONS, DEVICES, DISTRIBUTED_KEYS, KNOWN_BACKENDS, PRECISIONS,
-    PG_BACKENDS, REDUCE_TYPES, DistributedConfig, RunConfig,
-)
+from .loader import read_text, unknown_key_error
+from .schema import ALL_KEYS, DISTRIBUTED_KEYS, DistributedConfig, RunConfig
+from .validate import _validate, choice  # noqa: F401  (choice: distkit.tasks imports it from here)
 
 #: RETURNN's ``torch_distributed`` keys -> canonical ``distributed`` keys.
 _TORCH_DISTRIBUTED_KEYS = {
@@ -258,147 +255,6 @@ def _fold_torch_distributed(td: Any, dist: DistributedConfig) -> None:
     if dist.pg_backend is not None and "," in str(dist.pg_backend):
         # RETURNN's "cpu:gloo,cuda:nccl": pick automatically by device.
         dist.pg_backend = None
-
-
-def _int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"'{name}' must be an integer >= {minimum}, got {value!r}")
-
-
-def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        near = nearest_key(str(value), allowed)
-        hint = f" (did you mean '{near}'?)" if near else ""
-        raise ConfigError(f"'{name}' must be one of {', '.join(allowed)}; got {value!r}{hint}")
-
-
-def _validate(cfg: RunConfig) -> None:
-    d = cfg.distributed
-    choice("distributed.backend", d.backend, KNOWN_BACKENDS)
-    choice("distributed.reduce_type", d.reduce_type, REDUCE_TYPES)
-    _int("distributed.param_sync_step", d.param_sync_step, 1)
-    if d.param_sync_time_diff is not None and (
-        isinstance(d.param_sync_time_diff, bool) or not isinstance(d.param_sync_time_diff, (int, float))
-        or d.param_sync_time_diff <= 0
-    ):
-        raise ConfigError(f"'param_sync_time_diff' must be a positive number of seconds, got {d.param_sync_time_diff!r}")
-    if not isinstance(d.timeout_s, (int, float)) or isinstance(d.timeout_s, bool) or d.timeout_s <= 0:
-        raise ConfigError(f"'distributed.timeout_s' must be a positive number of seconds, got {d.timeout_s!r}")
-    if not isinstance(d.options, dict):
-        raise ConfigError(f"'distributed.options' must be a dict of DistributedDataParallel kwargs, got {d.options!r}")
-    if d.pg_backend is not None:
-        if d.pg_backend == "mpi":
-            raise BackendUnavailable(
-                "torch.distributed's 'mpi' backend is not built into the PyTorch wheels: "
-                "use backend 'gloo' (or distributed = {'backend': 'mpi'} for distkit's MPI engine)")
-        choice("distributed.pg_backend", d.pg_backend, PG_BACKENDS)
-    choice("distributed.compression", d.compression, ("none", "fp16"))
-    if not isinstance(d.bucket_cap_mb, (int, float)) or isinstance(d.bucket_cap_mb, bool) or d.bucket_cap_mb <= 0:
-        raise ConfigError(f"'distributed.bucket_cap_mb' must be a positive number of MiB, got {d.bucket_cap_mb!r}")
-    _int("distributed.param_sync_group_size", d.param_sync_group_size, 1)
-    for flag in ("scale_lr", "avg_grad", "require_horovod"):
-        if not isinstance(getattr(d, flag), (bool, int)):
-            raise ConfigError(f"'distributed.{flag}' must be True or False, got {getattr(d, flag)!r}")
-    if d.outer_optimizer is not None:
-        oo = d.outer_optimizer
-        if not isinstance(oo, dict) or oo.get("class") != "nesterov":
-            raise ConfigError(f"'param_outer_optimizer' must be like {{'class': 'nesterov', 'lr': 0.7, 'momentum': 0.9}}, got {oo!r}")
-        if d.reduce_type != "param":
-            raise ConfigError("'param_outer_optimizer' only applies to reduce_type 'param': remove it or set reduce_type")
-    _int("batch_size", cfg.batch_size, 1)
-    _int("num_epochs", cfg.num_epochs, 1)
-    _int("max_steps", cfg.max_steps, 1, optional=True)
-    _int("seed", cfg.seed, 0)
-    _int("accum_grad_multiple_step", cfg.accum_grad_multiple_step, 1)
-    _int("eval_every", cfg.eval_every, 1, optional=True)
-    _int("log_every", cfg.log_every, 1)
-    _int("checkpoint_every", cfg.checkpoint_every, 1, optional=True)
-    _int("nprocs", cfg.nprocs, 1)
-    from distkit.launch import check_nprocs
-
-    check_nprocs(cfg.nprocs)  # here, not only where the ranks are started: before anything is written
-    _int("charlm_seq_len", cfg.charlm_seq_len, 2)
-    choice("device", cfg.device, DEVICES)
-    choice("data_distribution", cfg.data_distribution, DATA_DISTRIBUTIONS)
-    if not isinstance(cfg.learning_rate, (int, float)) or isinstance(cfg.learning_rate, bool) or cfg.learning_rate <= 0:
-        raise ConfigError(f"'learning_rate' must be a positive, finite number, got {cfg.learning_rate!r}")
-    if cfg.gradient_clip is not None and (not isinstance(cfg.gradient_clip, (int, float)) or cfg.gradient_clip <= 0):
-        raise ConfigError(f"'gradient_clip' must be a positive number (max gradient norm) or None, got {cfg.gradient_clip!r}")
-    # names are checked against torch.optim where the model is built (distkit.components.check_components)
-    # a bare name is the class ("adamw", "cosine"); "module:function" is a factory
-    for key in ("optimizer", "lr_scheduler"):
-        value = getattr(cfg, key)
-        if isinstance(value, str):
-            setattr(cfg, key, _callable(key, value) if ":" in value else {"class": value})
-    if not callable(cfg.optimizer) and (not isinstance(cfg.optimizer, dict) or "class" not in cfg.optimizer):
-        raise ConfigError(f"'optimizer' must be a dict like {{'class': 'adamw', 'weight_decay': 0.01}} or a factory "
-                          f"params -> Optimizer, got {cfg.optimizer!r}")
-    if cfg.lr_scheduler is not None and not callable(cfg.lr_scheduler):
-        if not isinstance(cfg.lr_scheduler, dict) or "class" not in cfg.lr_scheduler:
-            raise ConfigError(f"'lr_scheduler' must be None, a dict like {{'class': 'cosine', 'warmup_steps': 100}} or a "
-                              f"factory (optimizer, total_steps) -> scheduler, got {cfg.lr_scheduler!r}")
-        _int("lr_scheduler.warmup_steps", cfg.lr_scheduler.get("warmup_steps", 0), 0)
-    if cfg.precision in (32, "32-true", "fp32"):
-        cfg.precision = "32"
-    choice("precision", cfg.precision, PRECISIONS)
-    if not isinstance(cfg.callbacks, (list, tuple)):
-        raise ConfigError(f"'callbacks' must be a list of callback objects, got {type(cfg.callbacks).__name__}")
-    cfg.callbacks = list(cfg.callbacks)
-    if not isinstance(cfg.output_dir, str) or not cfg.output_dir:
-        raise ConfigError(f"'output_dir' must be a non-empty path, got {cfg.output_dir!r}")
-    if cfg.resume not in (None, "auto", "none") and not (isinstance(cfg.resume, str) and os.path.isdir(cfg.resume)):
-        raise ConfigError(f"'resume' must be 'auto', 'none' (start fresh) or an existing checkpoint directory, "
-                          f"got {cfg.resume!r}")
-    _int("keep_checkpoints", cfg.keep_checkpoints, 1)
-    if cfg.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' (compute_setup 'gpu') was asked for but no CUDA device is visible: "
-                              "use device = 'auto' or 'cpu'")
-    for key in ("model", "dataset", "loss", "collate_fn", "train_step", "eval_step"):
-        setattr(cfg, key, _callable(key, getattr(cfg, key)))
-    for key in ("train_dataset", "eval_dataset"):  # a dataset or a factory, possibly as "module:name"
-        value = getattr(cfg, key)
-        if isinstance(value, str):
-            setattr(cfg, key, _import(key, value))
-    _int("num_workers", cfg.num_workers, 0)
-    if cfg.metrics is not None:
-        if not isinstance(cfg.metrics, (list, tuple)):
-            raise ConfigError(f"'metrics' must be a list like ['accuracy'] or of callables (outputs, targets) -> float, "
-                              f"got {cfg.metrics!r}")
-        cfg.metrics = [m if m == "accuracy" else _callable("metrics", m) for m in cfg.metrics]
-    # Whether the task and the engine can run is checked where they are built (distkit.tasks.check_task,
-    # distkit.backends.check_backend): config is data and imports neither (DESIGN.md 2a).
-
-
-def _callable(key: str, value: Any) -> Optional[Callable[..., Any]]:
-    """Accept a callable or a "module:function" string; import it now so typos fail before start."""
-    if value is None or callable(value):
-        return value
-    obj = _import(key, value)
-    if not callable(obj):
-        raise ConfigError(f"'{key}' = '{value}' is not callable")
-    return obj  # type: ignore[no-any-return]
-
-
-def _import(key: str, value: Any) -> Any:
-    """The object a "module:name" string names, imported now so typos fail before start."""
-    if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(f"'{key}' must be a callable or a 'module:function' string, got {value!r}")
-    mod_name, _, attr = value.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:  # ImportError, or an error inside the user's module
-        raise ConfigError(f"'{key}' = '{value}': cannot import module '{mod_name}' ({type(e).__name__}: {e}): check the name and PYTHONPATH") from None
-    obj: Any = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"'{key}' = '{value}': module '{mod_name}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
-    return obj
 
 
 def replace(cfg: RunConfig, **changes: Any) -> RunConfig:

@@ -33,13 +33,15 @@ class DistributedConfig:
     #: param mode: average when this many seconds (float) passed since the last sync, decided
     #: on the maximum elapsed time over ranks so every rank takes the same decision.
     param_sync_time_diff: Optional[float] = None
-    #: process-group / collective timeout in seconds (gloo's own default is 30 minutes).
+    #: process-group / collective timeout in seconds (gloo's own default is 30 minutes); a rank silent this
+    #: long is named, and the job ends.
     timeout_s: float = 300.0
     #: keyword arguments for DistributedDataParallel (grad mode), e.g. bucket_cap_mb.
     options: dict[str, Any] = field(default_factory=dict)
     #: torch.distributed backend; None = nccl on CUDA, else gloo.
     pg_backend: Optional[str] = None
-    #: param mode outer optimizer on the averaged update (DiLoCo / SlowMo); None = plain averaging.
+    #: param mode outer optimizer on the averaged update (DiLoCo / SlowMo), e.g. ``{"class": "nesterov", "lr": 0.7,
+    #: "momentum": 0.9}``; None = plain averaging.
     outer_optimizer: Optional[dict[str, Any]] = None
     #: multiply learning_rate by the world size (RETURNN's horovod_scale_lr)
     scale_lr: bool = False
@@ -61,43 +63,64 @@ class DistributedConfig:
 class RunConfig:
     """Every top-level key. Units: steps are optimizer steps, sizes are per rank unless named global."""
 
-    #: built-in task ("digits" | "charlm"), or None for your own model + dataset
+    #: built-in task, or None for your own model + dataset: "digits" (sklearn's 1,797 handwritten digits, MLP) or
+    #: "charlm" (causal transformer on CPython's ``pydoc_data`` text)
     task: Optional[str] = "digits"
-    #: ``model() -> nn.Module`` (or "module:function"); replaces the task's model
+    #: ``model() -> nn.Module`` (a callable in a Python config, or "module:function"); replaces the task's model
     model: Optional[Callable[..., Any]] = None
-    #: ``dataset() -> (train, eval)`` (or "module:function"); eval may be None
+    #: ``dataset() -> (train, eval)`` (a callable in a Python config, or "module:function"); eval may be None, or
+    #: ``dataset()`` returns the train dataset alone
     dataset: Optional[Callable[..., Any]] = None
-    #: ``loss(outputs, targets) -> scalar tensor``; None = the task's (cross-entropy)
+    #: ``loss(outputs, targets) -> scalar tensor`` (a callable or "module:function") for ``(inputs, targets)`` items;
+    #: None = the task's (cross-entropy)
     loss: Optional[Callable[..., Any]] = None
     #: datasets, dataset factories, or "module:function" strings (instead of ``dataset``)
     train_dataset: Any = None
     #: like train_dataset, for evaluation (None = no eval set unless ``dataset`` gives one)
     eval_dataset: Any = None
-    #: ``collate_fn(list of items) -> batch`` for the DataLoader; None = torch's default_collate
+    #: ``collate_fn(list of items) -> batch`` for the DataLoader; None = torch's default_collate. Items and batches
+    #: may be tensors, tuples, lists, dicts, dataclasses or HF ``BatchEncoding``
     collate_fn: Optional[Callable[..., Any]] = None
     #: DataLoader worker processes (the batch order stays the same)
     num_workers: int = 0
-    #: ``train_step(model, batch) -> loss | (loss, metrics_dict)``; None = HF ``model(**batch).loss`` for
-    #: dict batches without ``loss``, else ``loss(model(inputs), targets)``
+    #: ``train_step(model, batch) -> loss | (loss, metrics_dict)``; its metrics are averaged over ranks and logged.
+    #: None = HF ``model(**batch).loss`` for dict batches without ``loss``, else ``loss(model(inputs), targets)``
     train_step: Optional[Callable[..., Any]] = None
     #: like train_step, for evaluation (under torch.no_grad); None = train_step
     eval_step: Optional[Callable[..., Any]] = None
-    #: evaluation metrics: "accuracy" or callables ``(outputs, targets) -> float``; None = the task's own
-    #: (accuracy for the built-in tasks, none for a custom one). For dict batches (Hugging Face), accuracy
-    #: compares the output's ``logits`` with the batch's ``labels``
+    #: evaluation metrics, reported as ``eval_<name>``: ``["accuracy"]`` or callables
+    #: ``(outputs, targets) -> float``; None = the task's own (accuracy for the built-in tasks, none for a custom
+    #: one: no accuracy for a regression). On dict batches (Hugging Face) outputs = the model output's ``logits``,
+    #: targets = the batch's ``labels``, as they are: no shift for a causal LM, labels of -100 counted (give a
+    #: callable or an ``eval_step`` for those); a batch without ``labels`` or an output without ``logits`` stops the
+    #: run with a line naming the fix. An ``eval_step``'s metrics are reported the same way (its ``accuracy`` as
+    #: ``eval_accuracy``)
     metrics: Optional[list[Any]] = None
-    #: ``{"class": <any torch.optim class name, case-insensitive>, **kwargs}`` (lr = learning_rate), or a
-    #: factory ``params -> Optimizer`` (it sets its own lr); a factory with a parameter named
-    #: ``named_parameters`` gets ``(name, parameter)`` pairs (Hugging Face's no-decay grouping by name)
+    #: ``{"class": <any torch.optim class name, case-insensitive: "adamw", "RMSprop">, **kwargs}`` (lr =
+    #: learning_rate), or a factory ``params -> Optimizer`` (a callable or "module:function"; it sets its own lr).
+    #: A factory with a parameter named ``named_parameters`` gets the model's ``(name, parameter)`` pairs there (a
+    #: list; names as in the bare model, no ``module.`` prefix), for grouping by name as Hugging Face does:
+    #: ``def optimizer(named_parameters): return torch.optim.AdamW([{"params": [p for n, p in named_parameters if
+    #: "bias" not in n], "weight_decay": 0.01}, {"params": [p for n, p in named_parameters if "bias" in n],
+    #: "weight_decay": 0.0}], lr=1e-3)``; ``def optimizer(params, named_parameters)`` gets both. LBFGS needs a
+    #: closure: use it in your own loop or ``distkit.compat.perceptrain``
     optimizer: Any = field(default_factory=lambda: {"class": "sgd"})
     #: None, ``{"class": "constant"|"linear"|"cosine"|"step"|<torch.optim.lr_scheduler class>, "warmup_steps": N,
-    #: ...}`` or a factory ``(optimizer, total_steps) -> scheduler``; stepped once per optimizer step
+    #: ...}`` (``min_lr_ratio`` for cosine/linear; ``step_size``, ``gamma`` for step; a torch class gets the other
+    #: keys) or a factory ``(optimizer, total_steps) -> scheduler``. Stepped once per optimizer step, saved in
+    #: checkpoints, the same schedule on every engine (DeepSpeed gets the same factory through
+    #: ``deepspeed.initialize``; a DeepSpeed ``scheduler`` block as well is refused). ``lr`` is in every
+    #: metrics.jsonl line
     lr_scheduler: Any = None
-    #: "32" (fp32), "bf16-mixed" (torch.autocast to bfloat16, CPU or CUDA) or "16-mixed" (float16 autocast with
-    #: a GradScaler, CUDA only); on DeepSpeed it selects the config's bf16/fp16 block instead
+    #: "32" (fp32), "bf16-mixed" (torch.autocast to bfloat16 around forward and loss, CPU or CUDA) or "16-mixed"
+    #: (float16 autocast with a GradScaler, CUDA only); on DeepSpeed it selects the config's bf16/fp16 block instead
+    #: (a block saying otherwise is refused)
     precision: str = "32"
-    #: objects with any of on_train_start(trainer), on_step_end(trainer, metrics), on_eval_end(trainer, metrics),
-    #: on_checkpoint(trainer, path), on_train_end(trainer, summary); called on every rank
+    #: objects with any of on_train_start(trainer), on_step_end(trainer, metrics) (each log point),
+    #: on_eval_end(trainer, metrics), on_checkpoint(trainer, path), on_train_end(trainer, summary); called on every
+    #: rank (guard file output with ``trainer.is_main``). ``trainer.request_stop()`` on any rank stops every rank
+    #: after the same step (agreed by a MAX all-reduce after each log/eval point's hooks); ``summary.json`` then has
+    #: ``stopped_early: true``
     callbacks: list[Any] = field(default_factory=list)
     #: the optimizer's lr (a factory optimizer sets its own)
     learning_rate: float = 0.1
@@ -105,15 +128,17 @@ class RunConfig:
     batch_size: int = 32
     #: passes over the training data (when max_steps is None)
     num_epochs: int = 1
-    #: the run length in optimizer steps (epochs repeat the data); None = num_epochs epochs
+    #: the run length in optimizer steps; when set, the data repeats over as many epochs as it takes (as in HF's
+    #: Trainer); None = num_epochs epochs
     max_steps: Optional[int] = None
     #: seed of the model's initialisation and the data order (the same on every rank)
     seed: int = 42
     #: "auto" (CUDA if visible), "cpu" or "cuda"
     device: str = "auto"
-    #: "shard" (each rank a disjoint part of every global batch) or "random_seed_offset" (RETURNN)
+    #: "shard" (each rank a disjoint part of every global batch: disjoint slices of one global order, the same at
+    #: every world size) or "random_seed_offset" (RETURNN: every rank the whole data, in its own order)
     data_distribution: str = "shard"
-    #: micro-steps per optimizer step (gradient accumulation)
+    #: micro-steps per optimizer step (gradient accumulation; no communication on the others)
     accum_grad_multiple_step: int = 1
     #: max global gradient norm (L2); None = no clipping.
     gradient_clip: Optional[float] = None
@@ -125,13 +150,18 @@ class RunConfig:
     checkpoint_every: Optional[int] = None
     #: where rank 0 writes config.resolved.json, metrics.jsonl, summary.json and checkpoints/
     output_dir: str = "runs/default"
-    #: "auto" (continue from the newest complete checkpoint in output_dir/checkpoints: `latest`, or the
-    #: newest intact one when `latest` is damaged; stops rather than start over when none is complete),
-    #: "none" (start from step 0; the earlier run's checkpoints are replaced), a checkpoint dir (any engine,
-    #: number of ranks or mode), or unset: start from step 0, but stop with one line if output_dir holds checkpoints.
+    #: unset: start from step 0, but refuse (one line, exit status 2) an output_dir that holds checkpoints.
+    #: "auto": continue from output_dir/checkpoints/``latest`` if there is one (every file checked against the
+    #: manifest's sha256; a damaged or incomplete ``latest`` falls back to the newest complete checkpoint, saying so;
+    #: checkpoints that exist but none complete stop the run; no checkpoints at all: start from step 0). A
+    #: checkpoint directory (of any engine, number of ranks or mode). "none": start from step 0, replacing the
+    #: earlier run's checkpoints.
     resume: Optional[str] = None
-    #: write periodic checkpoints in a background thread (state copied to CPU memory first); each becomes
-    #: complete (`latest`) at the next checkpoint; the final one is always synchronous
+    #: write periodic checkpoints in a background thread: the loop stops only to copy the state to CPU memory
+    #: (charlm large, 2 ranks, quiet machine: 0.11 s instead of 0.78 s per checkpoint, 7.4x less,
+    #: ``benchmarks/checkpoint_stall.py``); each becomes complete (``latest``) at the next checkpoint; the final one
+    #: is always synchronous. ``summary.json`` has, for every run, ``checkpoints``, ``checkpoint_stalls_s`` (seconds
+    #: rank 0 was blocked, per checkpoint) and their sum ``checkpoint_stall_s``
     checkpoint_async: bool = False
     #: complete checkpoints kept in output_dir/checkpoints (older ones are deleted once a new one is complete)
     keep_checkpoints: int = 3
@@ -141,11 +171,13 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     #: number of local ranks distkit spawns itself (perceptrain's nprocs); ignored under a launcher.
     nprocs: int = 1
-    #: task charlm: model size ("small" | "medium" | "large")
+    #: task charlm: model size: "small" (0.22M parameters), "medium" (1.8M) or "large" (10.8M)
     charlm_size: str = "small"
     #: task charlm: characters per sample
     charlm_seq_len: int = 64
-    #: task charlm: its text ("pydoc": 0.47M characters; "stdlib": the standard library's source, 31.5M)
+    #: task charlm: its text: "pydoc" (CPython's ``pydoc_data`` topics, 0.47M characters, last 10 % eval) or
+    #: "stdlib" (the running Python's standard-library source, 31.5M characters on 3.11.7, last 1 % eval: long runs
+    #: that must not repeat the data)
     charlm_corpus: str = "pydoc"
     #: set by the resolver: the top-level keys the user wrote (not a config key)
     explicit_keys: Optional[frozenset[str]] = field(default=None, metadata={"internal": True})
@@ -178,7 +210,7 @@ DISTRIBUTED_KEYS = tuple(f.name for f in dataclasses.fields(DistributedConfig))
 
 #: Seed spellings accepted at top level and folded into the fields above.
 ALIAS_KEYS = (
-    "torch_distributed",      # RETURNN: selects ddp
+    "torch_distributed",      # RETURNN: selects ddp (options: DDP kwargs, grad only; sync_on_cpu: param only)
     "compute_setup",          # perceptrain: same as device ("gpu" = "cuda")
     "backend",                # perceptrain: torch.distributed backend (gloo | nccl)
     "param_outer_optimizer",  # distributed.outer_optimizer
@@ -218,3 +250,49 @@ def key_docs() -> list[tuple[str, Any, str]]:
     rows = [(k, getattr(top, k), docs.get(k, "")) for k in TOP_LEVEL_KEYS if k != "distributed"]
     rows += [(f"distributed.{k}", getattr(dist, k), docs.get(f"distributed.{k}", "")) for k in DISTRIBUTED_KEYS]
     return rows
+
+
+def _alias_docs() -> dict[str, str]:
+    """The comment after each seed spelling in :data:`ALIAS_KEYS` ("" where a line has none)."""
+    import inspect
+    import re
+    import sys
+
+    source = inspect.getsource(sys.modules[__name__])
+    block = source[source.index("ALIAS_KEYS = ("):source.index("ALL_KEYS = ")]
+    docs: dict[str, str] = {}
+    for line in block.splitlines()[1:]:
+        code, _, comment = line.partition("#")
+        for name in re.findall(r'"(\w+)"', code):
+            docs[name] = comment.strip()
+    return docs
+
+
+def keys_markdown(pattern: str = "") -> str:
+    """``distkit keys --markdown``: every key (containing ``pattern``) as one Markdown table, then the seed
+    spellings as a list; docs/config.md is this text."""
+
+    def cell(text: str) -> str:
+        return text.replace("``", "`").replace("|", "\\|").replace("\n", " ")
+
+    lines = ["# Config keys", "",
+             "Generated by `distkit keys --markdown` from the `#:` comments in `distkit/config/schema.py`; "
+             "do not edit by hand (`.venv/bin/python -m distkit keys --markdown > docs/config.md`).", "",
+             "| key | default | meaning |", "|---|---|---|"]
+    for key, default, meaning in key_docs():
+        if pattern in key:
+            shown = default if not callable(default) else getattr(default, "__name__", default)
+            lines.append(f"| `{cell(key)}` | `{cell(repr(shown))}` | {cell(meaning)} |")
+    from .resolve import _HOROVOD_KEYS, _TORCH_DISTRIBUTED_KEYS
+
+    aliases = _alias_docs()
+    aliases["torch_distributed"] += "; its keys: " + ", ".join(f"`{k}`" for k in _TORCH_DISTRIBUTED_KEYS)
+    for name, target in _HOROVOD_KEYS.items():
+        where = target if target == "data_distribution" else f"distributed.{target}"
+        aliases[name] = aliases.get(name) or f"RETURNN (Horovod): sets `{where}`"
+    names = [a for a in ALIAS_KEYS if pattern in a]
+    if names:
+        lines += ["", "## Seed spellings", "",
+                  "Folded into the keys above (RETURNN, SpeechBrain, perceptrain, DeepSpeed):", ""]
+        lines += [f"- `{a}`" + (f": {aliases[a]}" if aliases.get(a) else "") for a in names]
+    return "\n".join(lines) + "\n"

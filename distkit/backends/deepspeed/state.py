@@ -1,0 +1,262 @@
+"""Model and optimizer state under DeepSpeed: gathering ZeRO-3 parameters, the fp32 masters and
+optimizer state of each partition (portable checkpoints, param mode), and the engine's own checkpoint
+files inside a distkit checkpoint directory."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from distkit.errors import ConfigError, UnsupportedCombination
+
+from .config import ENGINE_DIR, TAG, _DeepSpeedConfigured
+
+if TYPE_CHECKING:
+    from .groups import _ReplicaGroups
+
+
+class _DeepSpeedState(_DeepSpeedConfigured):
+    """The base of :class:`~distkit.backends.deepspeed.engine.DeepSpeedStrategy` holding its state
+    methods (the attributes below are set by its ``init``)."""
+
+    zero_stage: int
+    mpu: Optional[_ReplicaGroups]
+
+    # -- state ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _gathered(self, module: nn.Module) -> Iterator[None]:
+        """Collective under ZeRO-3 (inside the replica group): whole parameters for the duration."""
+        if self.zero_stage == 3:
+            import deepspeed  # type: ignore[import-untyped]
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def _gathered_one(self, param: nn.Parameter) -> Iterator[None]:
+        """Collective under ZeRO-3: one whole parameter for the duration."""
+        if hasattr(param, "ds_id"):
+            import deepspeed  # type: ignore[import-untyped]
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def full_named_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        module = self.unwrap(model)
+        with self._gathered(module):
+            named = [(n, p.detach().clone()) for n, p in module.named_parameters()]
+        yield from named
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Param mode only (the replica groups differ between syncs): this group's whole model in fp32
+        (collective inside the group under ZeRO-3) for the rank file; the resumable state is the engine
+        checkpoint written by :meth:`save_engine_files`. Grad mode writes no such copy."""
+        module = self.unwrap(model)
+        with self._gathered(module):
+            sd = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
+                  for k, v in module.state_dict().items()}
+        return {"model": sd, "optimizer": None, "zero_stage": self.zero_stage}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Nothing: :meth:`load_engine_files` restored model, optimizer and scheduler."""
+
+    def _masters(self, engine: Any) -> tuple[list[torch.Tensor], Any]:
+        """The optimizer's fp32 master tensors (this rank's partitions) and how to rewrite the weights from them."""
+        opt = engine.optimizer
+        if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+            return list(opt.single_partition_of_fp32_groups), opt.update_lp_params
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
+            def refresh() -> None:
+                for i in range(len(opt.fp32_partitioned_groups_flat)):
+                    opt._reassign_or_swap_out_partitioned_parameters(i)
+            return list(opt.fp32_partitioned_groups_flat), refresh
+        if hasattr(opt, "fp32_groups_flat_partition"):  # bf16 optimizer (stage 0 + bf16)
+            return list(opt.fp32_groups_flat_partition), opt.update_lp_params
+        params = list(engine.module.parameters())
+        if any(p.dtype != torch.float32 for p in params):
+            raise UnsupportedCombination(f"param mode cannot find the master weights of {type(opt).__name__}: "
+                                         "use a ZeRO stage >= 1 or fp32")
+        return params, lambda: None
+
+    def _zero_groups(self, engine: Any) -> Optional[list[list[nn.Parameter]]]:
+        """The model parameters of each optimizer group when ZeRO (1-3) or the bf16 optimizer partitions
+        the fp32 state (None: the optimizer holds the model's own parameters)."""
+        opt = engine.optimizer
+        for attr in ("bit16_groups", "fp16_groups"):  # ZeRO-1/2 and bf16; ZeRO-3
+            groups = getattr(opt, attr, None)
+            if groups and any(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for g in groups for p in g):
+                return [list(g) for g in groups]
+        return None
+
+    @staticmethod
+    def _flat(opt: Any, g: int) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:
+        """Partitioned group ``g``'s fp32 flat tensor (this rank's partition), its state in the inner
+        optimizer and the inner param group holding its hyper-parameters. (ZeRO-3 detaches the flats
+        from the inner optimizer's param groups between steps, so they are found by attribute.)"""
+        inner = opt.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3 (sub-groups)
+            flat = opt.fp32_partitioned_groups_flat[g]
+            group = inner.param_groups[opt.sub_group_to_group_id[g]]
+        else:
+            flat = (opt.single_partition_of_fp32_groups if hasattr(opt, "single_partition_of_fp32_groups")
+                    else opt.fp32_groups_flat_partition)[g]
+            group = inner.param_groups[g]
+        return flat, inner.state.setdefault(flat, {}), group
+
+    @staticmethod
+    def _link_optimizer_state(opt: Any) -> None:
+        """Point every parameter's fragment mapping (ZeRO-1/2, bf16) at the inner optimizer's current state.
+
+        DeepSpeed links them only once, lazily, after the step of the *first* param group: ZeRO-1/2 step
+        the groups one at a time, so a second group (AdamW's no-decay group) is linked while its state is
+        still empty and ``safe_get_full_optimizer_state`` then finds no ``exp_avg`` in it. Loading an
+        engine checkpoint also rebuilds the mappings without their state (the flag stays set). Linking
+        again only takes views (``narrow``) of the state tensors, so it is cheap and safe at any time.
+        ZeRO-3 keeps no such link (it has no ``_hp_optimizer_states_linked``)."""
+        if hasattr(opt, "_hp_optimizer_states_linked"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
+    def portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                       keep: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        """Under ZeRO each parameter's fp32 master and optimizer state are assembled one tensor at a
+        time (a collective per tensor, every rank in the same order) and kept only where ``keep``
+        says so; without partitioning the engine's optimizer is a plain one (the default)."""
+        engine: Any = model
+        groups = self._zero_groups(engine)
+        if groups is None:
+            return super().portable_state(self.unwrap(engine), engine.optimizer, keep)
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # type: ignore[import-untyped]
+
+        module, opt = self.unwrap(engine), engine.optimizer
+        self._link_optimizer_state(opt)  # DeepSpeed's own link may predate a group's state (see there)
+        names = {id(p): n for n, p in module.named_parameters()}
+        aliases: dict[int, list[str]] = {}  # every state_dict name of each parameter (tied weights have several)
+        for key, value in module.state_dict(keep_vars=True).items():
+            aliases.setdefault(id(value), []).append(key)
+        sd: dict[str, torch.Tensor] = {}
+        state: dict[str, dict[str, Any]] = {}
+        out_groups = []
+        for g, params in enumerate(groups):
+            flat, base, inner_group = self._flat(opt, g)
+            per_param = sorted(k for k, v in base.items() if torch.is_tensor(v) and v.numel() == flat.numel() and v.numel() > 1)
+            for p in params:
+                name = names[id(p)]
+                full = safe_get_full_fp32_param(p)  # collective
+                shape = tuple(getattr(p, "ds_shape", p.shape))
+                for alias in aliases.get(id(p), [name]):
+                    if keep(alias):
+                        sd[alias] = full.detach().cpu().reshape(shape).clone()
+                for key in per_param:
+                    value = safe_get_full_optimizer_state(p, key)  # collective
+                    if keep(name):
+                        state.setdefault(name, {})[key] = value.detach().cpu().reshape(shape).clone()
+                if keep(name):  # the group's scalars (Adam's step): one per flat group, the same for its parameters
+                    for key, v in base.items():
+                        if key not in per_param:
+                            state.setdefault(name, {})[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+            hyper = {k: v for k, v in inner_group.items() if k != "params"}
+            out_groups.append({**hyper, "params": [names[id(p)] for p in params]})
+        in_groups = {id(p) for params in groups for p in params}
+        for p in module.parameters():  # frozen parameters: in no optimizer group (partitioned under ZeRO-3)
+            if id(p) not in in_groups:
+                with self._gathered_one(p):
+                    for alias in aliases.get(id(p), [names[id(p)]]):
+                        if keep(alias):
+                            sd[alias] = p.detach().to("cpu", torch.float32).clone()
+        for key, value in module.state_dict(keep_vars=True).items():  # buffers (not partitioned)
+            if id(value) not in names and keep(key):
+                sd[key] = value.detach().cpu().clone()
+        return sd, state, out_groups
+
+    def load_portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                            sd: dict[str, torch.Tensor], optim_state: dict[str, dict[str, Any]],
+                            groups: list[dict[str, Any]]) -> None:
+        """Write the fp32 masters and optimizer state of every parameter into this rank's partitions
+        (``safe_set_full_*``), then rebuild the 16-bit/partitioned weights from the masters."""
+        engine: Any = model
+        zgroups = self._zero_groups(engine)
+        if zgroups is None:
+            super().load_portable_state(self.unwrap(engine), engine.optimizer, sd, optim_state, groups)
+            return
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # type: ignore[import-untyped]
+
+        from distkit.portable import optimizer_state_from_names
+
+        module, opt = self.unwrap(engine), engine.optimizer
+        names = {id(p): n for n, p in module.named_parameters()}
+        group_names = [[names[id(p)] for p in g] for g in zgroups]
+        optimizer_state_from_names(optim_state, groups, group_names)  # the same groups, or a clear error
+        with torch.no_grad():
+            for g, params in enumerate(zgroups):
+                flat, base, inner_group = self._flat(opt, g)
+                first = optim_state.get(group_names[g][0], {}) if group_names[g] else {}
+                shape = tuple(sd[group_names[g][0]].shape) if group_names[g] else ()
+                per_param = [k for k, v in first.items() if torch.is_tensor(v) and k != "step" and tuple(v.shape) == shape]
+                if first and not base:  # a fresh engine: the inner optimizer creates its state at the first step
+                    for key, v in first.items():
+                        base[key] = torch.zeros_like(flat) if key in per_param else (v.clone() if torch.is_tensor(v) else v)
+                    self._link_optimizer_state(opt)  # ZeRO-1/2, bf16: link the new state to the parameters
+                for p in params:
+                    name = names[id(p)]
+                    safe_set_full_fp32_param(p, sd[name].to(self.device))
+                    for key in per_param:
+                        if key in optim_state.get(name, {}):
+                            safe_set_full_optimizer_state(p, optim_state[name][key].to(self.device), key)
+                for key, v in first.items():  # the group's scalars
+                    if key not in per_param and key in base:
+                        base[key] = v.clone() if torch.is_tensor(v) else v
+                saved = next(x for x in groups if sorted(x["params"]) == sorted(group_names[g]))
+                inner_group.update({k: v for k, v in saved.items() if k != "params"})
+            _, refresh = self._masters(engine)
+            refresh()  # the model's weights from the masters just written
+            in_groups = {id(p) for params in zgroups for p in params}
+            for p in module.parameters():  # frozen parameters: no master, set directly (whole under ZeRO-3)
+                if id(p) not in in_groups and names[id(p)] in sd:
+                    if hasattr(p, "ds_id"):
+                        import deepspeed  # type: ignore[import-untyped]
+
+                        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                            if self.rank == 0:
+                                p.data.copy_(sd[names[id(p)]].to(p.device, p.dtype))
+                    else:
+                        p.data.copy_(sd[names[id(p)]].to(p.device, p.dtype))
+            params = set(names.values())
+            for name, b in module.named_buffers():
+                if name in sd and name not in params:
+                    b.copy_(sd[name].to(b.device, b.dtype))
+
+    def _engine_dir(self, directory: str) -> str:
+        sub = f"group-{self.mpu.index}" if self.mpu is not None else "all"
+        return os.path.join(directory, ENGINE_DIR, sub)
+
+    engine_files = True
+
+    def save_engine_files(self, directory: str, model: nn.Module) -> None:
+        """Collective: ``engine.save_checkpoint`` into distkit's temporary checkpoint directory, without
+        DeepSpeed's ``latest`` file (distkit's manifest + ``latest`` are what a resume trusts)."""
+        if model is None:  # dk.save before dk.setup: no engine yet
+            return
+        path = self._engine_dir(directory)
+        os.makedirs(os.path.join(path, TAG), exist_ok=True)  # DeepSpeed creates it on global rank 0 only
+        engine: Any = model
+        engine.save_checkpoint(path, tag=TAG, client_state={}, save_latest=False)
+
+    def load_engine_files(self, directory: str, model: nn.Module) -> None:
+        path = self._engine_dir(directory)
+        if not os.path.isdir(os.path.join(path, TAG)):
+            raise ConfigError(f"checkpoint '{directory}' holds no DeepSpeed engine state ({path}): it was not written "
+                              "by the deepspeed backend with this param_sync_group_size")
+        engine: Any = model
+        loaded, _ = engine.load_checkpoint(path, tag=TAG, load_module_strict=True, load_optimizer_states=True,
+                                           load_lr_scheduler_states=True)
+        if loaded is None:
+            raise ConfigError(f"DeepSpeed could not load its checkpoint from {path}")
