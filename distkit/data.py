@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, TensorDataset, default_collate
 
 from distkit.errors import UsageError
+
+if TYPE_CHECKING:
+    from distkit.session import Session
 
 #: RETURNN's per-rank seed offset for random_seed_offset.
 RANK_SEED_OFFSET = 16127
@@ -194,3 +197,35 @@ class ShardedLoader(DataLoader[Any]):
             if self._on_batch is not None:
                 self._on_batch(size, t_fetch)
             yield to_device(batch, self.device) if move else batch
+
+
+def sharded_loader(session: "Session", dataset: Any, batch_size: Optional[int], shuffle: bool,
+                   collate_fn: Optional[Callable[[list[Any]], Any]], num_workers: int, pin_memory: bool,
+                   **kwargs: Any) -> ShardedLoader:
+    """Collective: the loader of :meth:`distkit.Session.dataloader` (see there), for ``session``'s rank."""
+    if isinstance(dataset, DataLoader):
+        loader = dataset
+        dataset = loader.dataset
+        if batch_size is None:
+            batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        shuffle = isinstance(loader.sampler, RandomSampler)
+        collate_fn = collate_fn or loader.collate_fn
+        num_workers, pin_memory = loader.num_workers, loader.pin_memory
+    batch_size = session.cfg.batch_size if batch_size is None else batch_size
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(f"dk.dataloader: batch_size must be an integer >= 1, got {batch_size!r}")
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise UsageError("dk.dataloader needs a map-style dataset (with __len__ and __getitem__), got "
+                         f"{type(dataset).__name__}")
+    plan = BatchPlan(len(dataset), batch_size, session.rank, session.world_size, session.cfg.data_distribution,
+                     session.cfg.seed, shuffle=shuffle)
+    # Ranks may hold different data (per-rank datasets): the minimum never hangs.
+    steps = int(session.all_reduce(torch.tensor([plan.steps_per_epoch]), op="min").item())
+    if steps == 0:  # (the same on every rank: agreed by the all-reduce above)
+        error = UsageError(f"dk.dataloader: {len(dataset)} samples make no full global batch of "
+                           f"{batch_size} x {session.world_size} ranks: use a smaller batch_size")
+        error.agreed = True
+        raise error
+    return ShardedLoader(dataset, PlanSampler(plan, steps), session.device, collate_fn=collate_fn,
+                         num_workers=num_workers, pin_memory=pin_memory, on_batch=session._batch_handed_out,
+                         **kwargs)

@@ -27,109 +27,36 @@ reduce during backward (grad mode). A collective some rank never joins fails aft
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
-import math
 import os
 import random
 import socket
 import sys
 import time
 import warnings
-from types import TracebackType
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler
 
-from distkit import checkpoint, faults, ompi_leftovers, portable
+from distkit import checkpoint, faults, ompi_leftovers, report
 from distkit.netif import host_identity
 from distkit.backends import check_backend, strategy_class
-from distkit.backends.base import Strategy, float_state, persistent_buffers
+from distkit.backends.base import Strategy, float_state
 from distkit.components import check_device, pick_device
-from distkit.config import LaunchFlags, RunConfig, load_config, resolve, split_overrides
-from distkit.data import BatchPlan, PlanSampler, ShardedLoader
-from distkit.env import ClusterEnv, detect
-from distkit.errors import (
-    CheckpointError, CollectiveTimeout, ConfigError, DistkitError, NonFiniteLoss, UsageError,
+from distkit.config import RunConfig
+from distkit.config.arguments import (  # noqa: F401 (distkit.session's names before the move)
+    CONFIGS_DEST, OVERRIDES_DEST, Source, add_arguments, config_from,
 )
-from distkit.evaluation import param_checksum
-from distkit.launch import record_failure, record_stall, settle_if_peer
+from distkit.data import ShardedLoader, sharded_loader
+from distkit.env import ClusterEnv, detect
+from distkit.errors import CollectiveTimeout, ConfigError, UsageError
+from distkit.guards import LossWatch, guard_raw_clip, install_excepthook, name_missing_module
+from distkit.launch import record_stall
 from distkit.main_process import set_current_strategy
 from distkit.watchdog import explain_stall, lost_peer_error, start_watchdog
-
-Source = Union[argparse.Namespace, dict, RunConfig, str, Sequence[str], None]
-
-#: ``dest`` of the ``++key value`` pairs and ``--config`` files on a namespace from :func:`add_arguments`
-OVERRIDES_DEST, CONFIGS_DEST = "distkit_overrides", "distkit_configs"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add distkit's command-line flags to a user's ``parser`` (and return it).
-
-    ``--config FILE...`` (config files, later wins), ``++key value`` (any config key; parsed
-    by ``parse_args`` too), ``--nprocs N``, ``--deepspeed``, ``--deepspeed_config JSON``,
-    ``--local_rank/--local-rank N`` (DeepSpeed's launcher, torch.distributed.launch),
-    ``--distributed_backend gloo|nccl`` (SpeechBrain). A flag the parser already has (e.g.
-    from ``deepspeed.add_config_arguments`` or the LUMI script's own ``--local-rank``) is kept
-    as the user defined it and read from the namespace under its usual name.
-    """
-    group = parser.add_argument_group("distkit")
-
-    def add(*flags: str, **kwargs: Any) -> None:
-        if not any(f in parser._option_string_actions for f in flags):  # the user's own flag wins
-            group.add_argument(*flags, **kwargs)
-
-    add("--config", dest=CONFIGS_DEST, nargs="+", action="extend", default=[], metavar="FILE",
-        help="distkit config files (.py, .yaml, .json); ++key value overrides them")
-    add("--nprocs", type=int, default=None, metavar="N", help="start N local ranks (ignored under a launcher)")
-    add("--deepspeed", action="store_true", help="use the DeepSpeed engine")
-    add("--deepspeed_config", default=None, metavar="JSON", help="DeepSpeed config file (implies --deepspeed)")
-    add("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    add("--distributed_backend", choices=["gloo", "nccl"], default=None,
-        help="torch.distributed backend (SpeechBrain's flag)")
-    original = parser.parse_known_args
-
-    def parse_known_args(args: Optional[Sequence[str]] = None, namespace: Any = None) -> Any:
-        rest, pairs = split_overrides(list(sys.argv[1:] if args is None else args))
-        ns, extra = original(rest, namespace)
-        setattr(ns, OVERRIDES_DEST, getattr(ns, OVERRIDES_DEST, []) + pairs)
-        return ns, extra
-
-    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]  # ++key value next to argparse's own
-    return parser
-
-
-def _from_namespace(args: argparse.Namespace, keys: dict[str, Any]) -> tuple[RunConfig, Optional[int]]:
-    local_rank = getattr(args, "local_rank", None)
-    local_rank = None if local_rank is None or local_rank < 0 else int(local_rank)  # LUMI's default is -1
-    flags = LaunchFlags(local_rank=local_rank, distributed_backend=getattr(args, "distributed_backend", None),
-                        deepspeed=bool(getattr(args, "deepspeed", False)),
-                        deepspeed_config=getattr(args, "deepspeed_config", None), nprocs=getattr(args, "nprocs", None))
-    overrides = list(getattr(args, OVERRIDES_DEST, [])) + list(keys.items())
-    return load_config(list(getattr(args, CONFIGS_DEST, []) or []), overrides, flags), local_rank
-
-
-def config_from(source: Source, **keys: Any) -> tuple[RunConfig, Optional[int]]:
-    """One validated RunConfig from any accepted source (see :func:`init`), and a ``--local_rank`` if given."""
-    if isinstance(source, argparse.Namespace):
-        return _from_namespace(source, keys)
-    if isinstance(source, RunConfig):
-        if keys:
-            raise UsageError("distkit.init(RunConfig, **keys): put the keys into the RunConfig, or pass a dict")
-        return source, None
-    if isinstance(source, str):
-        return load_config([source], list(keys.items())), None
-    if isinstance(source, (list, tuple)):
-        return load_config([str(p) for p in source], list(keys.items())), None
-    if source is None or isinstance(source, dict):
-        return resolve({**(source or {}), **keys}), None
-    raise UsageError(f"distkit.init() takes an argparse.Namespace, a dict, a config file path or a RunConfig, "
-                     f"got {type(source).__name__}")
-
 
 def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -> "Session":
     """Join the job and return the :class:`Session` (collective: every rank calls it once).
@@ -145,7 +72,7 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
     Bad configuration raises :class:`~distkit.errors.ConfigError`; uncaught, any DistkitError
     prints one line ``distkit: error: ...`` and exits with its status (2 for bad input).
     """
-    _install_excepthook()
+    install_excepthook(lambda: Session.current)
     cfg, local_rank = config_from(source, **keys)
     check_backend(cfg)
     check_device(cfg)  # e.g. nccl without CUDA: one line now, not a traceback per rank later
@@ -174,98 +101,6 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
 
 #: set by the ``--nprocs`` relaunch for its ranks: the engine the launching process resolved
 LAUNCH_ENGINE_VAR = "DISTKIT_LAUNCH_ENGINE"
-_HOOKED = False
-
-
-def _install_excepthook() -> None:
-    """Uncaught DistkitErrors print one line (no traceback) and exit with their status; an uncaught
-    error of any kind first lets the engine stop the other ranks (MPI_Abort) so none waits forever."""
-    global _HOOKED
-    if _HOOKED:
-        return
-    _HOOKED = True
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
-        session = Session.current
-        exc = _explained(exc, session)
-        if session is not None:
-            record_failure(session.rank, exc)
-            settle_if_peer(exc, session.world_size)
-        if isinstance(exc, DistkitError) and exc.agreed and session is not None:
-            # every rank raised this same error at the same point (agreed by a collective): nobody waits for
-            # anybody, so no abort; one line for the job, from rank 0
-            if session.rank == 0:
-                print(f"distkit: error: {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(exc.exit_code)
-        if session is not None and session.world_size > 1:
-            with contextlib.suppress(BaseException):
-                try:
-                    raise exc
-                except BaseException:
-                    session.abort()  # prints "rank r failed: ..." and ends the job (MPI engines)
-            lost = lost_peer_error(exc)  # (found by abort: at once)
-            if lost is not None:
-                previous(kind, exc, tb)
-                exc = lost
-        if isinstance(exc, DistkitError):
-            named = session is None or session.world_size == 1 or f"rank {session.rank}" in str(exc)
-            where = "" if named else f" (rank {session.rank})"
-            # sys.__stderr__: torch.distributed's own excepthook calls this one with sys.stderr swapped for a buffer
-            print(f"distkit: error{where}: {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(exc.exit_code)
-        previous(kind, exc, tb)
-
-    sys.excepthook = hook
-
-
-def _explained(exc: BaseException, session: Optional["Session"]) -> BaseException:
-    """A known error of torch's whose text does not say what to do in a distkit script, as a UsageError that does."""
-    if (session is not None and "Default process group has not been initialized" in str(exc)
-            and not torch.distributed.is_initialized()):
-        return UsageError(f"torch.distributed is not initialised on the {session.backend} engine (it talks MPI), so "
-                          "torch.utils.data.DistributedSampler (or another torch.distributed call) cannot find the "
-                          "world size: pass the dataset to dk.dataloader (it shards on every engine), or give "
-                          "DistributedSampler num_replicas=dk.world_size, rank=dk.rank")
-    return exc
-
-
-class _NoModuleAttribute(UsageError, AttributeError):
-    """``model.module`` on an engine that returns the model unwrapped (an AttributeError, so ``hasattr`` is False)."""
-
-
-_NAMED_CLASSES: dict[type, type] = {}
-
-
-def _name_missing_module(model: nn.Module) -> None:
-    """Make ``model.module`` (DDP's wrapper attribute, which scripts reach for) fail with the fix in its text on
-    engines that return the model itself. The model's class is swapped for a subclass that only adds that
-    message; it pickles and deep-copies as the original class. (A ``module`` attribute pointing at the model
-    itself would make ``hasattr(model, "module")`` true, and unwrapping loops such as Hugging Face's
-    ``unwrap_model`` would never end.)"""
-    base = type(model)
-    if "module" in dir(model) or base in _NAMED_CLASSES.values():
-        return
-    if base not in _NAMED_CLASSES:
-        def __getattr__(self: nn.Module, name: str) -> Any:
-            if name == "module":
-                raise _NoModuleAttribute(f"'{base.__name__}' object has no attribute 'module': this engine returns "
-                                         "the model unwrapped; use dk.unwrap(model) for the bare model on every engine")
-            return base.__getattr__(self, name)
-
-        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
-            named = type(self)
-            self.__class__ = base
-            try:
-                return base.__reduce_ex__(self, protocol)
-            finally:
-                self.__class__ = named
-
-        _NAMED_CLASSES[base] = type(base.__name__, (base,), {"__getattr__": __getattr__, "__reduce_ex__": __reduce_ex__,
-                                                             "__module__": base.__module__, "__qualname__": base.__qualname__})
-    model.__class__ = _NAMED_CLASSES[base]
 
 
 class Session:
@@ -324,10 +159,7 @@ class Session:
         self.checkpoint_stalls_s: list[float] = []
         self._unscaled = False  # 16-mixed: this step's gradients were already unscaled (by clip_grad_norm)
         self._last_loss: Optional[torch.Tensor] = None
-        # CUDA only (see _check_loss): the first step whose loss was not finite (0: none yet) and that loss,
-        # kept on the device so that checking costs no host synchronisation per step
-        self._bad_step: Optional[torch.Tensor] = None
-        self._bad_loss: Optional[torch.Tensor] = None
+        self._loss_watch = LossWatch()  # NaN/inf losses (on CUDA recorded on the device: no synchronisation)
         self._micro = 0  # backward passes since the last step
         self._kept: list[nn.Module] = []  # keep_in_sync
         self._given_optimizer: Any = None  # the optimizer the user passed to setup (the engine may return another)
@@ -421,9 +253,9 @@ class Session:
         self._given_optimizer = given
         self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler)
         if not hasattr(self._model, "module"):
-            _name_missing_module(self._model)
+            name_missing_module(self._model)
         if not self._strategy.grads_in_params:
-            self._guard_raw_clip()
+            self._clip_restore = guard_raw_clip(self)
         if self._strategy.reduces_in_backward:  # DDP/DeepSpeed wait for the all-reduce inside backward
             for p in self.unwrap().parameters():
                 if p.requires_grad:
@@ -480,34 +312,6 @@ class Session:
             if averager is not None:
                 averager.extra.extend(t for _, t in float_state(m))
 
-    def _guard_raw_clip(self) -> None:
-        """Where ``param.grad`` does not hold the gradient the engine steps with (ZeRO's partitions), a kept
-        ``torch.nn.utils.clip_grad_norm_(model.parameters(), x)`` would see no gradient and never clip: it
-        raises UsageError naming the fix instead (for the set-up model's parameters only, while this
-        session is open). Restored by :meth:`close`."""
-        import torch.nn.utils as nn_utils
-        import torch.nn.utils.clip_grad as clip_module
-
-        original = clip_module.clip_grad_norm_
-        ids = {id(p) for p in self.unwrap().parameters()}
-        session = self
-
-        def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
-            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if Session.current is session and any(id(p) in ids for p in params):
-                raise UsageError(f"torch.nn.utils.clip_grad_norm_ on the model's parameters sees no gradients on "
-                                 f"{session._strategy.backend_impl()} (the engine keeps them partitioned) and would "
-                                 f"never clip: remove the call and set gradient_clip = {float(max_norm):g} (the engine "
-                                 "clips inside dk.step), or call dk.clip_grad_norm")
-            return original(params, max_norm, *args, **kwargs)
-
-        nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
-
-        def restore() -> None:
-            nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original  # type: ignore[assignment]
-
-        self._clip_restore = restore
-
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Context for forward passes (and the loss) at the configured ``precision``: ``torch.autocast`` to
         bfloat16 ("bf16-mixed") or float16 ("16-mixed"); a no-op for "32" and on DeepSpeed, whose engine
@@ -562,32 +366,7 @@ class Session:
         if not kwargs.pop("drop_last", True):
             raise UsageError("dk.dataloader(drop_last=False): distkit always drops the incomplete last global batch, "
                              "so that every rank takes the same number of steps; remove drop_last")
-        if isinstance(dataset, DataLoader):
-            loader = dataset
-            dataset = loader.dataset
-            if batch_size is None:
-                batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
-            shuffle = isinstance(loader.sampler, RandomSampler)
-            collate_fn = collate_fn or loader.collate_fn
-            num_workers, pin_memory = loader.num_workers, loader.pin_memory
-        batch_size = self.cfg.batch_size if batch_size is None else batch_size
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise UsageError(f"dk.dataloader: batch_size must be an integer >= 1, got {batch_size!r}")
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise UsageError("dk.dataloader needs a map-style dataset (with __len__ and __getitem__), got "
-                             f"{type(dataset).__name__}")
-        plan = BatchPlan(len(dataset), batch_size, self.rank, self.world_size, self.cfg.data_distribution,
-                         self.cfg.seed, shuffle=shuffle)
-        # Ranks may hold different data (per-rank datasets): the minimum never hangs.
-        steps = int(self.all_reduce(torch.tensor([plan.steps_per_epoch]), op="min").item())
-        if steps == 0:  # (the same on every rank: agreed by the all-reduce above)
-            error = UsageError(f"dk.dataloader: {len(dataset)} samples make no full global batch of "
-                               f"{batch_size} x {self.world_size} ranks: use a smaller batch_size")
-            error.agreed = True
-            raise error
-        return ShardedLoader(dataset, PlanSampler(plan, steps), self.device, collate_fn=collate_fn,
-                             num_workers=num_workers, pin_memory=pin_memory, on_batch=self._batch_handed_out,
-                             **kwargs)
+        return sharded_loader(self, dataset, batch_size, shuffle, collate_fn, num_workers, pin_memory, **kwargs)
 
     def _batch_handed_out(self, n: int, t_fetch: float) -> None:
         # Counted only when a backward uses it (see backward): batches of an evaluation loader are not training.
@@ -627,7 +406,7 @@ class Session:
         if self._t_batch is None:
             self._t_batch = t_fetch
         self._last_loss = loss.detach()
-        self._check_loss(self._last_loss)
+        self._loss_watch.check(self._last_loss, self.num_steps + 1, self.rank)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         self._t_grad_ready = None
@@ -639,37 +418,6 @@ class Session:
             # The engine waited for its all-reduce inside backward: from the last gradient computed to
             # the return is waiting on communication (DDP's reducer finalising its buckets).
             self._step_wait_s += max(0.0, time.perf_counter() - self._t_grad_ready)
-
-    def _check_loss(self, loss: torch.Tensor) -> None:
-        """NonFiniteLoss if ``loss`` (detached, scalar) is NaN or infinite: at once on the CPU; on other
-        devices only recorded, for :meth:`_raise_if_loss_was_bad` (see :meth:`backward`)."""
-        step = self.num_steps + 1
-        if loss.device.type == "cpu":
-            if not bool(torch.isfinite(loss)):
-                raise self._non_finite(float(loss), step)
-            return
-        if self._bad_step is None:
-            self._bad_step = torch.zeros((), dtype=torch.long, device=loss.device)
-            self._bad_loss = torch.zeros((), dtype=torch.float32, device=loss.device)
-        assert self._bad_loss is not None
-        # only the first bad step is kept: the later ones follow from it
-        first = ~torch.isfinite(loss) & (self._bad_step == 0)
-        self._bad_step = torch.where(first, torch.full_like(self._bad_step, step), self._bad_step)
-        self._bad_loss = torch.where(first, loss.float(), self._bad_loss)
-
-    def _raise_if_loss_was_bad(self) -> None:
-        """NonFiniteLoss for the first non-finite loss recorded on the device (CUDA), if any: reads two
-        scalars, a host synchronisation, so only called at log points, in finish and before a save."""
-        if self._bad_step is not None and self._bad_loss is not None:
-            step = int(self._bad_step)
-            if step:
-                raise self._non_finite(float(self._bad_loss), step)
-
-    def _non_finite(self, value: float, step: int) -> NonFiniteLoss:
-        what = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        return NonFiniteLoss(f"rank {self.rank}: the loss is {what} at step {step}: training stopped; no "
-                             "checkpoint of this step or later is written (lower the learning_rate, set gradient_clip, or check "
-                             "the data and the loss for nan/inf)")
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
         self._t_grad_ready = time.perf_counter()
@@ -721,7 +469,7 @@ class Session:
         self.comm_wait_s += self._step_wait_s
         self._step_wait_s = 0.0
         if self.num_steps % self.cfg.log_every == 0:
-            self._raise_if_loss_was_bad()  # CUDA: the device-side record of backward's check
+            self._loss_watch.raise_if_bad(self.rank)  # CUDA: the device-side record of backward's check
 
     def _unscale(self) -> None:
         """fp16: divide the reduced gradients by the loss scale, once per step, before clipping or stepping."""
@@ -735,7 +483,7 @@ class Session:
         the final sync (the average), in grad mode rank 0's persistent buffers (BatchNorm statistics,
         which each rank's last forward updated on its own data)."""
         self._require_setup("finish()")
-        self._raise_if_loss_was_bad()
+        self._loss_watch.raise_if_bad(self.rank)
         self._strategy.finish(self._model)  # type: ignore[arg-type]
 
     # -- collectives ----------------------------------------------------------------------------
@@ -773,16 +521,7 @@ class Session:
         with self._collective("dk.all_gather_object()"):
             return self._strategy.all_gather_object(obj)
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    def _engine_state(self) -> dict[str, Any]:
-        return self._strategy.state_dict(self._model, self._optimizer)  # type: ignore[arg-type]
-
-    def _internal_state(self) -> dict[str, Any]:
-        averager = self._strategy.averager
-        return {"averager": averager.state_dict() if averager is not None else None,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-                "progress": {"step": self.num_steps, "samples": self.num_samples}}
-
+    # -- checkpoints (the work is distkit.checkpoint.save and .load) ------------------------------
     def save(self, path: str, state: dict[str, Any]) -> str:
         """Collective: write ``state`` as checkpoint directory ``path``, atomically (see
         :func:`distkit.checkpoint.write`); returns its absolute path.
@@ -796,7 +535,7 @@ class Session:
         """
         t0 = time.perf_counter()
         try:
-            return self._start_save(path, state, background=False).commit()
+            return checkpoint.save_state(self, path, state, background=False).commit()
         finally:
             self.checkpoint_stalls_s.append(time.perf_counter() - t0)
 
@@ -808,7 +547,7 @@ class Session:
         path; until then it does not exist (a kill leaves the previous ones). Memory: one more copy of
         this rank's checkpoint state until the files are written."""
         t0 = time.perf_counter()
-        pending = self._start_save(path, state, background=True)
+        pending = checkpoint.save_state(self, path, state, background=True)
         self.checkpoint_stalls_s.append(time.perf_counter() - t0)
         index = len(self.checkpoint_stalls_s) - 1
 
@@ -818,73 +557,11 @@ class Session:
         pending.on_commit = count_commit
         return pending
 
-    def _start_save(self, path: str, state: dict[str, Any], background: bool) -> checkpoint.PendingCheckpoint:
-        if not isinstance(state, dict):
-            raise UsageError(f"dk.save(path, state): state must be a dict, got {type(state).__name__}")
-        self._raise_if_loss_was_bad()  # CUDA: never save the model of a run whose loss already diverged
-        # Grad mode: the replicas are equal, and the portable part holds them once, each tensor written
-        # by one rank; the rank files then carry no model or optimizer (no rank gathers a ZeRO-3 model,
-        # and the N copies are not written). Param mode: the replicas differ between syncs, each rank
-        # file keeps its own (the portable part has rank 0's only).
-        engine: dict[str, Any] = {}
-        if self._model is not None:
-            engine = (self._engine_state() if self.cfg.distributed.reduce_type == "param"
-                      else {"model": None, "optimizer": None})
-        out: dict[str, Any] = {}
-        for key, value in state.items():
-            if self._model is not None and value is self._model:
-                out[key] = engine["model"]
-            elif self._model is not None and value is self._optimizer:
-                out[key] = engine["optimizer"]
-            elif hasattr(value, "state_dict") and callable(value.state_dict):
-                out[key] = value.state_dict()
-            else:
-                out[key] = value
-        out["distkit"] = self._internal_state()
-        # in the manifest: a resume checks them before anything is restored
-        shapes = checkpoint.model_shapes(self.unwrap()) if self._model is not None else None
-        return checkpoint.start(self._strategy, path, out, self._model, step=self.num_steps, shapes=shapes,
-                                samples=self.num_samples, portable_part=self._portable_part(state, out),
-                                global_batch=self.global_batch, background=background, run_id=self.run_id)
-
     @property
+
     def global_batch(self) -> Optional[int]:
         """Training samples per optimizer step, all ranks together (None before the first step)."""
         return self.num_samples // self.num_steps if self.num_steps else None
-
-    def _portable_part(self, state: dict[str, Any], out: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Collective (ZeRO): this rank's share of the engine-neutral state (see :mod:`distkit.portable`)
-        and rank 0's ``meta``. In grad mode the tensors are dealt out to the ranks; in param mode the
-        ranks differ between syncs and rank 0's replica is written."""
-        model_key = next((k for k, v in state.items() if self._model is not None and v is self._model), None)
-        opt_key = next((k for k, v in state.items() if self._optimizer is not None and v is self._optimizer), None)
-        tensors: dict[str, torch.Tensor] = {}
-        groups: list[dict[str, Any]] = []
-        scalars: dict[str, dict[str, Any]] = {}
-        if model_key is not None:
-            sizes = {k: math.prod(v) for k, v in checkpoint.model_shapes(self.unwrap()).items()}
-            owner = (portable.deal(sizes, self.world_size) if self.cfg.distributed.reduce_type == "grad"
-                     else dict.fromkeys(sizes, 0))
-            sd, optim_state, groups = self._strategy.portable_state(
-                self._model, self._optimizer if opt_key else None,  # type: ignore[arg-type]
-                lambda name: owner.get(name, 0) == self.rank)
-            tensors, scalars = portable.flatten(sd, optim_state)
-            if self.world_size > 1:  # optimizer values that are not tensors live in rank 0's meta
-                for part in self._strategy.all_gather_object(scalars):
-                    scalars.update(part)
-        averager, averager_counters = self._strategy.averager, None
-        if averager is not None:  # param mode: the same on every rank; rank 0 writes it
-            averager_tensors, averager_counters = averager.portable_state(keep=self.rank == 0)  # collective under ZeRO
-            tensors.update({f"{portable.AVERAGER}/{k}": v for k, v in averager_tensors.items()})
-        meta = {"format": 1, "model_key": model_key, "optimizer_key": opt_key, "optim_groups": groups,
-                "optim_scalars": scalars, "engine": self._strategy.name, "world_size": self.world_size,
-                "reduce_type": self.cfg.distributed.reduce_type,
-                "progress": {"step": self.num_steps, "samples": self.num_samples, "global_batch": self.global_batch},
-                "averager": averager_counters, "entries": {k: v for k, v in out.items() if k not in (model_key, opt_key, "distkit")}}
-        hf = getattr(self.unwrap(), "config", None) if model_key is not None else None
-        if hf is not None and callable(getattr(hf, "to_dict", None)):  # a Hugging Face model: for `distkit export DIR/`
-            meta["hf_config"] = {**hf.to_dict(), "architectures": [type(self.unwrap()).__name__]}
-        return tensors, meta
 
     def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
         """Collective: restore ``state``'s objects in place from checkpoint ``path`` (the set-up model,
@@ -894,127 +571,7 @@ class Session:
         This rank's file is verified against the manifest (size, sha256) first; a checkpoint written by
         another number of ranks, or whose parameter shapes do not fit the set-up model, raises
         ConfigError naming both before anything is restored."""
-        if not isinstance(state, dict):
-            raise UsageError(f"dk.load(path, state): state must be a dict, got {type(state).__name__}")
-        if self._model is not None:
-            checkpoint.check_fits(path, self.world_size, lambda: checkpoint.model_shapes(self.unwrap()))
-        manifest = checkpoint.read_manifest(path)
-        if not self._same_layout(manifest):
-            return self._load_portable(path, manifest, state)
-        self.resumed_global_batch = manifest.get("global_batch")
-        saved = checkpoint.load(path, self.rank, self.world_size)
-        if "distkit" not in saved and "progress" in saved:  # written before the Session existed (0.1.0)
-            saved["distkit"] = {k: saved.pop(k) for k in ("averager", "rng", "progress")}
-        model_key = next((k for k, v in state.items() if v is self._model and v is not None), None)
-        opt_key = next((k for k, v in state.items() if v is self._optimizer and v is not None), None)
-        if model_key is not None:
-            self._strategy.load_engine_files(path, self._model)  # type: ignore[arg-type]
-            if saved.get(model_key) is None and not self._strategy.engine_files:
-                # grad mode: the rank files hold no replica; the portable part has it (exactly: fp32 as trained)
-                self._restore_portable(self._read_portable(path), opt_key)
-            else:
-                engine = {"model": saved.get(model_key), "optimizer": saved.get(opt_key) if opt_key else None}
-                self._strategy.load_state_dict(self._model, self._optimizer, engine)  # type: ignore[arg-type]
-        rest = {}
-        for key, value in saved.items():
-            if key in (model_key, opt_key, "distkit"):
-                continue
-            target = state.get(key)
-            if target is not None and hasattr(target, "load_state_dict") and callable(target.load_state_dict):
-                target.load_state_dict(value)
-            else:
-                rest[key] = value
-        internal = saved["distkit"]
-        if self._strategy.averager is not None and internal.get("averager") is not None:
-            self._strategy.averager.load_state_dict(internal["averager"])
-        torch.set_rng_state(internal["rng"]["torch"])
-        random.setstate(internal["rng"]["python"])
-        np.random.set_state(internal["rng"]["numpy"])
-        self.num_steps, self.num_samples = internal["progress"]["step"], internal["progress"]["samples"]
-        self._relink_given_optimizer()
-        return rest
-
-    def _relink_given_optimizer(self) -> None:
-        """After a load: where the engine returned its own optimizer object over the user's param groups
-        (Horovod), ``load_state_dict`` gave it new group dicts; a scheduler (or script) holding the user's
-        optimizer must keep setting the learning rate the engine steps with, so the user's object shares them."""
-        given, opt = self._given_optimizer, self._optimizer
-        if (isinstance(given, torch.optim.Optimizer) and isinstance(opt, torch.optim.Optimizer) and given is not opt
-                and given.param_groups is not opt.param_groups):
-            given.param_groups = opt.param_groups
-            given.state = opt.state
-
-    @staticmethod
-    def _read_portable(path: str) -> dict[str, Any]:
-        """The portable part of checkpoint ``path``, verified against the manifest first."""
-        problem = checkpoint.verify(path, under=portable.DIR)
-        if problem:
-            raise CheckpointError(f"checkpoint '{path}' is damaged: {problem}; resume from another checkpoint "
-                                  "(++resume auto falls back to the newest complete one)")
-        return portable.read(path)
-
-    def _restore_portable(self, entries: dict[str, Any], opt_key: Optional[str]) -> None:
-        """Collective (ZeRO): the set-up model, and the optimizer when ``opt_key`` names it and the
-        checkpoint holds one, from a checkpoint's portable ``entries``."""
-        meta = entries[portable.META]
-        with self._collective("loading the checkpoint's portable part"):
-            self._strategy.load_portable_state(
-                self._model, self._optimizer if opt_key and meta["optimizer_key"] else None,  # type: ignore[arg-type]
-                portable.model_state(entries), portable.optimizer_state(entries), meta["optim_groups"])
-
-    def _same_layout(self, manifest: dict[str, Any]) -> bool:
-        """Whether checkpoint ``manifest`` was written by this engine, mode, ZeRO stage and number of
-        ranks (then each rank's own file and the engine's files restore it exactly)."""
-        d = self.cfg.distributed
-        return (manifest["world_size"] == self.world_size and manifest.get("engine") in (None, self._strategy.name)
-                and manifest.get("reduce_type") in (None, d.reduce_type)
-                and manifest.get("zero_stage") == getattr(self._strategy, "zero_stage", None))
-
-    def _load_portable(self, path: str, manifest: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
-        """Restore ``state`` from the portable part of a checkpoint another engine, world size, mode or
-        ZeRO stage wrote (see :mod:`distkit.portable`); RNG states come from the rank of the same
-        number when the writer had one. Param mode's averager continues the writer's period (steps since
-        the last sync, the outer optimizer's anchor and momentum) when the writer was in param mode too,
-        else it starts a new period from the loaded weights."""
-        entries = self._read_portable(path)
-        meta = entries[portable.META]
-        model_key = next((k for k, v in state.items() if v is self._model and v is not None), None)
-        opt_key = next((k for k, v in state.items() if v is self._optimizer and v is not None), None)
-        if model_key is not None:
-            self._restore_portable(entries, opt_key)
-        rest = {}
-        for key, value in meta["entries"].items():
-            target = state.get(key)
-            if target is not None and hasattr(target, "load_state_dict") and callable(target.load_state_dict):
-                target.load_state_dict(value)
-            else:
-                rest[key] = value
-        averager = self._strategy.averager
-        if averager is not None and meta.get("averager") is not None:
-            with self._collective("loading the averager's state from the checkpoint's portable part"):
-                averager.load_portable_state(portable.averager_state(entries), meta["averager"])
-        elif averager is not None:
-            averager.restart()
-        if os.path.isfile(os.path.join(path, f"rank-{self.rank:05d}.pt")):  # (a converted checkpoint has none)
-            own = torch.load(os.path.join(path, f"rank-{self.rank:05d}.pt"), map_location="cpu", weights_only=False, mmap=True)
-            rng = (own.get("distkit") or own).get("rng")
-            if rng is not None:
-                torch.set_rng_state(rng["torch"])
-                random.setstate(rng["python"])
-                np.random.set_state(rng["numpy"])
-        progress = meta["progress"]
-        self.num_steps, self.num_samples = progress["step"], progress["samples"]
-        self.resumed_global_batch = progress.get("global_batch")
-        zs = manifest.get("zero_stage")
-        was = f"{manifest.get('engine', '?')}{f' ZeRO-{zs}' if zs is not None else ''}"
-        zs = getattr(self._strategy, "zero_stage", None)
-        now = f"{self._strategy.name}{f' ZeRO-{zs}' if zs is not None else ''}"
-        n, m = manifest["world_size"], self.world_size
-        self._relink_given_optimizer()
-        self.print(f"distkit: checkpoint {os.path.basename(path)} was written by {was} on {n} rank{'s' * (n != 1)} in "
-                   f"{manifest.get('reduce_type', '?')} mode; loaded its portable part into {now} on {m} rank{'s' * (m != 1)} "
-                   f"in {self.cfg.distributed.reduce_type} mode")
-        return rest
+        return checkpoint.load_state(self, path, state)
 
     # -- report -------------------------------------------------------------------------------------
     def summary(self, **extra: Any) -> dict[str, Any]:
@@ -1031,40 +588,7 @@ class Session:
         ``setup_time_s``: from :func:`init` to the end of setup (process group, engine, model wrap);
         ``total_time_s``: from :func:`init` to now. ``extra`` keys are added (the Trainer's eval results).
         """
-        self._require_setup("summary()")
-        s, d = self._strategy, self.cfg.distributed
-        wall = time.perf_counter() - self._t_start
-        loss = None
-        if self._last_loss is not None:
-            loss = float(self.all_reduce(self._last_loss.float().reshape(1).cpu().clone(), op="mean"))
-        params = list(s.full_named_parameters(self._model))  # type: ignore[arg-type]
-        checksum = param_checksum(params)
-        # In sync means the whole model state: parameters and persistent buffers (BatchNorm statistics).
-        buffers = [(f"buffer.{i}", b) for i, b in enumerate(persistent_buffers(self.unwrap()))]
-        # ... and every module registered with keep_in_sync (an EMA copy)
-        kept = [(f"kept.{i}.{n}", t) for i, m in enumerate(self._kept) for n, t in m.state_dict().items()
-                if torch.is_tensor(t)]
-        state = param_checksum(params + buffers + kept) if buffers or kept else checksum
-        with self._collective("the checksum exchange of dk.summary()"):
-            in_sync = all(c == state for c in s.all_gather_object(state))
-        out = {
-            "backend": d.backend, "backend_impl": s.backend_impl(), "reduce_type": d.reduce_type,
-            "param_sync_step": d.param_sync_step if d.reduce_type == "param" else None,
-            "world_size": self.world_size, **self.topology(), "launcher": self.env.launcher,
-            "zero_stage": getattr(s, "zero_stage", None),
-            "steps": self.num_steps, "samples": self.num_samples, "final_train_loss": loss,
-            "eval_loss": None, "eval_accuracy": None, "best_eval_loss": None, "best_eval_step": None,
-            "param_checksum": checksum, "ranks_in_sync": in_sync,
-            "wall_time_s": wall, "setup_time_s": self._setup_time_s,
-            "checkpoints": len(self.checkpoint_stalls_s), "checkpoint_stall_s": sum(self.checkpoint_stalls_s),
-            "checkpoint_stalls_s": [round(t, 6) for t in self.checkpoint_stalls_s],
-            "total_time_s": time.perf_counter() - self._t_created, "samples_per_s": self.num_samples / max(wall, 1e-9),
-            "compute_fraction": self.compute_time_s / max(wall, 1e-9), "comm_wait_s": self.comm_wait_s,
-            "comm_bytes": s.comm_bytes,
-            "stopped_early": False, "run_id": self.run_id,
-        }
-        out.update(extra)
-        return out
+        return report.summary(self, **extra)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def abort(self) -> None:
@@ -1107,18 +631,7 @@ class Session:
         self._model = self._optimizer = self._scheduler = None
         self._strategy.teardown()
         if together and self._watchdog is not None:
-            # The run is over, but the job is not until every rank has left: a rank stopped now would keep
-            # the launcher waiting forever once the others are gone. The lowest rank of each host sees its
-            # host's ranks out (issue 23).
-            self._watchdog.leave()
-            killed = self._watchdog.reap_local_peers(float(self.cfg.distributed.timeout_s))
-            if killed:
-                names = ", ".join(str(r) for r in killed)
-                print(f"distkit: rank{'s' * (len(killed) > 1)} {names} stopped responding while the job ended (after "
-                      f"the last collective); ended {'them' if len(killed) > 1 else 'it'}: the run's outputs are "
-                      "complete, the job exits non-zero", file=sys.__stderr__ or sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(1)
+            self._watchdog.see_local_peers_out(float(self.cfg.distributed.timeout_s))
 
     def __enter__(self) -> "Session":
         return self

@@ -163,6 +163,22 @@ class Watchdog:
             time.sleep(0.05)
         return killed
 
+    def see_local_peers_out(self, timeout_s: float) -> None:
+        """The end of a normal run, after the engine's teardown: the run is over, but the job is not until
+        every rank has left; a rank stopped now would keep the launcher waiting forever once the others are
+        gone. Marks this rank as leaving; the lowest rank of each host then waits for its host's ranks
+        (:meth:`reap_local_peers`) and, if it had to end any, says so in one line and exits with status 1
+        (the run's outputs are complete). Not collective."""
+        self.leave()
+        killed = self.reap_local_peers(timeout_s)
+        if killed:
+            names = ", ".join(str(r) for r in killed)
+            print(f"distkit: rank{'s' * (len(killed) > 1)} {names} stopped responding while the job ended (after "
+                  f"the last collective); ended {'them' if len(killed) > 1 else 'it'}: the run's outputs are "
+                  "complete, the job exits non-zero", file=sys.__stderr__ or sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+
     # -- the beater: store I/O ---------------------------------------------------------------
     def _beat_loop(self) -> None:
         keys = [_key(r) for r in range(self.world_size)]

@@ -272,6 +272,77 @@ def test_layers_import_downward_only() -> None:
     assert not {m for m in _distkit_imports(ROOT / "distkit" / "trainer.py") if m.startswith("distkit.backends")}
 
 
+def _import_graph() -> dict[str, set[str]]:
+    """distkit's modules and the distkit modules each imports at run time: at module level or inside a function
+    (a lazy import is a dependency too), not under ``if TYPE_CHECKING``. ``from distkit import x`` is an edge to
+    ``distkit.x``; the package root (which re-exports the API) is left out."""
+    paths = {}
+    for path in (ROOT / "distkit").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found: set[str] = set()
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for top in ast.walk(tree) if isinstance(top, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(top.test) for n in ast.walk(top)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module or ""
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+        deps = set()
+        for m in found:
+            while m and m not in paths:
+                m = m.rpartition(".")[0]
+            if m and m not in (name, "distkit"):
+                deps.add(m)
+        graph[name] = deps
+    graph.pop("distkit", None)
+    return graph
+
+
+def test_no_import_cycles() -> None:
+    """Issue 24: no module of distkit reaches itself through its imports (lazy ones included), so each can be
+    read, tested and replaced from the bottom up. On a cycle the assertion names its modules."""
+    graph = _import_graph()
+    assert len(graph) > 40 and "distkit.checkpoint.save" in graph["distkit.checkpoint"]  # the graph is real
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_session_s_rooms_do_not_import_it() -> None:
+    """Issue 24: the modules the Session delegates to (checkpoints, the report, the guards) and the engines
+    know it only as a type; the training loop (trainer) uses the public API only, never an engine."""
+    graph = _import_graph()
+    for name, deps in graph.items():
+        if name.startswith(("distkit.checkpoint", "distkit.backends")) or name in ("distkit.report", "distkit.guards",
+                                                                                "distkit.data", "distkit.watchdog"):
+            assert not deps & {"distkit.session", "distkit.trainer", "distkit.cli"}, (name, deps)
+    assert not {d for d in graph["distkit.trainer"] if d.startswith("distkit.backends")}
+
+
 # -- model state with buffers: finish() leaves every rank equal, ranks_in_sync checks buffers too ----
 BN_SCRIPT = '''
 import argparse, json, os, torch, distkit

@@ -16,27 +16,8 @@ from typing import Any, Optional
 from distkit.errors import ConfigError
 
 from .loader import read_text, unknown_key_error
-from .schema import ALL_KEYS, DISTRIBUTED_KEYS, DistributedConfig, RunConfig
+from .schema import ALL_KEYS, DISTRIBUTED_KEYS, HOROVOD_KEYS, TORCH_DISTRIBUTED_KEYS, DistributedConfig, RunConfig
 from .validate import _validate, choice  # noqa: F401  (choice: distkit.tasks imports it from here)
-
-#: RETURNN's ``torch_distributed`` keys -> canonical ``distributed`` keys.
-_TORCH_DISTRIBUTED_KEYS = {
-    "reduce_type": "reduce_type", "param_sync_step": "param_sync_step",
-    "param_sync_time_diff": "param_sync_time_diff", "options": "options",
-    "backend": "pg_backend", "timeout_sec": "timeout_s", "timeout_s": "timeout_s",
-    "sync_on_cpu": None,  # accepted (param mode); on CPU it changes nothing
-    "class": None,        # only the default DDP class is supported; checked below
-}
-
-
-#: RETURNN's Horovod keys -> canonical ``distributed`` keys (data_distribution is top level).
-_HOROVOD_KEYS = {
-    "horovod_reduce_type": "reduce_type", "horovod_param_sync_step": "param_sync_step",
-    "horovod_param_sync_time_diff": "param_sync_time_diff", "horovod_scale_lr": "scale_lr",
-    "horovod_dataset_distribution": "data_distribution", "horovod_avg_grad": "avg_grad",
-    "horovod_compression": "compression", "horovod_require": "require_horovod",
-}
-
 
 def _load_deepspeed_config(value: Any) -> dict[str, Any]:
     """A DeepSpeed config given as a dict or a JSON file path."""
@@ -164,7 +145,7 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None, cli_keys: fro
     if horovod_keys and "use_horovod" not in selectors and dist.backend != "horovod":
         raise ConfigError(f"'{horovod_keys[0]}' is set but Horovod is not selected: add use_horovod = True")
     for key in horovod_keys:
-        target = _HOROVOD_KEYS[key]
+        target = HOROVOD_KEYS[key]
         value = raw.pop(key)
         if target == "data_distribution":
             raw.setdefault("data_distribution", value)
@@ -240,9 +221,9 @@ def _fold_torch_distributed(td: Any, dist: DistributedConfig) -> None:
     if not isinstance(td, dict):
         raise ConfigError(f"torch_distributed must be a dict (e.g. {{}} or {{'reduce_type': 'param'}}), got {td!r}")
     for key, value in td.items():
-        if key not in _TORCH_DISTRIBUTED_KEYS:
-            raise unknown_key_error(key, _TORCH_DISTRIBUTED_KEYS, where="torch_distributed")
-        target = _TORCH_DISTRIBUTED_KEYS[key]
+        if key not in TORCH_DISTRIBUTED_KEYS:
+            raise unknown_key_error(key, TORCH_DISTRIBUTED_KEYS, where="torch_distributed")
+        target = TORCH_DISTRIBUTED_KEYS[key]
         if target is not None:
             setattr(dist, target, value)
     if td.get("class") is not None:

@@ -190,6 +190,25 @@ class RunConfig:
         return _jsonable({k: getattr(self, k) for k in TOP_LEVEL_KEYS})
 
 
+#: RETURNN's ``torch_distributed`` keys -> canonical ``distributed`` keys.
+TORCH_DISTRIBUTED_KEYS = {
+    "reduce_type": "reduce_type", "param_sync_step": "param_sync_step",
+    "param_sync_time_diff": "param_sync_time_diff", "options": "options",
+    "backend": "pg_backend", "timeout_sec": "timeout_s", "timeout_s": "timeout_s",
+    "sync_on_cpu": None,  # accepted (param mode); on CPU it changes nothing
+    "class": None,        # only the default DDP class is supported; checked below
+}
+
+
+#: RETURNN's Horovod keys -> canonical ``distributed`` keys (data_distribution is top level).
+HOROVOD_KEYS = {
+    "horovod_reduce_type": "reduce_type", "horovod_param_sync_step": "param_sync_step",
+    "horovod_param_sync_time_diff": "param_sync_time_diff", "horovod_scale_lr": "scale_lr",
+    "horovod_dataset_distribution": "data_distribution", "horovod_avg_grad": "avg_grad",
+    "horovod_compression": "compression", "horovod_require": "require_horovod",
+}
+
+
 def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _jsonable({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
@@ -283,11 +302,10 @@ def keys_markdown(pattern: str = "") -> str:
         if pattern in key:
             shown = default if not callable(default) else getattr(default, "__name__", default)
             lines.append(f"| `{cell(key)}` | `{cell(repr(shown))}` | {cell(meaning)} |")
-    from .resolve import _HOROVOD_KEYS, _TORCH_DISTRIBUTED_KEYS
 
     aliases = _alias_docs()
-    aliases["torch_distributed"] += "; its keys: " + ", ".join(f"`{k}`" for k in _TORCH_DISTRIBUTED_KEYS)
-    for name, target in _HOROVOD_KEYS.items():
+    aliases["torch_distributed"] += "; its keys: " + ", ".join(f"`{k}`" for k in TORCH_DISTRIBUTED_KEYS)
+    for name, target in HOROVOD_KEYS.items():
         where = target if target == "data_distribution" else f"distributed.{target}"
         aliases[name] = aliases.get(name) or f"RETURNN (Horovod): sets `{where}`"
     names = [a for a in ALIAS_KEYS if pattern in a]

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from . import Task
+from .base import Task
 
 if TYPE_CHECKING:
     from distkit.config import RunConfig

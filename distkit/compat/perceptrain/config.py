@@ -38,9 +38,10 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 def install_error_hook() -> None:
     """Uncaught DistkitErrors print one line ``distkit: error: ...`` and exit with their status,
     also for bad input found before ``distkit.init`` runs (the hook ``init`` installs)."""
-    from distkit.session import _install_excepthook
+    from distkit.guards import install_excepthook
+    from distkit.session import Session
 
-    _install_excepthook()
+    install_excepthook(lambda: Session.current)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...], fix: str) -> None:
@@ -87,7 +88,7 @@ class TrainConfig:
     dtype: Optional[torch.dtype] = None
     all_reduce_metrics: bool = False
     #: distkit: the engine and mode, e.g. {"backend": "mpi", "reduce_type": "param", "param_sync_step": 10}
-    #: (README "Config keys"); its keys override what ``backend`` selected.
+    #: (docs/config.md); its keys override what ``backend`` selected.
     distributed: Optional[dict] = None
 
     def __post_init__(self) -> None:

@@ -1,0 +1,173 @@
+"""The run's ``output_dir``: its lock (one run per directory), the atomic writes of its JSON files, and
+the checks made before any rank starts (:func:`preflight`)."""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from distkit.errors import ConfigError, OutputError
+
+from .manifest import check_fits, checkpoint_for
+from .paths import _is_no_space, _nearest_existing
+
+if TYPE_CHECKING:
+    from distkit.config import RunConfig
+
+
+def check_output_dir(output_dir: str) -> None:
+    """ConfigError unless ``output_dir`` (or, when it does not exist yet, its nearest existing parent)
+    and its ``checkpoints/`` accept a new file: a write probe, so root on a read-only mount is caught
+    too. Writes nothing that stays."""
+    target = os.path.abspath(output_dir)
+    d = _nearest_existing(target)
+    probe_dirs = [d]
+    if d == target and os.path.isdir(os.path.join(target, "checkpoints")):
+        probe_dirs.append(os.path.join(target, "checkpoints"))
+    for d in probe_dirs:
+        if not os.path.isdir(d):
+            raise ConfigError(f"output_dir '{output_dir}' cannot be created: '{d}' is a file; choose another "
+                              "output_dir")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".distkit-write-probe-", dir=d)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"output_dir '{output_dir}' is not writable ({e.strerror or e}: '{d}'): choose a "
+                              "writable output_dir or fix its permissions") from None
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` (its directory made if missing) atomically: into a hidden temporary
+    sibling, flushed to disk, then renamed over ``path``. A failure (a full disk) removes the temporary file
+    and leaves the earlier ``path`` as it was, instead of truncated to 0 bytes by an ``open(path, "w")``.
+    Raises :class:`OutputError` with one line naming the file and the fix."""
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.tmp")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())  # a full disk surfaces here at the latest, before the old file is replaced
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        what = "no space left on device" if _is_no_space(e) else (e.strerror or str(e))
+        before = "the previous one is intact" if os.path.isfile(path) else "it was not written"
+        raise OutputError(f"{what} writing '{path}' ({before}): free space or fix the permissions of "
+                          f"'{directory}', then continue with ++resume auto") from None
+
+
+#: the lock file of a run under ``output_dir``: flock-ed by the process that owns the run for its whole life
+LOCK_NAME = ".distkit.lock"
+#: set by the launching command (``--nprocs``) for the ranks it starts: the output_dir whose lock it holds
+LOCK_ENV = "DISTKIT_OUTPUT_DIR_LOCKED"
+#: output_dirs (absolute) whose lock this process holds, with the open descriptor that holds it
+_LOCKS: dict[str, int] = {}
+#: output_dirs this process created for its lock (removed again if nothing else was written in them)
+_CREATED: set[str] = set()
+
+
+def holds_lock(output_dir: str) -> bool:
+    """Whether this process holds the run's lock on ``output_dir`` (:func:`lock_output_dir`)."""
+    return os.path.abspath(output_dir) in _LOCKS
+
+
+def unlock_output_dir(output_dir: str) -> None:
+    """Release the lock this process holds on ``output_dir`` (if any): a ``Trainer.fit()`` in a process that
+    goes on (a notebook) lets the next run there start. The file stays: deleting it could let two runs lock
+    two different files of the same name."""
+    target = os.path.abspath(output_dir)
+    fd = _LOCKS.pop(target, None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor releases the flock
+    if target in _CREATED:
+        # A run that failed before writing anything (e.g. its engine did not start) leaves nothing behind:
+        # the directory it created holds only the lock file.
+        _CREATED.discard(target)
+        with contextlib.suppress(OSError):
+            if os.listdir(target) == [LOCK_NAME]:
+                os.remove(os.path.join(target, LOCK_NAME))
+                os.rmdir(target)
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """Take the run's lock on ``output_dir`` (created if missing): an exclusive ``flock`` on
+    ``output_dir/.distkit.lock``, held until this process ends (the kernel releases it when the process
+    dies, so a killed run never leaves a stale lock). Two runs on one output_dir would overwrite each
+    other's checkpoints, metrics and summary, and collide in the same temporary checkpoint directory.
+    Raises ConfigError (exit 2) naming the holder (pid, host, start time, which the holder writes into
+    the file) when another run holds it. A no-op when this process holds it already, or when the
+    launching command holds it for this rank (:data:`LOCK_ENV`): ranks of one job never refuse each other.
+    Assumes a filesystem whose ``flock`` is seen by every process that may start a run on it (local, or
+    a shared FS that supports it)."""
+    target = os.path.abspath(output_dir)
+    if target in _LOCKS or os.environ.get(LOCK_ENV) == target:
+        return
+    created = not os.path.isdir(target)
+    os.makedirs(target, exist_ok=True)
+    path = os.path.join(target, LOCK_NAME)
+    # not inheritable across exec (PEP 446): a spawned rank gets LOCK_ENV instead; a forked rank shares it
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        try:
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+        except OSError:
+            holder = ""
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise ConfigError(f"output_dir '{output_dir}' cannot be locked ({e.strerror or e}: '{path}'): choose an "
+                              "output_dir on a filesystem that supports flock") from None
+        raise ConfigError(f"output_dir '{output_dir}' is in use by another distkit run "
+                          f"({holder or 'its holder has not recorded itself yet'}): wait for it to end, stop it, or "
+                          "choose another output_dir") from None
+    # who holds it, for the message a second run prints (the lock itself is the flock, not this text)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    with contextlib.suppress(OSError):  # best effort (a full disk): the flock is held all the same
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(), 0)
+    _LOCKS[target] = fd
+    if created:
+        _CREATED.add(target)
+        atexit.register(unlock_output_dir, target)  # (an exit through os._exit leaves the lock file)
+
+
+def preflight(cfg: "RunConfig", world_size: int,
+              shapes: Optional[Callable[[], Optional[dict[str, list[int]]]]] = None,
+              lock: bool = False) -> Optional[str]:
+    """Before any rank starts or anything is written: a writable ``output_dir``, and for a resume a
+    verified checkpoint that fits ``world_size`` ranks and the model (``shapes()``). Returns the
+    checkpoint a resume will use (None: a fresh start). Raises ConfigError/CheckpointError (exit 2).
+    With ``lock`` (the process that owns the whole run: a single process, or the command that starts the
+    ranks) it also takes the run's lock (:func:`lock_output_dir`), held until this process ends."""
+    check_output_dir(cfg.output_dir)
+    held = holds_lock(cfg.output_dir)
+    # An existing output_dir is locked before its checkpoints are read: another run may be writing them,
+    # and "in use by another run" is then the one line to print. A new one is created only once every
+    # check passed, so bad input leaves no directory behind.
+    if lock and os.path.isdir(cfg.output_dir):
+        lock_output_dir(cfg.output_dir)
+    try:
+        path, _ = checkpoint_for(cfg)
+        if path is not None:
+            check_fits(path, world_size, shapes)
+    except BaseException:
+        if not held:  # refused: no run follows, the lock must not outlive this call (main() in a longer process)
+            unlock_output_dir(cfg.output_dir)
+        raise
+    if lock:
+        lock_output_dir(cfg.output_dir)
+    return path

@@ -1,0 +1,193 @@
+"""Guards around a user's script: what turns a silent difference or a traceback into one line naming the fix.
+
+* :func:`install_excepthook`: an uncaught DistkitError prints one line and exits with its status; any
+  uncaught error first lets the engine stop the other ranks.
+* :func:`name_missing_module`: ``model.module`` on an engine that returns the model unwrapped says so.
+* :func:`guard_raw_clip`: ``torch.nn.utils.clip_grad_norm_`` on a ZeRO model's parameters (which hold
+  no gradient there) raises instead of never clipping.
+* :class:`LossWatch`: a NaN or infinite loss stops training before its optimizer step.
+
+Each is installed by :class:`distkit.Session` (``init``, ``setup``, ``backward``); none imports it."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from distkit.errors import DistkitError, NonFiniteLoss, UsageError
+from distkit.launch import record_failure, settle_if_peer
+from distkit.watchdog import lost_peer_error
+
+if TYPE_CHECKING:
+    from distkit.session import Session
+
+_HOOKED = False
+
+
+def install_excepthook(current: Callable[[], Optional["Session"]]) -> None:
+    """Uncaught DistkitErrors print one line (no traceback) and exit with their status; an uncaught
+    error of any kind first lets the engine stop the other ranks (MPI_Abort) so none waits forever.
+    ``current()`` returns the open Session, if any (:attr:`distkit.Session.current`)."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    _HOOKED = True
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+        session = current()
+        exc = explained(exc, session)
+        if session is not None:
+            record_failure(session.rank, exc)
+            settle_if_peer(exc, session.world_size)
+        if isinstance(exc, DistkitError) and exc.agreed and session is not None:
+            # every rank raised this same error at the same point (agreed by a collective): nobody waits for
+            # anybody, so no abort; one line for the job, from rank 0
+            if session.rank == 0:
+                print(f"distkit: error: {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(exc.exit_code)
+        if session is not None and session.world_size > 1:
+            with contextlib.suppress(BaseException):
+                try:
+                    raise exc
+                except BaseException:
+                    session.abort()  # prints "rank r failed: ..." and ends the job (MPI engines)
+            lost = lost_peer_error(exc)  # (found by abort: at once)
+            if lost is not None:
+                previous(kind, exc, tb)
+                exc = lost
+        if isinstance(exc, DistkitError):
+            named = session is None or session.world_size == 1 or f"rank {session.rank}" in str(exc)
+            where = "" if named else f" (rank {session.rank})"
+            # sys.__stderr__: torch.distributed's own excepthook calls this one with sys.stderr swapped for a buffer
+            print(f"distkit: error{where}: {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(exc.exit_code)
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
+
+
+def explained(exc: BaseException, session: Optional["Session"]) -> BaseException:
+    """A known error of torch's whose text does not say what to do in a distkit script, as a UsageError that does."""
+    if (session is not None and "Default process group has not been initialized" in str(exc)
+            and not torch.distributed.is_initialized()):
+        return UsageError(f"torch.distributed is not initialised on the {session.backend} engine (it talks MPI), so "
+                          "torch.utils.data.DistributedSampler (or another torch.distributed call) cannot find the "
+                          "world size: pass the dataset to dk.dataloader (it shards on every engine), or give "
+                          "DistributedSampler num_replicas=dk.world_size, rank=dk.rank")
+    return exc
+
+
+class _NoModuleAttribute(UsageError, AttributeError):
+    """``model.module`` on an engine that returns the model unwrapped (an AttributeError, so ``hasattr`` is False)."""
+
+
+_NAMED_CLASSES: dict[type, type] = {}
+
+
+def name_missing_module(model: nn.Module) -> None:
+    """Make ``model.module`` (DDP's wrapper attribute, which scripts reach for) fail with the fix in its text on
+    engines that return the model itself. The model's class is swapped for a subclass that only adds that
+    message; it pickles and deep-copies as the original class. (A ``module`` attribute pointing at the model
+    itself would make ``hasattr(model, "module")`` true, and unwrapping loops such as Hugging Face's
+    ``unwrap_model`` would never end.)"""
+    base = type(model)
+    if "module" in dir(model) or base in _NAMED_CLASSES.values():
+        return
+    if base not in _NAMED_CLASSES:
+        def __getattr__(self: nn.Module, name: str) -> Any:
+            if name == "module":
+                raise _NoModuleAttribute(f"'{base.__name__}' object has no attribute 'module': this engine returns "
+                                         "the model unwrapped; use dk.unwrap(model) for the bare model on every engine")
+            return base.__getattr__(self, name)
+
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            named = type(self)
+            self.__class__ = base
+            try:
+                return base.__reduce_ex__(self, protocol)
+            finally:
+                self.__class__ = named
+
+        _NAMED_CLASSES[base] = type(base.__name__, (base,), {"__getattr__": __getattr__, "__reduce_ex__": __reduce_ex__,
+                                                             "__module__": base.__module__, "__qualname__": base.__qualname__})
+    model.__class__ = _NAMED_CLASSES[base]
+
+
+def guard_raw_clip(session: "Session") -> Callable[[], None]:
+    """Where ``param.grad`` does not hold the gradient the engine steps with (ZeRO's partitions), a kept
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), x)`` would see no gradient and never clip: it
+    raises UsageError naming the fix instead (for the set-up model's parameters only, while this
+    session is open). Returns the function that restores torch's own (:meth:`~distkit.Session.close` calls it)."""
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_module
+
+    original = clip_module.clip_grad_norm_
+    ids = {id(p) for p in session.unwrap().parameters()}
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if type(session).current is session and any(id(p) in ids for p in params):
+            raise UsageError(f"torch.nn.utils.clip_grad_norm_ on the model's parameters sees no gradients on "
+                             f"{session._strategy.backend_impl()} (the engine keeps them partitioned) and would "
+                             f"never clip: remove the call and set gradient_clip = {float(max_norm):g} (the engine "
+                             "clips inside dk.step), or call dk.clip_grad_norm")
+        return original(params, max_norm, *args, **kwargs)
+
+    nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+
+    def restore() -> None:
+        nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original  # type: ignore[assignment]
+
+    return restore
+
+
+class LossWatch:
+    """The non-finite loss check of :meth:`distkit.Session.backward` (see its docstring): at once on the CPU;
+    on other devices the first bad step and its loss are recorded on the device, without a host
+    synchronisation, and read by :meth:`raise_if_bad`."""
+
+    def __init__(self) -> None:
+        # CUDA only: the first step whose loss was not finite (0: none yet) and that loss, as device scalars
+        self._bad_step: Optional[torch.Tensor] = None
+        self._bad_loss: Optional[torch.Tensor] = None
+
+    def check(self, loss: torch.Tensor, step: int, rank: int) -> None:
+        """NonFiniteLoss if ``loss`` (detached, scalar) of step ``step`` is NaN or infinite: at once on the CPU;
+        on other devices only recorded, for :meth:`raise_if_bad`."""
+        if loss.device.type == "cpu":
+            if not bool(torch.isfinite(loss)):
+                raise non_finite(float(loss), step, rank)
+            return
+        if self._bad_step is None:
+            self._bad_step = torch.zeros((), dtype=torch.long, device=loss.device)
+            self._bad_loss = torch.zeros((), dtype=torch.float32, device=loss.device)
+        assert self._bad_loss is not None
+        # only the first bad step is kept: the later ones follow from it
+        first = ~torch.isfinite(loss) & (self._bad_step == 0)
+        self._bad_step = torch.where(first, torch.full_like(self._bad_step, step), self._bad_step)
+        self._bad_loss = torch.where(first, loss.float(), self._bad_loss)
+
+    def raise_if_bad(self, rank: int) -> None:
+        """NonFiniteLoss for the first non-finite loss recorded on the device (CUDA), if any: reads two
+        scalars, a host synchronisation, so only called at log points, in finish and before a save."""
+        if self._bad_step is not None and self._bad_loss is not None:
+            step = int(self._bad_step)
+            if step:
+                raise non_finite(float(self._bad_loss), step, rank)
+
+
+def non_finite(value: float, step: int, rank: int) -> NonFiniteLoss:
+    """The error for loss ``value`` (NaN or infinite) at ``step`` on ``rank``."""
+    what = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return NonFiniteLoss(f"rank {rank}: the loss is {what} at step {step}: training stopped; no "
+                         "checkpoint of this step or later is written (lower the learning_rate, set gradient_clip, or check "
+                         "the data and the loss for nan/inf)")
