@@ -227,5 +227,5 @@ def sharded_loader(session: "Session", dataset: Any, batch_size: Optional[int], 
         error.agreed = True
         raise error
     return ShardedLoader(dataset, PlanSampler(plan, steps), session.device, collate_fn=collate_fn,
-                         num_workers=num_workers, pin_memory=pin_memory, on_batch=session._batch_handed_out,
+                         num_workers=num_workers, pin_memory=pin_memory, on_batch=session._meter.batch_handed_out,
                          **kwargs)

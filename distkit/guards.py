@@ -6,6 +6,8 @@
 * :func:`guard_raw_clip`: ``torch.nn.utils.clip_grad_norm_`` on a ZeRO model's parameters (which hold
   no gradient there) raises instead of never clipping.
 * :class:`LossWatch`: a NaN or infinite loss stops training before its optimizer step.
+* :func:`setup_optimizer`, :func:`check_backward`, :func:`check_step`: the arguments of ``dk.setup`` and
+  ``dk.backward``, and the number of backward passes per step on an engine that takes a fixed number.
 
 Each is installed by :class:`distkit.Session` (``init``, ``setup``, ``backward``); none imports it."""
 from __future__ import annotations
@@ -25,6 +27,7 @@ from distkit.launch import record_failure, settle_if_peer
 from distkit.watchdog import lost_peer_error
 
 if TYPE_CHECKING:
+    from distkit.backends.base import Strategy
     from distkit.session import Session
 
 _HOOKED = False
@@ -191,3 +194,44 @@ def non_finite(value: float, step: int, rank: int) -> NonFiniteLoss:
     return NonFiniteLoss(f"rank {rank}: the loss is {what} at step {step}: training stopped; no "
                          "checkpoint of this step or later is written (lower the learning_rate, set gradient_clip, or check "
                          "the data and the loss for nan/inf)")
+
+
+def setup_optimizer(already: bool, model: Any, optimizer: Any, engine_defines_optimizer: bool) -> Any:
+    """The optimizer ``dk.setup(model, optimizer)`` hands the engine (a factory called here, unless the
+    engine's config defines the optimizer), or UsageError for arguments that cannot work (``already``: a
+    model was set up before)."""
+    if already:
+        raise UsageError("dk.setup() was already called: one model and optimizer per distkit session "
+                         "(wrap several modules in one nn.Module)")
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"dk.setup(model, ...) needs a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise UsageError(f"dk.setup(model, optimizer): optimizer must be a torch.optim.Optimizer, a "
+                             f"factory params -> Optimizer, or None; got {type(optimizer).__name__}")
+        optimizer = None if engine_defines_optimizer else optimizer(model.parameters())
+    if optimizer is None and not engine_defines_optimizer:
+        raise UsageError("dk.setup(model, None): no optimizer; pass one (only a DeepSpeed config with an "
+                         "'optimizer' block may leave it out)")
+    return optimizer
+
+
+def check_backward(loss: Any, micro: int, k: int, strategy: "Strategy") -> None:
+    """UsageError unless ``dk.backward(loss)`` can run: ``loss`` a scalar tensor, and, on an engine that takes
+    exactly ``k`` (accum_grad_multiple_step) passes per step, fewer than ``k`` passes (``micro``) so far."""
+    if strategy.fixed_accumulation and micro >= k:
+        raise UsageError(f"dk.backward: {micro + 1} backward passes before dk.step(), but the "
+                         f"{strategy.name} engine takes exactly accum_grad_multiple_step = {k} per step: set "
+                         "accum_grad_multiple_step to the passes per step (config, or dk.set_accumulation(n) "
+                         "before dk.setup)")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UsageError(f"dk.backward(loss) needs a scalar tensor, got {shape}: reduce it first, e.g. loss.mean()")
+
+
+def check_step(micro: int, k: int, strategy: "Strategy") -> None:
+    """UsageError for ``dk.step()`` after ``micro`` backward passes on an engine that takes exactly ``k``."""
+    if strategy.fixed_accumulation and 0 < micro < k:
+        raise UsageError(f"dk.step() after {micro} backward pass(es), but the {strategy.name} engine takes "
+                         f"exactly accum_grad_multiple_step = {k} per step: set accum_grad_multiple_step = "
+                         f"{micro} (config, or dk.set_accumulation({micro}) before dk.setup)")

@@ -31,32 +31,35 @@ import atexit
 import contextlib
 import os
 import random
-import socket
 import sys
 import time
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
 from distkit import checkpoint, faults, ompi_leftovers, report
-from distkit.netif import host_identity
 from distkit.backends import check_backend, strategy_class
-from distkit.backends.base import Strategy, float_state
-from distkit.components import check_device, pick_device
+from distkit.backends.base import float_state
+from distkit.components import check_device
 from distkit.config import RunConfig
 from distkit.config.arguments import (  # noqa: F401 (distkit.session's names before the move)
     CONFIGS_DEST, OVERRIDES_DEST, Source, add_arguments, config_from,
 )
 from distkit.data import ShardedLoader, sharded_loader
 from distkit.env import ClusterEnv, detect
-from distkit.errors import CollectiveTimeout, ConfigError, UsageError
-from distkit.guards import LossWatch, guard_raw_clip, install_excepthook, name_missing_module
+from distkit.errors import ConfigError, UsageError
+from distkit.guards import (
+    LossWatch, check_backward, check_step, guard_raw_clip, install_excepthook, name_missing_module, setup_optimizer,
+)
+from distkit.job import Job
 from distkit.launch import record_stall
 from distkit.main_process import set_current_strategy
-from distkit.watchdog import explain_stall, lost_peer_error, start_watchdog
+from distkit.meter import StepMeter
+from distkit.watchdog import explain_stall, lost_peer_error
+
 
 def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -> "Session":
     """Join the job and return the :class:`Session` (collective: every rank calls it once).
@@ -103,11 +106,11 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
 LAUNCH_ENGINE_VAR = "DISTKIT_LAUNCH_ENGINE"
 
 
-class Session:
+class Session(Job):
     """This rank's view of the job: topology, the wrapped model/optimizer, the loop's counters.
 
-    Made by :func:`distkit.init`. Read-only topology: ``rank``, ``world_size``, ``local_rank``,
-    ``device``, ``is_main``. ``num_steps`` (optimizer steps taken) and ``num_samples`` (global
+    Made by :func:`distkit.init`. Read-only topology (from :class:`~distkit.job.Job`): ``rank``,
+    ``world_size``, ``local_rank``, ``device``, ``is_main``, ``hosts``; and the collectives. ``num_steps`` (optimizer steps taken) and ``num_samples`` (global
     training samples, all ranks) count what :meth:`step` saw and are restored by :meth:`load`.
     """
 
@@ -115,16 +118,7 @@ class Session:
     current: Optional["Session"] = None
 
     def __init__(self, cfg: RunConfig, env: ClusterEnv) -> None:
-        self.cfg, self.env = cfg, env
-        device = pick_device(cfg.device, env.local_rank)
-        self._strategy: Strategy = strategy_class(cfg.distributed.backend)(cfg, env, device)
-        self._strategy.init()
-        self._watchdog = start_watchdog(self._strategy, cfg.distributed.timeout_s)  # names a stalled rank
-        # every rank's (host name, host identity), in rank order: one object all-gather at start-up; the
-        # identity tells apart hosts that share a name (containers, network namespaces)
-        me = (socket.gethostname(), host_identity())
-        self._rank_hosts: list[tuple[str, str]] = (self._strategy.all_gather_object(me) if env.is_distributed
-                                                   else [me])
+        super().__init__(cfg, env)
         Session.current = self
         set_current_strategy(self._strategy)
         atexit.register(self.close)
@@ -144,15 +138,7 @@ class Session:
         #: the run this session's checkpoints belong to (``distkit train`` sets it: recorded in each manifest,
         #: ``config.resolved.json`` and ``summary.json``); None in the own-loop API unless the script sets it
         self.run_id: Optional[str] = None
-        self._pending_samples = 0  # local samples of this step's micro-batches (those a backward used)
-        self._last_batch: Optional[tuple[int, float]] = None  # (samples, fetch start) of the newest batch
-        self._t_batch: Optional[float] = None  # when fetching this step's first micro-batch began
-        self.compute_time_s = 0.0
-        #: seconds this rank was blocked on the training collectives (gradient all-reduce, averaging):
-        #: excluded from compute_time_s
-        self.comm_wait_s = 0.0
-        self._step_wait_s = 0.0  # of the step in progress
-        self._t_grad_ready: Optional[float] = None  # when the newest gradient was accumulated
+        self._meter = StepMeter()  # samples, compute time, time blocked on the training collectives
         self._t_created = self._t_start = time.perf_counter()
         self._setup_time_s = 0.0  # init to the end of setup (summary's setup_time_s)
         #: per checkpoint, in order: seconds this process was blocked in save (or save_async + commit)
@@ -169,60 +155,21 @@ class Session:
         if cfg.precision == "16-mixed" and not self._strategy.handles_precision:
             self._scaler = torch.amp.GradScaler(self.device.type)
 
-    # -- topology -----------------------------------------------------------------------
     @property
-    def hosts(self) -> list[str]:
-        """The job's hosts' names, one per host in the order of their lowest rank (node rank order);
-        hosts that share a name appear once each."""
-        return [name for name, _ in dict.fromkeys(self._rank_hosts)]
+    def compute_time_s(self) -> float:
+        """Seconds this rank spent computing training steps, less the waits below (:mod:`distkit.meter`)."""
+        return self._meter.compute_time_s
 
     @property
-    def node_ranks(self) -> list[int]:
-        """Each rank's node rank (index into :attr:`hosts`), in rank order."""
-        nodes = list(dict.fromkeys(self._rank_hosts))
-        return [nodes.index(h) for h in self._rank_hosts]
-
-    def topology(self) -> dict[str, Any]:
-        """``hosts``, ``num_nodes`` and ``node_ranks`` (per rank), as summary.json and
-        config.resolved.json record them (from the host names the ranks reported, not the launcher's)."""
-        return {"hosts": self.hosts, "num_nodes": len(self.hosts), "node_ranks": self.node_ranks}
-
-    @property
-    def rank(self) -> int:
-        return self._strategy.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._strategy.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self._strategy.local_rank
-
-    @property
-    def device(self) -> torch.device:
-        return self._strategy.device
-
-    @property
-    def is_main(self) -> bool:
-        return self._strategy.is_main
-
-    @property
-    def backend(self) -> str:
-        """The engine's name: ddp, deepspeed, horovod or mpi."""
-        return self._strategy.name
+    def comm_wait_s(self) -> float:
+        """Seconds this rank was blocked on the training collectives (gradient all-reduce, averaging)."""
+        return self._meter.comm_wait_s
 
     @property
     def forward_is_collective(self) -> bool:
         """True where a forward pass communicates (ZeRO-3 gathers parameters in it): an evaluation
         loop must then run the same number of forward passes on every rank."""
         return self._model is not None and self._strategy.forward_is_collective(self._model)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only (always flushed; a ``flush`` argument is accepted and ignored)."""
-        kwargs.pop("flush", None)
-        if self.is_main:
-            print(*args, **kwargs, flush=True)
 
     # -- setup ----------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None) -> Any:
@@ -236,19 +183,7 @@ class Session:
         Returns ``(model, optimizer)``, or ``(model, optimizer, lr_scheduler)`` when one was given;
         use the returned objects from here on. One model per session.
         """
-        if self._model is not None:
-            raise UsageError("dk.setup() was already called: one model and optimizer per distkit session "
-                             "(wrap several modules in one nn.Module)")
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"dk.setup(model, ...) needs a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            if not callable(optimizer):
-                raise UsageError(f"dk.setup(model, optimizer): optimizer must be a torch.optim.Optimizer, a "
-                                 f"factory params -> Optimizer, or None; got {type(optimizer).__name__}")
-            optimizer = None if self._strategy.engine_defines_optimizer() else optimizer(model.parameters())
-        if optimizer is None and not self._strategy.engine_defines_optimizer():
-            raise UsageError("dk.setup(model, None): no optimizer; pass one (only a DeepSpeed config with an "
-                             "'optimizer' block may leave it out)")
+        optimizer = setup_optimizer(self._model is not None, model, optimizer, self._strategy.engine_defines_optimizer())
         given = optimizer
         self._given_optimizer = given
         self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler)
@@ -259,7 +194,7 @@ class Session:
         if self._strategy.reduces_in_backward:  # DDP/DeepSpeed wait for the all-reduce inside backward
             for p in self.unwrap().parameters():
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._gradient_ready)
+                    p.register_post_accumulate_grad_hook(self._meter.gradient_ready)
         self._scheduler = getattr(self._strategy, "lr_scheduler", None)
         if self._scheduler is None and callable(lr_scheduler):  # a factory: over the optimizer the engine returned
             self._scheduler = lr_scheduler(self._optimizer)
@@ -368,10 +303,6 @@ class Session:
                              "so that every rank takes the same number of steps; remove drop_last")
         return sharded_loader(self, dataset, batch_size, shuffle, collate_fn, num_workers, pin_memory, **kwargs)
 
-    def _batch_handed_out(self, n: int, t_fetch: float) -> None:
-        # Counted only when a backward uses it (see backward): batches of an evaluation loader are not training.
-        self._last_batch = (n, t_fetch)
-
     # -- per step ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` the engine's way (DeepSpeed: ``engine.backward``). In grad mode the
@@ -391,36 +322,16 @@ class Session:
         error may come up to ``log_every`` steps after the step it names, but no checkpoint is written
         after it."""
         self._require_setup("backward()")
-        k = self.cfg.accum_grad_multiple_step
-        if self._strategy.fixed_accumulation and self._micro >= k:
-            raise UsageError(f"dk.backward: {self._micro + 1} backward passes before dk.step(), but the "
-                             f"{self.backend} engine takes exactly accum_grad_multiple_step = {k} per step: set "
-                             "accum_grad_multiple_step to the passes per step (config, or dk.set_accumulation(n) "
-                             "before dk.setup)")
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise UsageError(f"dk.backward(loss) needs a scalar tensor, got {shape}: reduce it first, e.g. loss.mean()")
-        n, t_fetch = self._last_batch if self._last_batch is not None else (0, time.perf_counter())
-        self._last_batch = None
-        self._pending_samples += n
-        if self._t_batch is None:
-            self._t_batch = t_fetch
+        check_backward(loss, self._micro, self.cfg.accum_grad_multiple_step, self._strategy)
+        self._meter.backward_begins()
         self._last_loss = loss.detach()
         self._loss_watch.check(self._last_loss, self.num_steps + 1, self.rank)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
-        self._t_grad_ready = None
         waited = self._strategy.blocked_s
         self._strategy.backward(loss, self._model)  # type: ignore[arg-type]
         self._micro += 1
-        self._step_wait_s += self._strategy.blocked_s - waited  # engines that wait for their reduction in backward
-        if self._t_grad_ready is not None:
-            # The engine waited for its all-reduce inside backward: from the last gradient computed to
-            # the return is waiting on communication (DDP's reducer finalising its buckets).
-            self._step_wait_s += max(0.0, time.perf_counter() - self._t_grad_ready)
-
-    def _gradient_ready(self, _param: torch.Tensor) -> None:
-        self._t_grad_ready = time.perf_counter()
+        self._meter.backward_ended(self._strategy.blocked_s - waited)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """Context for gradient-accumulation micro-steps: backward inside it does not communicate;
@@ -440,11 +351,7 @@ class Session:
         scheduler, and in param mode the parameter averaging when due."""
         self._require_setup("step()")
         s, model = self._strategy, self._model
-        k = self.cfg.accum_grad_multiple_step
-        if s.fixed_accumulation and 0 < self._micro < k:
-            raise UsageError(f"dk.step() after {self._micro} backward pass(es), but the {self.backend} engine takes "
-                             f"exactly accum_grad_multiple_step = {k} per step: set accum_grad_multiple_step = "
-                             f"{self._micro} (config, or dk.set_accumulation({self._micro}) before dk.setup)")
+        check_step(self._micro, self.cfg.accum_grad_multiple_step, s)
         self._micro = 0
         waited = s.blocked_s
         if self.cfg.gradient_clip is not None:
@@ -460,14 +367,7 @@ class Session:
         if self._scheduler is not None and not s.steps_scheduler:
             self._scheduler.step()
         self.num_steps += 1
-        self.num_samples += self._pending_samples * self.world_size
-        self._pending_samples = 0
-        self._step_wait_s += s.blocked_s - waited
-        if self._t_batch is not None:
-            self.compute_time_s += time.perf_counter() - self._t_batch - self._step_wait_s
-            self._t_batch = None
-        self.comm_wait_s += self._step_wait_s
-        self._step_wait_s = 0.0
+        self.num_samples += self._meter.step_ended(s.blocked_s - waited) * self.world_size
         if self.num_steps % self.cfg.log_every == 0:
             self._loss_watch.raise_if_bad(self.rank)  # CUDA: the device-side record of backward's check
 
@@ -485,41 +385,6 @@ class Session:
         self._require_setup("finish()")
         self._loss_watch.raise_if_bad(self.rank)
         self._strategy.finish(self._model)  # type: ignore[arg-type]
-
-    # -- collectives ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _collective(self, what: str) -> Iterator[None]:
-        """Name the collective in a timeout (gloo reports only "timed out")."""
-        try:
-            yield
-        except RuntimeError as e:
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise CollectiveTimeout(
-                    f"{what} timed out after distributed.timeout_s = {self.cfg.distributed.timeout_s:g} s: a rank "
-                    "did not call it (every rank must call collectives in the same order) or hung or died") from e
-            raise
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Collective: ``tensor`` reduced over ranks in place (and returned); op is mean|sum|max|min."""
-        if op not in ("mean", "sum", "max", "min"):
-            raise UsageError(f"dk.all_reduce: op must be mean, sum, max or min, got {op!r}")
-        with self._collective(f"dk.all_reduce(op={op!r})"):
-            return self._strategy.all_reduce(tensor, op=op)
-
-    def barrier(self) -> None:
-        """Collective: returns when every rank has called it."""
-        with self._collective("dk.barrier()"):
-            self._strategy.barrier()
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Collective: ``src``'s picklable ``obj`` on every rank."""
-        with self._collective("dk.broadcast_object()"):
-            return self._strategy.broadcast_object(obj, src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Collective: every rank's picklable ``obj``, in rank order."""
-        with self._collective("dk.all_gather_object()"):
-            return self._strategy.all_gather_object(obj)
 
     # -- checkpoints (the work is distkit.checkpoint.save and .load) ------------------------------
     def save(self, path: str, state: dict[str, Any]) -> str:

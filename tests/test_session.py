@@ -337,8 +337,8 @@ def test_the_session_s_rooms_do_not_import_it() -> None:
     know it only as a type; the training loop (trainer) uses the public API only, never an engine."""
     graph = _import_graph()
     for name, deps in graph.items():
-        if name.startswith(("distkit.checkpoint", "distkit.backends")) or name in ("distkit.report", "distkit.guards",
-                                                                                "distkit.data", "distkit.watchdog"):
+        if name.startswith(("distkit.checkpoint", "distkit.backends")) or name in (
+                "distkit.report", "distkit.guards", "distkit.data", "distkit.meter", "distkit.job", "distkit.watchdog"):
             assert not deps & {"distkit.session", "distkit.trainer", "distkit.cli"}, (name, deps)
     assert not {d for d in graph["distkit.trainer"] if d.startswith("distkit.backends")}
 

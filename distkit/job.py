@@ -1,0 +1,120 @@
+"""This rank's place in the job: the engine it joined, the job's topology and the collectives a script may
+call. :class:`distkit.Session` is a Job that also trains a model (setup, backward, step, checkpoints);
+the Job part knows nothing of models, so it holds what is true of every rank from start-up on."""
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import Any, Iterator
+
+import torch
+
+from distkit.backends import strategy_class
+from distkit.backends.base import Strategy
+from distkit.components import pick_device
+from distkit.config import RunConfig
+from distkit.env import ClusterEnv
+from distkit.errors import CollectiveTimeout, UsageError
+from distkit.netif import host_identity
+from distkit.watchdog import start_watchdog
+
+
+class Job:
+    """The engine this rank joined (collective to make: every rank at once), who is where, and the
+    collectives. Made through :class:`distkit.Session` (``distkit.init``)."""
+
+    def __init__(self, cfg: RunConfig, env: ClusterEnv) -> None:
+        self.cfg, self.env = cfg, env
+        device = pick_device(cfg.device, env.local_rank)
+        self._strategy: Strategy = strategy_class(cfg.distributed.backend)(cfg, env, device)
+        self._strategy.init()
+        self._watchdog = start_watchdog(self._strategy, cfg.distributed.timeout_s)  # names a stalled rank
+        # every rank's (host name, host identity), in rank order: one object all-gather at start-up; the
+        # identity tells apart hosts that share a name (containers, network namespaces)
+        me = (socket.gethostname(), host_identity())
+        self._rank_hosts: list[tuple[str, str]] = (self._strategy.all_gather_object(me) if env.is_distributed
+                                                   else [me])
+
+    # -- topology -----------------------------------------------------------------------
+    @property
+    def hosts(self) -> list[str]:
+        """The job's hosts' names, one per host in the order of their lowest rank (node rank order);
+        hosts that share a name appear once each."""
+        return [name for name, _ in dict.fromkeys(self._rank_hosts)]
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """Each rank's node rank (index into :attr:`hosts`), in rank order."""
+        nodes = list(dict.fromkeys(self._rank_hosts))
+        return [nodes.index(h) for h in self._rank_hosts]
+
+    def topology(self) -> dict[str, Any]:
+        """``hosts``, ``num_nodes`` and ``node_ranks`` (per rank), as summary.json and
+        config.resolved.json record them (from the host names the ranks reported, not the launcher's)."""
+        return {"hosts": self.hosts, "num_nodes": len(self.hosts), "node_ranks": self.node_ranks}
+
+    @property
+    def rank(self) -> int:
+        return self._strategy.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._strategy.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._strategy.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self._strategy.device
+
+    @property
+    def is_main(self) -> bool:
+        return self._strategy.is_main
+
+    @property
+    def backend(self) -> str:
+        """The engine's name: ddp, deepspeed, horovod or mpi."""
+        return self._strategy.name
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (always flushed; a ``flush`` argument is accepted and ignored)."""
+        kwargs.pop("flush", None)
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    # -- collectives ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Name the collective in a timeout (gloo reports only "timed out")."""
+        try:
+            yield
+        except RuntimeError as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise CollectiveTimeout(
+                    f"{what} timed out after distributed.timeout_s = {self.cfg.distributed.timeout_s:g} s: a rank "
+                    "did not call it (every rank must call collectives in the same order) or hung or died") from e
+            raise
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Collective: ``tensor`` reduced over ranks in place (and returned); op is mean|sum|max|min."""
+        if op not in ("mean", "sum", "max", "min"):
+            raise UsageError(f"dk.all_reduce: op must be mean, sum, max or min, got {op!r}")
+        with self._collective(f"dk.all_reduce(op={op!r})"):
+            return self._strategy.all_reduce(tensor, op=op)
+
+    def barrier(self) -> None:
+        """Collective: returns when every rank has called it."""
+        with self._collective("dk.barrier()"):
+            self._strategy.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective: ``src``'s picklable ``obj`` on every rank."""
+        with self._collective("dk.broadcast_object()"):
+            return self._strategy.broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Collective: every rank's picklable ``obj``, in rank order."""
+        with self._collective("dk.all_gather_object()"):
+            return self._strategy.all_gather_object(obj)
