@@ -13,7 +13,7 @@ import traceback
 from typing import Any, NoReturn, Optional
 
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
-from distkit.errors import CollectiveTimeout, ConfigError, DistkitError
+from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, Preempted
 from distkit.launch import record_failure, settle_if_peer
 from distkit.watchdog import lost_peer_error
 
@@ -202,7 +202,8 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
         try:
             launched_only = True
             return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs,
-                             strategy_class(cfg.distributed.backend).local_launcher, target=lambda: _as_rank(argv))
+                             strategy_class(cfg.distributed.backend).local_launcher, target=lambda: _as_rank(argv),
+                             preemptible=cfg.preemption)
         finally:
             os.environ.pop(TRUSTED_ENV, None)
             os.environ.pop(LOCK_ENV, None)
@@ -216,7 +217,8 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
         record_failure(env.rank, e)
         if e.agreed:  # every rank stops with this same error: one line, from rank 0
             if env.rank == 0:
-                print(f"distkit: error: {e}", file=sys.stderr, flush=True)
+                # a preemption is no error: the run stopped as asked, its checkpoint written
+                print(f"distkit: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr, flush=True)
             return e.exit_code
         print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         settle_if_peer(e, env.world_size)

@@ -87,3 +87,12 @@ class OutputError(DistkitError):
 class UnusedParameters(UsageError):
     """A parameter that requires grad got no gradient in a step where the engine cannot leave it alone as
     DDP does (without ``find_unused_parameters``; on DeepSpeed always). The text names the parameters."""
+
+
+class Preempted(DistkitError):
+    """The run was asked to stop (SIGTERM or SIGUSR1: a scheduler's preemption or time limit) and stopped
+    after an agreed step with a checkpoint of it (see :mod:`distkit.preemption`). Exit status 75
+    (``EX_TEMPFAIL``: try again), on which ``distkit sbatch --requeue``'s script requeues the job; the text
+    names the step, the checkpoint and how to continue."""
+
+    exit_code = 75

@@ -31,6 +31,9 @@ from distkit import ompi_leftovers
 
 #: seconds between SIGTERM and SIGKILL when stopping the surviving ranks
 GRACE_S = 5.0
+#: seconds the spawner waits for the ranks to stop after it passed a preemption signal on to them
+#: (schedulers kill a job some seconds after that signal: SLURM's KillWait is 30 s by default)
+PREEMPT_WAIT_S = 120.0
 #: seconds the spawner waits after the first failed rank for the others' failure records (see _culprit)
 SETTLE_S = 1.0
 #: where a spawned rank records why it failed (set by :func:`spawn`)
@@ -244,19 +247,26 @@ def check_nprocs(nprocs: int) -> None:
                           "device or core, and a launcher (torchrun, mpirun, srun) to run more ranks on several hosts")
 
 
-def run_local(cmd: list[str], nprocs: int, launcher: str, target: Optional[Callable[[], int]] = None) -> int:
+def run_local(cmd: list[str], nprocs: int, launcher: str, target: Optional[Callable[[], int]] = None,
+              preemptible: bool = False) -> int:
     """Run ``cmd`` as ``nprocs`` local ranks with ``launcher`` ("spawn" or "mpirun"); returns the exit status.
-    ``target``: what ``cmd`` runs, callable in this process (see :func:`spawn`). ConfigError for a number
-    of ranks this machine cannot start (:func:`check_nprocs`)."""
+    ``target``: what ``cmd`` runs, callable in this process (see :func:`spawn`). ``preemptible``: the ranks
+    stop with a checkpoint on SIGTERM/SIGUSR1 (:mod:`distkit.preemption`): pass those on and wait. ConfigError
+    for a number of ranks this machine cannot start (:func:`check_nprocs`)."""
     check_nprocs(nprocs)
-    return mpirun(cmd, nprocs) if launcher == "mpirun" else spawn(cmd, nprocs, target)
+    return mpirun(cmd, nprocs, preemptible) if launcher == "mpirun" else spawn(cmd, nprocs, target, preemptible)
 
 
-def mpirun(cmd: list[str], nprocs: int) -> int:
+def mpirun(cmd: list[str], nprocs: int, preemptible: bool = False) -> int:
     """``mpirun -np N --bind-to none CMD``: Open MPI starts the ranks and ends the job when one fails.
 
     ``--bind-to none``: Open MPI would pin every rank to one core of its own, or all to core 0 when
     it miscounts; the ranks here share the machine's cores like torchrun's.
+
+    Signals are passed on to mpirun, which passes them to the ranks. With ``preemptible`` (the ranks
+    stop with a checkpoint, :mod:`distkit.preemption`) the first SIGTERM goes on as SIGUSR1: mpirun
+    forwards SIGUSR1 and waits for the ranks, where on SIGTERM it also ends the job itself a moment
+    later (measured: the ranks' last line lost, its own exit status).
     """
     exe = shutil.which("mpirun", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     if exe is None:
@@ -271,7 +281,15 @@ def mpirun(cmd: list[str], nprocs: int) -> int:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     ompi_leftovers.clear()  # a killed mpirun's session directory fails a new one given its pid
     proc = subprocess.Popen([exe, "-np", str(nprocs), "--bind-to", "none", *cmd], env=env)
-    old = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    translated: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if preemptible and signum == signal.SIGTERM and not translated:
+            translated.append(signum)
+            signum = signal.SIGUSR1
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         return proc.wait()
     finally:
@@ -279,12 +297,17 @@ def mpirun(cmd: list[str], nprocs: int) -> int:
             signal.signal(s, h)
 
 
-def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = None) -> int:
+def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = None, preemptible: bool = False) -> int:
     """Run ``cmd`` as ``nprocs`` ranks (torchrun's environment variables); returns the exit status.
 
     With ``target`` (a function of this process that does what ``cmd`` would, returning its exit
     status), each rank is a fork of this process that calls it, where that is safe
     (:func:`distkit.forkrank.can_fork`): no second import of torch per rank. Else a new ``cmd``.
+
+    SIGINT and SIGTERM stop every rank (SIGTERM, then SIGKILL after :data:`GRACE_S`). With ``preemptible``
+    (the ranks handle a preemption, :mod:`distkit.preemption`) the first SIGTERM or SIGUSR1 is passed on to
+    every rank instead, and the ranks are waited for as usual (they stop after an agreed step with a
+    checkpoint, status 75), for at most :data:`PREEMPT_WAIT_S`; a second signal stops them at once.
     """
     from distkit import forkrank
 
@@ -302,14 +325,24 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
         procs.append(forkrank.start(in_place, env) if in_place is not None else subprocess.Popen(cmd, env=env))
 
     stopping: dict[str, Optional[int]] = {"signal": None}
+    passed_on: dict[str, float] = {}  # when a preemption signal was passed on to the ranks
 
     def on_signal(signum: int, _frame: object) -> None:
+        if preemptible and signum != signal.SIGINT and not passed_on:
+            passed_on["at"] = time.monotonic()
+            for p in procs:
+                with contextlib.suppress(OSError):
+                    p.send_signal(signum)
+            return
         stopping["signal"] = signum
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM, *((signal.SIGUSR1,) if preemptible else ()))
+    old = {s: signal.signal(s, on_signal) for s in signals}
     stopped_since = 0.0  # since when every rank still running has been stopped (SIGSTOP)
     try:
         while True:
+            if passed_on and time.monotonic() - passed_on["at"] > PREEMPT_WAIT_S:
+                stopping["signal"] = signal.SIGTERM  # the ranks did not stop in time: as without preemption
             if stopping["signal"] is not None:
                 print(f"distkit: {signal.Signals(stopping['signal']).name} received; stopping all ranks", file=sys.stderr, flush=True)
                 _stop(procs)

@@ -45,6 +45,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--job-name", dest="job_name", default=None, help="job name (default distkit-<config name>)")
     p.add_argument("--script", default=None, metavar="PATH",
                    help="where to write the script (default <output_dir>/distkit-<job name>.sbatch)")
+    p.add_argument("--requeue", action="store_true",
+                   help="on preemption or near the time limit (SIGUSR1 90 s before it) the run stops with a checkpoint "
+                        "and the job is requeued; it continues with ++resume auto (distkit.preemption)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the script, write nothing")
     mode.add_argument("--submit", action="store_true", help="write the script and submit it with sbatch")
@@ -69,7 +72,12 @@ def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[
     if not re.fullmatch(r"[\w.-]+", name):
         raise ConfigError(f"--job-name {name!r}: use letters, digits, '.', '_' and '-'")
     # the overrides as values distkit parses back to the same thing (repr of a literal is a literal)
+    if args.requeue and not cfg.preemption:
+        raise ConfigError("--requeue needs preemption = True (the run must stop with a checkpoint on the signal): "
+                          "remove ++preemption False, or --requeue")
     pass_on = [tok for key, value in extra if key != "output_dir" for tok in (f"++{key}", _token(value))]
+    if args.requeue and not any(key == "resume" for key, _ in extra):
+        pass_on += ["++resume", "auto"]  # a requeued job (same job id, same OUT) continues its own checkpoint
     train = [sys.executable, "-m", "distkit", "train", *configs]
     train_line = " ".join(shlex.quote(a) for a in train) + ' ++output_dir "$OUT"' + \
         "".join(" " + shlex.quote(a) for a in pass_on)
@@ -83,6 +91,10 @@ def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[
         heads.append(f"--partition={args.partition}")
     if args.time:
         heads.append(f"--time={args.time}")
+    if args.requeue:
+        # USR1 to the batch shell 90 s before the time limit; the shell passes it on to the run (below)
+        # (--open-mode=append: the requeued run's log follows the first one's, instead of replacing it)
+        heads += ["--requeue", "--signal=B:USR1@90", "--open-mode=append"]
     from distkit import __version__
 
     text = "\n".join([
@@ -96,10 +108,29 @@ def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[
         'export MASTER_PORT="$((20000 + SLURM_JOB_ID % 10000))"',
         f'OUT={shlex.quote(base)}/job-"$SLURM_JOB_ID"',
         f"cd {shlex.quote(os.getcwd())}",
-        run,
+        *(_requeue_lines(run) if args.requeue else [run]),
         "",
     ])
     return text, base
+
+
+def _requeue_lines(run: str) -> list[str]:
+    """The run in the background, SIGUSR1/SIGTERM to this shell passed on to it (``scancel --batch --signal``,
+    ``--signal=B:USR1@90``), and a requeue of this job when it stopped for that (exit status 75)."""
+    return [
+        "# a preemption notice reaches this shell: pass it on; the run stops after an agreed step with a",
+        "# checkpoint and exits with 75, and the job is requeued (same job id: it continues in $OUT).",
+        "# (srun may report another status when it ends the last rank a moment after the first left: the",
+        "# notice itself decides)",
+        f"{run} &",
+        "pid=$!",
+        "notice=0",
+        "trap 'notice=1; kill -USR1 \"$pid\" 2>/dev/null || true' USR1 TERM",
+        "rc=0",
+        'while kill -0 "$pid" 2>/dev/null; do wait "$pid" && rc=0 || rc=$?; done',
+        'if [ "$rc" -eq 75 ] || { [ "$notice" -eq 1 ] && [ "$rc" -ne 0 ]; }; then scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+        'exit "$rc"',
+    ]
 
 
 def _token(value: Any) -> str:

@@ -20,7 +20,8 @@ from distkit import checkpoint, faults
 from distkit.components import build_optimizer, build_scheduler, check_components
 from distkit.config import RunConfig, resolve
 from distkit.env import ClusterEnv
-from distkit.errors import DistkitError, OutputError
+from distkit.errors import DistkitError, OutputError, Preempted
+from distkit.preemption import Preemption
 from distkit.evaluation import batch_loss, evaluate
 from distkit.session import Session, init
 from distkit.tasks import Task, check_task, make_task
@@ -49,12 +50,17 @@ class Trainer:
         # called it (`distkit train`) holds it already, for its whole process
         held = checkpoint.holds_lock(self.cfg.output_dir)
         dk = init(self.cfg, env=self.env)
+        run: Optional[TrainingRun] = None
         try:
-            return TrainingRun(self.cfg, dk).run()
-        except BaseException:
-            dk.abort()  # e.g. MPI_Abort: the other ranks must not wait for this one
+            run = TrainingRun(self.cfg, dk)
+            return run.run()
+        except BaseException as e:
+            if not (isinstance(e, DistkitError) and e.agreed):  # every rank raised it together: nobody waits
+                dk.abort()  # e.g. MPI_Abort: the other ranks must not wait for this one
             raise
         finally:
+            if run is not None and run._preemption is not None:
+                run._preemption.remove()
             dk.close()
             if not held:
                 checkpoint.unlock_output_dir(self.cfg.output_dir)
@@ -93,6 +99,8 @@ class TrainingRun:
         self.lr_scheduler = dk.lr_scheduler  # also the DeepSpeed config's own scheduler block
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
         self.out = None
+        #: a scheduler's SIGTERM/SIGUSR1 stops after an agreed step with a checkpoint (installed by run)
+        self._preemption = Preemption() if cfg.preemption else None
         self._maybe_resume()  # before anything is written: a checkpoint that does not fit leaves output_dir untouched
         resolved = {**cfg.to_json(), "run_id": dk.run_id, "world_size": dk.world_size, **dk.topology(), "launcher": dk.env.launcher}
         self._write_json("config.resolved.json", resolved)
@@ -276,6 +284,8 @@ class TrainingRun:
         window_metrics: dict[str, torch.Tensor] = {}
         self._call("on_train_start")
         stopped = False
+        if self._preemption is not None:
+            self._preemption.install()
         while dk.num_steps < self.total_steps and not stopped:
             epoch, in_epoch = self._epoch_and_step()
             t_epoch, c_epoch, n_epoch, epoch_sum = time.perf_counter(), dk.compute_time_s, 0, torch.zeros(())
@@ -312,6 +322,10 @@ class TrainingRun:
                     stopped = bool(dk.all_reduce(torch.tensor([float(self._stop)]), op="max").item() > 0)
                     if stopped:
                         dk.print(f"distkit: stop requested by a callback; stopping after step {step}")
+                if self._preemption is not None and step < self.total_steps:
+                    received = self._preemption.agreed(dk)
+                    if received:
+                        self._preempted(received, step)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.total_steps and not stopped:
                     self._save()
                 if stopped:
@@ -337,6 +351,18 @@ class TrainingRun:
             self.out.close()
         self._write_json("summary.json", summary)
         return summary
+
+    def _preempted(self, received: str, step: int) -> None:
+        """Collective: a rank received ``received`` (SIGTERM, SIGUSR1): save step ``step`` and stop every rank
+        with :class:`Preempted` (agreed: reported once, exit status 75)."""
+        self._save(final=True)  # synchronous (a pending async one is completed first)
+        if self.out is not None:
+            self.out.close()
+            self.out = None
+        error = Preempted(f"stopped by {received} after step {step} of {self.total_steps}; checkpoint "
+                          f"{checkpoint.step_name(step)} written: continue with ++resume auto")
+        error.agreed = True
+        raise error
 
     def _write_json(self, name: str, obj: Any) -> None:
         """Collective: rank 0 writes ``obj`` to ``output_dir/name`` atomically (a full disk leaves the previous

@@ -69,6 +69,8 @@ SlurmctldHost={self.host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job may start again once its first run's credentials expired (default 120 s)
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -65,6 +66,47 @@ def test_sbatch_script_reviewed_then_submitted(cluster: testslurm.Slurm, ddp_sho
     assert cluster.sacct_state(job.group(1)) == "COMPLETED"
     assert (tmp_path / "runs" / "distkit-returnn_ddp.sbatch").read_text() == text
     same_as_reference(tmp_path / "runs" / f"job-{job.group(1)}", ddp_short_ref, "slurm")
+
+
+def test_sbatch_requeue_stops_with_a_checkpoint_on_usr1_and_the_requeued_job_continues(cluster: testslurm.Slurm,
+                                                                                         tmp_path: Path) -> None:
+    """Issue 25 item 7: ``distkit sbatch --requeue``'s job gets SIGUSR1 (``scancel --batch --signal=USR1``, what
+    ``--signal=B:USR1@90`` sends before the time limit): the run stops after an agreed step with a checkpoint
+    (exit 75), the script requeues the job, the requeued job (same id, same directory) continues with
+    ``++resume auto`` and ends bit-identical to an uninterrupted run. (SLURM holds a requeued job until the
+    credentials of its first run expire: ``cred_expire``, 120 s by default, 10 s in the test cluster.)"""
+    steps = ["++max_steps", "200", "++log_every", "5", "++progress_bar", "False"]
+    ref = tmp_path / "ref"
+    ok(distkit("train", CONFIG, "--nprocs", "2", *steps, "++output_dir", str(ref)))
+    runs = tmp_path / "runs"
+    sub = ok(distkit("sbatch", CONFIG, "--nodes", "1", "--ntasks-per-node", "2", "--requeue", "--submit", *steps,
+                     "++output_dir", str(runs), SLURM_CONF=cluster.conf))
+    text = (runs / "distkit-returnn_ddp.sbatch").read_text()
+    assert "#SBATCH --requeue\n" in text and "#SBATCH --signal=B:USR1@90\n" in text and "++resume auto" in text
+    job = re.search(r"submitted job (\d+)", sub.stdout).group(1)  # type: ignore[union-attr]
+    out = runs / f"job-{job}"
+    deadline = time.time() + 120
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+        assert time.time() < deadline, cluster.job_state(job)
+        time.sleep(0.1)
+    ok(run(["scancel", "--batch", "--signal=USR1", job], SLURM_CONF=cluster.conf))
+    states: list[str] = []
+    while time.time() < deadline + 120:
+        state = cluster.job_state(job)
+        if not states or states[-1] != state:
+            states.append(state)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            break
+        time.sleep(0.2)
+    log = (runs / f"slurm-{job}.out").read_text()
+    assert states[-1] == "COMPLETED" and "PENDING" in states, (states, log[-3000:])
+    stop = re.search(r"distkit: stopped by SIGUSR1 after step (\d+) of 200; checkpoint (step-\d+) written", log)
+    assert stop is not None, log[-3000:]
+    assert f"distkit: resumed from {out / 'checkpoints' / stop.group(2)} at step {stop.group(1)}" in log, log[-3000:]
+    shown = run(["scontrol", "show", "job", job], SLURM_CONF=cluster.conf).stdout
+    assert "Restarts=1" in shown, shown
+    s = summary(out)
+    assert s["steps"] == 200 and s["param_checksum"] == summary(ref)["param_checksum"]
 
 
 @pytest.mark.parametrize("bad,needle", [

@@ -106,6 +106,8 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"'resume' must be 'auto', 'none' (start fresh) or an existing checkpoint directory, "
                           f"got {cfg.resume!r}")
     _int("keep_checkpoints", cfg.keep_checkpoints, 1)
+    if not isinstance(cfg.preemption, bool):
+        raise ConfigError(f"preemption must be True or False, got {cfg.preemption!r}")
     if cfg.device == "cuda":
         import torch
 

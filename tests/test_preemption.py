@@ -1,0 +1,124 @@
+"""Preemption (issue 25 item 7): a scheduler's SIGTERM or SIGUSR1 stops every rank after the same step with a
+checkpoint of it, exit status 75, and ``++resume auto`` continues bit-identically.
+
+Each case trains the digits config for 200 steps on 2 ranks, sends the signal to the launching process once
+the run has logged step 15, and checks: the one line naming the signal, the step and the checkpoint; the
+checkpoint ``latest`` names; then the resumed run ends bit for bit where the uninterrupted DDP run ends
+(every engine is bit-identical to DDP on this config). The signal lands at whatever step the run is in:
+any step must do."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, ROOT, base_env, distkit, ok, summary
+
+STEPS = 200
+ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", str(STEPS), "++log_every", "5",
+        "++progress_bar", "False"]
+ZERO2 = '{"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}'
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """param_checksum of the uninterrupted run (DDP, --nprocs 2)."""
+    out = tmp_path_factory.mktemp("preempt_ref")
+    ok(distkit(*ARGS, "--nprocs", "2", "++output_dir", str(out)))
+    return str(summary(out)["param_checksum"])
+
+
+def start(cmd: list[str], out: Path) -> "subprocess.Popen[str]":
+    return subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def logged_steps(out: Path) -> int:
+    try:
+        return len((out / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def signal_when_logged(p: "subprocess.Popen[str]", out: Path, sig: int, lines: int = 3) -> tuple[int, str, str]:
+    """Send ``sig`` to the launcher once ``lines`` metrics lines exist; its exit status and output."""
+    deadline = time.time() + 120
+    while logged_steps(out) < lines and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None, f"the run ended before the signal: {p.communicate()}"
+    p.send_signal(sig)
+    try:
+        stdout, stderr = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        raise AssertionError(f"still running 120 s after the signal\n{stderr[-3000:]}")
+    return p.returncode, stdout, stderr
+
+
+CASES = [  # (id, launcher command prefix, overrides, signal sent to the launcher, the signal the ranks name)
+    ("ddp-nprocs-SIGTERM", [sys.executable, "-m", "distkit"], ["--nprocs", "2"], signal.SIGTERM, "SIGTERM"),
+    # mpirun would end the job itself on SIGTERM: distkit passes it on as SIGUSR1, which mpirun only forwards
+    ("mpi-nprocs-SIGTERM", [sys.executable, "-m", "distkit"],
+     ["--nprocs", "2", "++torch_distributed", "None", "++distributed.backend", "mpi"], signal.SIGTERM, "SIGUSR1"),
+    ("zero2-nprocs-SIGUSR1", [sys.executable, "-m", "distkit"], ["--nprocs", "2", "++distributed", ZERO2],
+     signal.SIGUSR1, "SIGUSR1"),
+    ("ddp-param-torchrun-SIGTERM", [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+                                    "--rdzv-endpoint", "localhost:0", "-m", "distkit"],
+     ["++distributed", "{'reduce_type': 'param', 'param_sync_step': 4}"], signal.SIGTERM, "SIGTERM"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_preempted_run_stops_with_a_checkpoint_and_resumes_bit_identical(
+        case: tuple[str, list[str], list[str], int, str], reference: str, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    name, prefix, over, sig, named = case
+    out = tmp_path / "run"
+    p = start([*prefix, *ARGS, "++output_dir", str(out), *over], out)
+    code, stdout, stderr = signal_when_logged(p, out, sig)
+    text = stdout + stderr
+    lines = re.findall(r"distkit: stopped by (\w+) after step (\d+) of 200; checkpoint (step-\d+) written: continue "
+                       r"with \+\+resume auto", text)
+    assert len(lines) == 1, text[-3000:]
+    got, step, ckpt = lines[0]
+    assert got == named and ckpt == f"step-{int(step):07d}" and 15 <= int(step) < STEPS, lines
+    if name.startswith("ddp-param-torchrun"):
+        assert code != 0  # torchrun reports the signal it got itself
+    else:
+        assert code == 75, text[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == ckpt
+    assert not (out / "summary.json").exists()  # the run did not finish
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] <= int(step)
+    # the same run continued: under distkit's spawner, on DDP where the run was in param mode (DDP is exact there)
+    resume = [*over] if "nprocs" in name else ["--nprocs", "2", *over]
+    ok(distkit(*ARGS, "++output_dir", str(out), "++resume", "auto", *resume))
+    s = summary(out)
+    assert s["steps"] == STEPS and s["ranks_in_sync"] is True
+    if "param" in name:
+        # param mode: compare with its own uninterrupted run
+        ref = tmp_path_factory.mktemp("param_ref")
+        ok(distkit(*ARGS, "--nprocs", "2", "++output_dir", str(ref), *over))
+        assert s["param_checksum"] == summary(ref)["param_checksum"]
+    else:
+        assert s["param_checksum"] == reference
+
+
+def test_without_preemption_the_signal_ends_the_run_at_once(tmp_path: Path) -> None:
+    """``preemption = False``: SIGTERM ends the ranks at once, as before (the spawner's status 128 + 15), with
+    no checkpoint of the step it came in."""
+    out = tmp_path / "run"
+    p = start([sys.executable, "-m", "distkit", *ARGS, "--nprocs", "2", "++output_dir", str(out),
+               "++preemption", "False"], out)
+    code, stdout, stderr = signal_when_logged(p, out, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "stopped by" not in stdout + stderr
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step-*"))
