@@ -28,6 +28,7 @@ import uuid
 from typing import Any, Callable, Optional
 
 from distkit import ompi_leftovers
+from distkit.procfs import is_stopped
 
 #: seconds between SIGTERM and SIGKILL when stopping the surviving ranks
 GRACE_S = 5.0
@@ -180,21 +181,12 @@ def _describe(code: int) -> str:
     return f"exit status {code}"
 
 
-def _is_stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, state T; Linux /proc; False where unknown)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
 def _stop(procs: list[Any], kill: frozenset[int] = frozenset()) -> None:
     """SIGTERM to every rank still running, SIGKILL after :data:`GRACE_S`; SIGKILL at once to the ranks
     in ``kill`` and to stopped ones (a stopped process acts on SIGTERM only once continued)."""
     for rank, p in enumerate(procs):
         if p.poll() is None:
-            if rank in kill or _is_stopped(p.pid):
+            if rank in kill or is_stopped(p.pid):
                 p.kill()
             else:
                 p.terminate()
@@ -354,7 +346,7 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
                 # (briefly), then name the one whose error came first and was its own. A stopped rank
                 # never ends by itself: no waiting for it.
                 deadline = time.monotonic() + SETTLE_S
-                while time.monotonic() < deadline and any(p.poll() is None and not _is_stopped(p.pid) for p in procs):
+                while time.monotonic() < deadline and any(p.poll() is None and not is_stopped(p.pid) for p in procs):
                     time.sleep(0.05)
                 codes = [p.poll() for p in procs]
                 failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
@@ -368,7 +360,7 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
             if all(c == 0 for c in codes):
                 return 0
             left = [r for r, c in enumerate(codes) if c is None]
-            if len(left) < nprocs and all(_is_stopped(procs[r].pid) for r in left):
+            if len(left) < nprocs and all(is_stopped(procs[r].pid) for r in left):
                 # Some ranks finished (exit 0) and every other one is stopped (SIGSTOP): it will never end by
                 # itself, and nothing else is left to notice (its peers' watchdogs are gone). A second to be sure.
                 stopped_since = stopped_since or time.monotonic()

@@ -29,6 +29,8 @@ import subprocess
 import sys
 from typing import Optional
 
+from distkit.procfs import stat_fields
+
 #: Open MPI launcher daemons (PRRTE of Open MPI 5, ORTE of Open MPI 4) that wait for a lost host
 MPI_DAEMONS = frozenset({"prterun", "prted", "mpirun", "mpiexec", "orterun", "orted"})
 #: seconds a launcher may take to end on its own after its rank noticed lost peers (it normally
@@ -38,8 +40,8 @@ GRACE_S = 3.0
 _ARMED = False
 
 # The watcher: python -I -S -c WATCHER PID STARTTIME GRACE NAME WHY. Only the standard library, no
-# distkit import (it must start in milliseconds and survive the rank). STARTTIME guards against a
-# recycled pid.
+# distkit import (it must start in milliseconds and survive the rank), so its own /proc parsing (as
+# distkit.procfs). STARTTIME guards against a recycled pid.
 WATCHER = r"""
 import os, signal, sys, time
 pid, start, grace, name, why = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -72,15 +74,6 @@ for sig, wait in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 0.0)):
 """
 
 
-def _stat(pid: int) -> Optional[list[str]]:
-    """The fields of /proc/PID/stat after the command name (state first), or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
 def launcher_daemon(pid: Optional[int] = None, environ: Optional[dict[str, str]] = None) -> Optional[str]:
     """The name of the launcher daemon ``pid`` (default: this process's parent) when it is one that
     waits for a lost host (see the module docstring), else None."""
@@ -110,7 +103,7 @@ def end_launcher_after(why: str, grace_s: float = GRACE_S) -> bool:
         return False
     name = launcher_daemon()
     pid = os.getppid()
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     if name is None or fields is None or len(fields) < 20:
         return False
     _ARMED = True
@@ -135,7 +128,7 @@ def kill_stopped_siblings() -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
-        fields = _stat(int(entry))
+        fields = stat_fields(int(entry))
         if fields is not None and len(fields) > 1 and fields[1] == str(parent) and fields[0] in ("T", "t"):
             try:
                 os.kill(int(entry), signal.SIGKILL)

@@ -44,6 +44,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from distkit import procfs
 from distkit.errors import RankLost, RankStalled
 from distkit.launcher_guard import end_launcher_after
 from distkit.netif import host_identity, reachable_address
@@ -143,7 +144,7 @@ class Watchdog:
         while peers:
             now = time.monotonic()
             for r, pid in list(peers.items()):
-                state = _process_state(pid)
+                state = procfs.state(pid)
                 left = False
                 if state not in (None, "Z"):
                     with contextlib.suppress(Exception):
@@ -290,15 +291,6 @@ class Watchdog:
             if not any(a >= 1.5 * self.interval_s for a in self.ages().values()):
                 return  # the late rank beat again: it was slow, not stalled
             time.sleep(0.05)
-
-
-def _process_state(pid: int) -> Optional[str]:
-    """Process ``pid``'s state letter (R, S, T, Z, ...) from /proc, or None when it is gone (or unknown)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from conftest import BIN, base_env, run
 
 from distkit import launch
+from distkit.procfs import is_stopped
 from distkit.watchdog import Watchdog
 
 T = 4.0  # distributed.timeout_s of these runs
@@ -166,7 +167,7 @@ def test_spawner_kills_a_stopped_rank_at_once() -> None:
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=base_env()) for _ in range(2)]
     try:
         os.kill(procs[1].pid, signal.SIGSTOP)
-        while not launch._is_stopped(procs[1].pid):
+        while not is_stopped(procs[1].pid):
             time.sleep(0.01)
         t0 = time.monotonic()
         launch._stop(procs)

@@ -1,0 +1,26 @@
+"""A process's state from Linux's ``/proc/PID/stat``: whether it is stopped (SIGSTOP), a zombie or gone, and its
+start time (which tells a recycled pid apart). One parser for the spawner, the watchdog and the launcher guard."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def stat_fields(pid: int) -> Optional[list[str]]:
+    """The fields of ``/proc/PID/stat`` after the command name (the state first, the start time at index 19),
+    or None when the process is gone (or /proc cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def state(pid: int) -> Optional[str]:
+    """Process ``pid``'s state letter (R, S, T, Z, ...), or None when it is gone (or unknown)."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, state T; False where unknown)."""
+    return state(pid) in ("T", "t")
