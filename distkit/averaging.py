@@ -15,12 +15,29 @@ optimizer, one persistent copy of the parameters (the anchor) plus its momentum 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
+
+
+def flat_mean(tensors: list[torch.Tensor], mean: Callable[[torch.Tensor], Any],
+              dtype: Optional[torch.dtype] = None) -> None:
+    """Set each of ``tensors`` to ``mean`` of it, with one call on all of them concatenated (``mean`` is a
+    collective that averages a flat tensor in place, e.g. an all-reduce over ranks), in ``dtype`` (default:
+    the tensors' own) and copied back into each tensor's dtype. Costs one copy of their total size."""
+    if not tensors:
+        return
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1) if dtype is None else t.detach().reshape(-1).to(dtype) for t in tensors])
+        mean(flat)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
 
 
 class ParamAverager:
@@ -84,14 +101,9 @@ class ParamAverager:
         """Collective: average now (and apply the outer optimizer if configured)."""
         t0 = time.perf_counter()
         self.strategy.average_parameters(self.tensors)
-        if self.extra:  # over every rank (all_reduce), also where the model's tensors go over replica groups
-            with torch.no_grad():
-                flat = torch.cat([t.detach().reshape(-1).float() for t in self.extra])
-                self.strategy.all_reduce(flat, op="mean")
-                offset = 0
-                for t in self.extra:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        # the kept modules: over every rank (all_reduce), also where the model's tensors go over replica groups;
+        # in float32, as they may hold integer buffers
+        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
         self.wait_s += time.perf_counter() - t0  # the exchange, counted as waiting on communication
         if self._outer is not None:
             with torch.no_grad():

@@ -18,7 +18,7 @@ from typing import Any, Callable, ClassVar, Iterator, Optional
 import torch
 from torch import nn
 
-from distkit.averaging import ParamAverager
+from distkit.averaging import ParamAverager, flat_mean
 from distkit.config import RunConfig
 from distkit.env import ClusterEnv
 from distkit.errors import DistkitError, UnsupportedCombination, UnusedParameters
@@ -259,16 +259,7 @@ class Strategy(ABC):
         One flat all-reduce (torch ``model_averaging/utils.py`` pattern); costs one extra copy
         of the tensors' total size, temporarily.
         """
-        if not params:
-            return
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            self.all_reduce(flat, op="mean")
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
+        flat_mean(params, lambda flat: self.all_reduce(flat, op="mean"))
 
 
 #: the guard process of :func:`startup_guard`: waits for its stdin to close (the block finished, or the rank
