@@ -129,11 +129,18 @@ def guard_raw_clip(session: "Session") -> Callable[[], None]:
     """Where ``param.grad`` does not hold the gradient the engine steps with (ZeRO's partitions), a kept
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), x)`` would see no gradient and never clip: it
     raises UsageError naming the fix instead (for the set-up model's parameters only, while this
-    session is open). Returns the function that restores torch's own (:meth:`~distkit.Session.close` calls it)."""
+    session is open). Returns the function that restores torch's own (:meth:`~distkit.Session.close` calls it).
+
+    torch's ``clip_grad_norm_`` is a thin wrapper (``_no_grad``) around the function that clips; the check
+    goes between the two, in the wrapper's closure, so that it also runs for a name a script bound before
+    ``distkit.init`` (``from torch.nn.utils import clip_grad_norm_``), which patching the module's attribute
+    would miss. Where torch's function has another shape, the module attributes are replaced instead."""
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_module
 
     original = clip_module.clip_grad_norm_
+    inner = getattr(original, "__wrapped__", None)
+    cell = next((c for c in (getattr(original, "__closure__", None) or ()) if c.cell_contents is inner), None)
     ids = {id(p) for p in session.unwrap().parameters()}
 
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -143,12 +150,18 @@ def guard_raw_clip(session: "Session") -> Callable[[], None]:
                              f"{session._strategy.backend_impl()} (the engine keeps them partitioned) and would "
                              f"never clip: remove the call and set gradient_clip = {float(max_norm):g} (the engine "
                              "clips inside dk.step), or call dk.clip_grad_norm")
-        return original(params, max_norm, *args, **kwargs)
+        return (inner if cell is not None else original)(params, max_norm, *args, **kwargs)
 
-    nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+    if cell is not None:
+        cell.cell_contents = clip_grad_norm_  # every reference to torch's function now checks first
 
-    def restore() -> None:
-        nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original  # type: ignore[assignment]
+        def restore() -> None:
+            cell.cell_contents = inner
+    else:
+        nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+
+        def restore() -> None:
+            nn_utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original  # type: ignore[assignment]
 
     return restore
 
