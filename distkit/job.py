@@ -87,7 +87,9 @@ class Job:
     # -- collectives ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def _collective(self, what: str) -> Iterator[None]:
-        """Name the collective in a timeout (gloo reports only "timed out")."""
+        """Name the collective in a timeout (gloo reports only "timed out"; the mpi engine's own timeout line
+        names it too, through ``Strategy.doing``)."""
+        before, self._strategy.doing = self._strategy.doing, what
         try:
             yield
         except RuntimeError as e:
@@ -96,6 +98,8 @@ class Job:
                     f"{what} timed out after distributed.timeout_s = {self.cfg.distributed.timeout_s:g} s: a rank "
                     "did not call it (every rank must call collectives in the same order) or hung or died") from e
             raise
+        finally:
+            self._strategy.doing = before
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Collective: ``tensor`` reduced over ranks in place (and returned); op is mean|sum|max|min."""

@@ -62,5 +62,8 @@ class Preemption:
         if dk.world_size == 1:
             got = mine
         else:
-            got = float(dk.all_reduce(torch.tensor([mine]), op="max").item())
+            flag = torch.tensor([mine])
+            with dk._collective("the preemption check after the step (distkit.preemption)"):
+                dk._strategy.all_reduce(flag, op="max")
+            got = float(flag.item())
         return signal.Signals(int(got)).name if got else None

@@ -29,6 +29,10 @@ from distkit.portable import optimizer_state_by_name
 class Strategy(ABC):
     """One engine in one mode. Topology attributes are read-only after construction."""
 
+    #: what the caller is doing while it runs a collective, for the engines' own timeout lines (set by
+    #: ``Job._collective``; None elsewhere)
+    doing: Optional[str] = None
+
     name: ClassVar[str]
     supported_modes: ClassVar[frozenset[str]] = frozenset({"grad", "param"})
     #: how ``--nprocs N`` starts local ranks for this engine: "spawn" (distkit's spawner, torchrun's

@@ -161,7 +161,9 @@ class MPIStrategy(Strategy):
     @contextlib.contextmanager
     def watch(self, what: str) -> Iterator[None]:
         """Blocking MPI calls inside this block are aborted after ``timeout_s`` (MPI has no timeout)."""
-        self._watch_what, self._watch_since = what, time.monotonic()
+        # what the caller was doing, when it said (Job._collective): "Allreduce(max) in the preemption check"
+        doing = getattr(self, "doing", None)
+        self._watch_what, self._watch_since = (f"{what} in {doing}" if doing else what), time.monotonic()
         try:
             yield
         finally:
