@@ -161,7 +161,8 @@ class Watchdog:
                         os.kill(pid, signal.SIGKILL)
                     killed.append(r)
                     del peers[r]
-            time.sleep(0.05)
+            if peers:  # (no sleep after the last: the launcher may stop this rank any moment after its peer died)
+                time.sleep(0.05)
         return killed
 
     def see_local_peers_out(self, timeout_s: float) -> None:
