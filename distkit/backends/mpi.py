@@ -162,8 +162,8 @@ class MPIStrategy(Strategy):
     def watch(self, what: str) -> Iterator[None]:
         """Blocking MPI calls inside this block are aborted after ``timeout_s`` (MPI has no timeout)."""
         # what the caller was doing, when it said (Job._collective): "Allreduce(max) in the preemption check"
-        doing = getattr(self, "doing", None)
-        self._watch_what, self._watch_since = (f"{what} in {doing}" if doing else what), time.monotonic()
+        self._watch_what = f"{what} in {self.doing}" if self.doing else what
+        self._watch_since = time.monotonic()
         try:
             yield
         finally:
