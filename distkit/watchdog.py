@@ -124,10 +124,9 @@ class Watchdog:
 
     # -- the end of the job: every rank on this host must have left ------------------------------
     def leave(self) -> None:
-        """Mark this rank as leaving (after its engine's teardown), for :meth:`reap_local_peers`. Best effort,
-        and bounded: rank 0, which serves the store, may have left already, and a store call to a server that
-        is gone can block for the store's whole timeout (then the peers see this process exit instead)."""
-        _bounded(lambda: self.store.set(f"left/{self.rank}", "1"), self.interval_s)
+        """Mark this rank as leaving (after its engine's teardown), for :meth:`reap_local_peers`. Best effort."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"left/{self.rank}", "1")
 
     def reap_local_peers(self, timeout_s: float) -> list[int]:
         """The end of a run, on the lowest rank of this host only: wait until every other rank on this host
@@ -147,8 +146,9 @@ class Watchdog:
             for r, pid in list(peers.items()):
                 state = procfs.state(pid)
                 left = False
-                if state not in (None, "Z"):  # (bounded: the store's server, rank 0, may be gone)
-                    left = bool(_bounded(lambda: self.store.check([f"left/{r}"]), self.interval_s))
+                if state not in (None, "Z"):
+                    with contextlib.suppress(Exception):
+                        left = bool(self.store.check([f"left/{r}"]))
                 if state in (None, "Z") or left:
                     del peers[r]
                     continue
@@ -292,21 +292,6 @@ class Watchdog:
             if not any(a >= 1.5 * self.interval_s for a in self.ages().values()):
                 return  # the late rank beat again: it was slow, not stalled
             time.sleep(0.05)
-
-
-def _bounded(call: Callable[[], Any], seconds: float) -> Any:
-    """``call()`` in a daemon thread, waited for at most ``seconds``: its result, or None when it failed or
-    had not returned by then (it is left to finish, or to die with the process)."""
-    out: list[Any] = []
-
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            out.append(call())
-
-    thread = threading.Thread(target=run, name="distkit-store-call", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return out[0] if out else None
 
 
 def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]:
