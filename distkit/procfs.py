@@ -24,3 +24,27 @@ def state(pid: int) -> Optional[str]:
 def is_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP, state T; False where unknown)."""
     return state(pid) in ("T", "t")
+
+
+#: the name a rank gives its process once it has left the run (:func:`mark_left`)
+LEFT_NAME = "distkit-left"
+
+
+def mark_left() -> None:
+    """Rename this process (its ``/proc/self/comm``) to :data:`LEFT_NAME`: a mark that a peer on the same host
+    reads with :func:`has_left`, kept by the kernel, so it needs no server (a store on rank 0 may be gone by
+    then) and cannot fail on a full disk. Best effort (no /proc: no mark, and the peer waits for the exit)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(LEFT_NAME)
+    except OSError:
+        pass
+
+
+def has_left(pid: int) -> bool:
+    """Whether process ``pid`` has marked itself with :func:`mark_left` (False when it is gone or unknown)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == LEFT_NAME
+    except OSError:
+        return False

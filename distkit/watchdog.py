@@ -124,9 +124,12 @@ class Watchdog:
 
     # -- the end of the job: every rank on this host must have left ------------------------------
     def leave(self) -> None:
-        """Mark this rank as leaving (after its engine's teardown), for :meth:`reap_local_peers`. Best effort."""
-        with contextlib.suppress(Exception):
-            self.store.set(f"left/{self.rank}", "1")
+        """Mark this rank as leaving (after its engine's teardown), for :meth:`reap_local_peers`: the mark is
+        this process's name (:func:`distkit.procfs.mark_left`), local to the host. Not a key in the heartbeat
+        store: its server, rank 0, may be gone by now (on another host it can leave first), and a peer whose
+        exit then waits on this host's reaper (MPI_Finalize under mpirun is collective) would deadlock with
+        a reaper that waits for its mark or its exit."""
+        procfs.mark_left()
 
     def reap_local_peers(self, timeout_s: float) -> list[int]:
         """The end of a run, on the lowest rank of this host only: wait until every other rank on this host
@@ -145,11 +148,7 @@ class Watchdog:
             now = time.monotonic()
             for r, pid in list(peers.items()):
                 state = procfs.state(pid)
-                left = False
-                if state not in (None, "Z"):
-                    with contextlib.suppress(Exception):
-                        left = bool(self.store.check([f"left/{r}"]))
-                if state in (None, "Z") or left:
+                if state in (None, "Z") or procfs.has_left(pid):
                     del peers[r]
                     continue
                 if state in ("T", "t"):

@@ -45,9 +45,10 @@ def run(cmd: list[str], timeout: float = 180, cwd: Optional[Path] = None, **env:
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = stacks_of_marked()
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {cmd}\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
+        raise AssertionError(f"timed out after {timeout}s: {cmd}\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}\n{stacks}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
@@ -99,6 +100,26 @@ def marked_pids() -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def stacks_of_marked(limit: int = 12000) -> str:
+    """The Python stacks (py-spy, native frames too) of every process this test session started that is
+    still alive: what a timed-out test reports, so that a hang is diagnosed from its first occurrence
+    instead of rerun. Best effort; at most ``limit`` characters."""
+    spy = BIN / "py-spy"
+    if not spy.exists():
+        return "(no py-spy: no stacks)"
+    parts = []
+    for pid in marked_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+            res = subprocess.run([str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                 timeout=20)
+            parts.append(f"--- pid {pid}: {cmd}\n{res.stdout[-3000:]}{res.stderr[-500:]}")
+        except (OSError, subprocess.SubprocessError) as e:
+            parts.append(f"--- pid {pid}: {e}")
+    return ("stacks of the test's processes still alive:\n" + "\n".join(parts))[:limit]
 
 
 #: The short digits run that the engine modules compare their grad mode against (20 steps, 8 per rank).

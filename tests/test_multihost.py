@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 import hosts as nethosts
-from conftest import BIN, MARK, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, summary
+from conftest import BIN, MARK, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, stacks_of_marked, summary
 
 TOL = 1e-5
 TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), *SHORT]
@@ -73,9 +73,10 @@ def _finish(p: "subprocess.Popen[str]", timeout: float) -> subprocess.CompletedP
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = stacks_of_marked()
         os.killpg(p.pid, 9)
         out, err = p.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {p.args}\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}")
+        raise AssertionError(f"timed out after {timeout}s: {p.args}\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}\n{stacks}")
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
@@ -150,6 +151,27 @@ def test_mpi_engine_horovod_and_deepspeeds_launcher_under_one_mpirun_across_host
     assert max_abs_diff(final_params(tmp_path / "mpi"), final_params(one_host["grad"])) <= TOL
     assert max_abs_diff(final_params(tmp_path / "horovod"), final_params(one_host["param"])) <= TOL
     assert max_abs_diff(final_params(tmp_path / "horovod"), final_params(one_host["grad"])) > 1e-4  # not grad mode
+
+
+def test_a_rank_that_leaves_after_rank_0_is_gone_does_not_deadlock_its_hosts_reaper(tmp_path: Path) -> None:
+    # Rank 3 (host 1) is 5 s late at the end (DISTKIT_FAULT delay, after the last barrier), so rank 0 (host 0),
+    # which serves the heartbeat store, has left before rank 3 marks itself as leaving. Host 1's reaper (rank 2)
+    # waits for that mark or rank 3's exit, and rank 3's exit waits in MPI_Finalize, which is collective, for
+    # the reaper: a mark kept in rank 0's store failed there, and the job ended only when the reaper killed
+    # rank 3 at timeout_s (exit 1). The mark is local to the host (the process's name), so it ends cleanly.
+    with nethosts.Hosts(2) as h:
+        agent = h.rsh_agent(str(tmp_path))
+        cmd = [str(BIN / "mpirun"), "-np", "4", "--host", f"{h.names[0]}:2,{h.names[1]}:2", *h.mpirun_args(agent),
+               "-x", "PATH", "-x", "PYTHONPATH", "-x", "DISTKIT_FAULT", str(BIN / "python"), "-m", "distkit", *TRAIN,
+               "++output_dir", str(tmp_path / "out"), "++torch_distributed", "None", "++distributed.backend", "mpi",
+               "++distributed.timeout_s", "30"]
+        p = h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+                    env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", DISTKIT_FAULT="3:20:delay:close"))
+        t0 = time.monotonic()
+        res = ok(_finish(p, 120))
+        assert time.monotonic() - t0 < 28, "the job waited for the reaper's timeout"
+        assert "stopped responding" not in res.stderr
+        check_two_hosts(tmp_path / "out", h)
 
 
 def test_open_mpi_on_an_interface_the_other_host_cannot_reach_ends_naming_the_variable(tmp_path: Path) -> None:

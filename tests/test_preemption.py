@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, ROOT, base_env, distkit, ok, summary
+from conftest import BIN, ROOT, base_env, distkit, ok, stacks_of_marked, summary
 
 STEPS = 200
 ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", str(STEPS), "++log_every", "5",
@@ -57,9 +57,10 @@ def signal_when_logged(p: "subprocess.Popen[str]", out: Path, sig: int, lines: i
     try:
         stdout, stderr = p.communicate(timeout=120)
     except subprocess.TimeoutExpired:
+        stacks = stacks_of_marked()
         os.killpg(p.pid, signal.SIGKILL)
         stdout, stderr = p.communicate()
-        raise AssertionError(f"still running 120 s after the signal\n{stderr[-3000:]}")
+        raise AssertionError(f"still running 120 s after the signal\n{stderr[-3000:]}\n{stacks}")
     return p.returncode, stdout, stderr
 
 
