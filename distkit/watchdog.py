@@ -59,6 +59,8 @@ MAX_INTERVAL_S = 1.0
 LOST_AFTER_INTERVALS = 3.0
 
 _ACTIVE: Optional["Watchdog"] = None
+#: seconds :meth:`Watchdog.stop` waits for the beater's store call in flight to return
+STOP_JOIN_S = 2.0
 #: what :func:`lost_peer_error` found (kept after the watchdog stops: the failure is reported later)
 _LOST: Optional[RankLost] = None
 _LOOKED = False  # lost_peer_error looked already (it waits once per process)
@@ -114,13 +116,19 @@ class Watchdog:
         self._judge.start()
 
     def stop(self) -> None:
-        """Stop judging, at once (normal teardown; idempotent). Not collective: the beater may be
-        blocked on a store that is going away, so it is left to end with the process (a daemon)."""
+        """Stop judging, at once, and the heartbeat (normal teardown; idempotent). Not collective. Waits up to
+        :data:`STOP_JOIN_S` for the beater to leave its store call: a daemon thread still inside a torch call
+        when the interpreter finalizes is ended by ``pthread_exit`` while C++ unwinds it, which aborts the
+        process ("terminate called without an active exception", exit 134 after a complete run: seen when
+        rank 0, which serves the store, had left first, so the call failed just then). A call still blocked
+        after that (a store whose host froze) is left to the process's end."""
         global _ACTIVE
         with self._lock:
             self._stop.set()
         if _ACTIVE is self:
             _ACTIVE = None
+        if self._beater.is_alive() and threading.current_thread() is not self._beater:
+            self._beater.join(STOP_JOIN_S)
 
     # -- the end of the job: every rank on this host must have left ------------------------------
     def leave(self) -> None:

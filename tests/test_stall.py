@@ -161,6 +161,25 @@ def test_watchdog_spares_live_ranks_and_names_a_silent_one(tmp_path: Path, monke
         w1._stop.set()
 
 
+def test_stopping_the_watchdog_leaves_no_heartbeat_call_in_flight() -> None:
+    """A beater still inside a store call when the interpreter finalizes aborts the process (exit 134 after a
+    complete run, seen under mpirun across hosts once rank 0 had left): stop() returns only once the
+    beater is gone, also when its store's server has gone first (its calls then fail)."""
+    delta = datetime.timedelta(seconds=2.0)
+    for server_gone in (False, True):
+        server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
+        client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=delta)
+        w = Watchdog(client, 1, 2, 2.0, lambda code: None)
+        w.run()
+        time.sleep(3 * w.interval_s)
+        if server_gone:
+            del server  # the server stops with its object: the beater's calls now fail
+            time.sleep(2 * w.interval_s)
+        w.stop()
+        assert not w._beater.is_alive(), f"the beater outlived stop() (server gone: {server_gone})"
+        assert not w._judge.is_alive() or w._stop.is_set()
+
+
 def test_spawner_kills_a_stopped_rank_at_once() -> None:
     """SIGTERM stays pending on a stopped process: distkit's spawner SIGKILLs stopped ranks at once
     instead of waiting GRACE_S for them, and terminates the running ones as before."""
