@@ -253,7 +253,8 @@ def mpirun(cmd: list[str], nprocs: int, preemptible: bool = False) -> int:
     """``mpirun -np N --bind-to none CMD``: Open MPI starts the ranks and ends the job when one fails.
 
     ``--bind-to none``: Open MPI would pin every rank to one core of its own, or all to core 0 when
-    it miscounts; the ranks here share the machine's cores like torchrun's.
+    it miscounts; the ranks here share the machine's cores like torchrun's. ``--oversubscribe``: more
+    ranks than cores is what ``--nprocs`` asked for (as under the spawner); Open MPI refuses it otherwise.
 
     Signals are passed on to mpirun, which passes them to the ranks. With ``preemptible`` (the ranks
     stop with a checkpoint, :mod:`distkit.preemption`) the first SIGTERM goes on as SIGUSR1: mpirun
@@ -272,7 +273,7 @@ def mpirun(cmd: list[str], nprocs: int, preemptible: bool = False) -> int:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     ompi_leftovers.clear()  # a killed mpirun's session directory fails a new one given its pid
-    proc = subprocess.Popen([exe, "-np", str(nprocs), "--bind-to", "none", *cmd], env=env)
+    proc = subprocess.Popen([exe, "-np", str(nprocs), "--oversubscribe", "--bind-to", "none", *cmd], env=env)
     translated: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:

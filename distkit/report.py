@@ -36,6 +36,7 @@ def summary(session: "Session", **extra: Any) -> dict[str, Any]:
     out = {
         "backend": d.backend, "backend_impl": s.backend_impl(), "reduce_type": d.reduce_type,
         "param_sync_step": d.param_sync_step if d.reduce_type == "param" else None,
+        "param_sync_group_size": d.param_sync_group_size if d.reduce_type == "param" else None,
         "world_size": session.world_size, **session.topology(), "launcher": session.env.launcher,
         "zero_stage": getattr(s, "zero_stage", None),
         "steps": session.num_steps, "samples": session.num_samples, "final_train_loss": loss,

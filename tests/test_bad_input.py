@@ -315,11 +315,22 @@ def test_an_error_every_rank_finds_alike_is_one_line_for_the_job(tmp_path: Path,
     assert "Traceback" not in res.stderr
 
 
-def test_param_sync_group_size_not_dividing_nprocs_is_refused_before_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["deepspeed", "ddp", "mpi"])
+def test_param_sync_group_size_not_dividing_nprocs_is_refused_before_start(tmp_path: Path, engine: str) -> None:
     res = run([sys.executable, "-m", "distkit", "train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir",
-               str(tmp_path / "out"), "++distributed", "{'backend': 'deepspeed', 'reduce_type': 'param', "
+               str(tmp_path / "out"), "++distributed", f"{{'backend': '{engine}', 'reduce_type': 'param', "
                "'param_sync_group_size': 3}"], timeout=120)
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.strip().splitlines() == ["distkit: error: param_sync_group_size 3 does not divide the world size "
                                                "2 (nprocs): use a divisor of the number of ranks"], res.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_param_sync_group_size_in_grad_mode_is_refused_before_start(tmp_path: Path) -> None:
+    # (it once did nothing outside DeepSpeed: a silent grad-mode run)
+    res = run([sys.executable, "-m", "distkit", "train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir",
+               str(tmp_path / "out"), "++distributed", "{'param_sync_group_size': 2}"], timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines() == ["distkit: error: 'distributed.param_sync_group_size' only applies to "
+                                               "reduce_type 'param': remove it"], res.stderr[-3000:]
     assert not (tmp_path / "out").exists()

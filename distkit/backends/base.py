@@ -21,7 +21,8 @@ from torch import nn
 from distkit.averaging import ParamAverager, flat_mean
 from distkit.config import RunConfig
 from distkit.env import ClusterEnv
-from distkit.errors import DistkitError, UnsupportedCombination, UnusedParameters
+from distkit.errors import ConfigError, DistkitError, UnsupportedCombination, UnusedParameters
+from distkit.replicas import ReplicaGroups, replica_groups
 from distkit import portable
 from distkit.portable import optimizer_state_by_name
 
@@ -70,6 +71,11 @@ class Strategy(ABC):
         #: Session times); param mode's averaging counts in ``averager.wait_s``
         self.comm_wait_s = 0.0
         self.averager: Any = None  # set by setup() in param mode
+        #: param mode with ``param_sync_group_size`` > 1: the replica groups (gradients reduced inside this
+        #: rank's group every step, the groups averaged every param_sync_step); None: every rank its own
+        #: replica, or grad mode. Raises the agreed UnsupportedCombination when the size does not divide.
+        self.replicas: Optional[ReplicaGroups] = replica_groups(
+            self.reduce_type, cfg.distributed.param_sync_group_size, self.rank, self.world_size)
 
     @property
     def is_main(self) -> bool:
@@ -82,6 +88,12 @@ class Strategy(ABC):
             raise UnsupportedCombination(
                 f"backend '{cls.name}' does not support reduce_type '{cfg.distributed.reduce_type}': "
                 f"use one of {', '.join(sorted(cls.supported_modes))}")
+        d = cfg.distributed
+        if d.reduce_type == "grad" and d.param_sync_group_size != 1:
+            raise ConfigError("'distributed.param_sync_group_size' only applies to reduce_type 'param': remove it")
+        if d.reduce_type == "param" and cfg.nprocs > 1 and cfg.nprocs % d.param_sync_group_size:
+            raise UnsupportedCombination(f"param_sync_group_size {d.param_sync_group_size} does not divide the world "
+                                         f"size {cfg.nprocs} (nprocs): use a divisor of the number of ranks")
 
     # -- lifecycle ---------------------------------------------------------------
     @abstractmethod
@@ -261,9 +273,25 @@ class Strategy(ABC):
         """Collective: every rank must call it, in the same order. Sets each tensor to its mean over ranks.
 
         One flat all-reduce (torch ``model_averaging/utils.py`` pattern); costs one extra copy
-        of the tensors' total size, temporarily.
+        of the tensors' total size, temporarily. With replica groups the ranks of a group hold the same
+        tensors, so the mean over ranks is the mean over groups: it is taken over this rank's cross group
+        (:meth:`cross_group_mean`), one copy of the model per link instead of one per rank; the floating
+        buffers, which differ inside a group, over every rank.
         """
-        flat_mean(params, lambda flat: self.all_reduce(flat, op="mean"))
+        if self.replicas is None:
+            flat_mean(params, lambda flat: self.all_reduce(flat, op="mean"))
+            return
+        # The parameters over the cross group. The floating buffers (BatchNorm statistics) over every rank:
+        # each rank's own forward updated them, so the ranks of a group hold different ones (as DeepSpeed's
+        # replica groups do: the same rule on every engine).
+        flat_mean([t for t in params if isinstance(t, nn.Parameter)], self.cross_group_mean)
+        flat_mean([t for t in params if not isinstance(t, nn.Parameter)], lambda flat: self.all_reduce(flat, op="mean"))
+
+    def cross_group_mean(self, flat: torch.Tensor) -> None:
+        """Collective over this rank's cross group (:meth:`ReplicaGroups.cross`; every rank calls it, in the
+        same order): ``flat`` (in place) becomes its mean over the replica groups. Engines that support
+        ``param_sync_group_size`` > 1 implement it."""
+        raise NotImplementedError(f"the {self.name} engine has no replica groups")
 
 
 #: the guard process of :func:`startup_guard`: waits for its stdin to close (the block finished, or the rank
@@ -312,12 +340,15 @@ def unused_parameters(rank: int, names: list[str], fix: str = FIND_UNUSED_FIX) -
 
 
 def drop_globally_unused(strategy: "Strategy", params: list[torch.Tensor], seen: set[int],
-                         had_grad: dict[int, bool]) -> None:
+                         had_grad: dict[int, bool],
+                         all_reduce: Optional[Callable[[torch.Tensor, str], Any]] = None) -> None:
     """Collective: DDP's rule with ``find_unused_parameters``: a parameter that no rank used (its id in no
     rank's ``seen``) keeps no gradient, so the optimizer skips it (no weight decay, no momentum), unless an
-    earlier reduction of this step gave it one (``had_grad``). One small MAX all-reduce of a used-mask."""
+    earlier reduction of this step gave it one (``had_grad``). One small MAX all-reduce of a used-mask, over
+    the ranks that reduce gradients together: ``all_reduce(tensor, op)`` (default ``strategy.all_reduce``,
+    every rank; a replica group's own reduction with replica groups, as DDP on a process group)."""
     used = torch.tensor([1.0 if id(p) in seen else 0.0 for p in params])
-    strategy.all_reduce(used, op="max")
+    (all_reduce or strategy.all_reduce)(used, "max")
     for p, u in zip(params, used.tolist(), strict=True):
         if not u and not had_grad.get(id(p), False):
             p.grad = None

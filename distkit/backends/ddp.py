@@ -4,6 +4,8 @@ grad mode: the model is wrapped in DistributedDataParallel (``distributed.option
 passed through: ``bucket_cap_mb``, ``find_unused_parameters``, ...), so backward
 all-reduces gradient buckets while it runs. param mode: no wrapper; each rank steps on
 its own and :class:`~distkit.averaging.ParamAverager` averages with one flat all-reduce.
+param mode with replica groups (:mod:`distkit.replicas`): DistributedDataParallel on the
+rank's group, the averager's all-reduce on its cross group.
 """
 from __future__ import annotations
 
@@ -139,7 +141,24 @@ class DDPStrategy(Strategy):
             return wrapped, optimizer
         self.averager = param_averager(self, model)
         self.broadcast_tensors(self.averager.tensors + [b for b in model.buffers() if not b.is_floating_point()])
-        return model, optimizer
+        if self.replicas is None:
+            return model, optimizer
+        # Replica groups: DDP on this rank's group (it reduces gradients inside the group and broadcasts the
+        # group leader's buffers before each forward); the averager over the cross group. Every rank makes
+        # every group, in the same order (torch's rule for new_group); rank 0's state went everywhere above.
+        groups = [dist.new_group(ranks) for ranks in self.replicas.groups()]
+        crosses = [dist.new_group(ranks) for ranks in self.replicas.crosses()]
+        self._group, self._cross = groups[self.replicas.index], crosses[self.replicas.position]
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, process_group=self._group, **d.options)
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return wrapped, optimizer
+
+    def cross_group_mean(self, flat: torch.Tensor) -> None:
+        """One all-reduce over this rank's cross group, divided by the number of groups."""
+        self.comm_bytes += flat.numel() * flat.element_size()
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._cross)
+        flat.div_(self.replicas.count)  # type: ignore[union-attr]
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return bare_module(model.module if isinstance(model, DistributedDataParallel) else model)

@@ -5,6 +5,9 @@ each gradient is ready; ``backward_passes_per_step`` = ``accum_grad_multiple_ste
 ``hvd.Average``, or ``hvd.Sum`` with ``horovod_avg_grad = False``; fp16 compression with
 ``horovod_compression = "fp16"``). param mode: the plain optimizer and
 :class:`~distkit.averaging.ParamAverager`, averaging with one flat ``hvd.allreduce``.
+param mode with replica groups (:mod:`distkit.replicas`): static Horovod process sets, one per
+replica group and one per cross group; ``hvd.DistributedOptimizer`` on the rank's group set,
+the averager's ``hvd.allreduce`` on its cross group set.
 Both modes start from rank 0's parameters and buffers (``hvd.broadcast_parameters``).
 
 Which engine runs is decided once, when the registry imports this module: the registry
@@ -20,7 +23,7 @@ import contextlib
 import os
 import sys
 import types
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -71,8 +74,9 @@ class HorovodEngine(Strategy):
         # Open MPI's TCP transport dials an interface the other hosts cannot reach, or a rank is stopped
         # or missing; no stall check runs that early. After timeout_s this rank says so and exits
         # non-zero: mpirun then ends the job.
+        process_sets = self._make_process_sets(hvd)
         with startup_guard(self.rank, timeout, "horovod's init", openmpi_interface_hint(self.env)):
-            hvd.init()
+            hvd.init(process_sets=process_sets or None)
         self._initialized = True
         if (hvd.size(), hvd.rank()) != (self.world_size, self.rank):
             raise UnsupportedCombination(
@@ -91,6 +95,34 @@ class HorovodEngine(Strategy):
         #: passes outside no_sync): find_unused_parameters never drops those
         self._had_grad: dict[int, bool] = {}
         self._optimizer: Any = None
+
+    def _make_process_sets(self, hvd: Any) -> list[Any]:
+        """Set ``self._group_set`` (where gradients are reduced and buffers broadcast: this rank's replica group,
+        else every rank) and ``self._cross_set`` (where the averager averages: this rank's cross group, else
+        every rank); return the process sets ``hvd.init`` must create. Static sets, not ``add_process_set``:
+        those need ``HOROVOD_DYNAMIC_PROCESS_SETS`` and a collective each. Every rank passes every group's set
+        and every cross group's, in the same order (Horovod's rule: the same list on every rank)."""
+        self._group_set: Any = hvd.global_process_set
+        self._cross_set: Any = hvd.global_process_set
+        if self.replicas is None:
+            return []
+        world = list(range(self.world_size))
+
+        def process_set(ranks: list[int]) -> Any:
+            # One group of all ranks (param_sync_group_size = world size) is the global set: Horovod refuses
+            # a set that repeats another, the global one included ("process_sets entry ... is a duplicate").
+            return hvd.global_process_set if ranks == world else hvd.ProcessSet(ranks)
+
+        groups = [process_set(ranks) for ranks in self.replicas.groups()]
+        crosses = [process_set(ranks) for ranks in self.replicas.crosses()]
+        self._group_set, self._cross_set = groups[self.replicas.index], crosses[self.replicas.position]
+        return [ps for ps in groups + crosses if ps is not hvd.global_process_set]
+
+    @property
+    def _reduces_gradients(self) -> bool:
+        """Whether ``hvd.DistributedOptimizer`` reduces gradients: grad mode (over every rank), and param mode
+        with replica groups (inside the group; the averager then averages across groups as well)."""
+        return self.reduce_type == "grad" or self.replicas is not None
 
     def teardown(self) -> None:
         if getattr(self, "_initialized", False):
@@ -139,15 +171,18 @@ class HorovodEngine(Strategy):
         self._buffers = persistent_buffers(model)
         if self.reduce_type == "param":
             self.averager = param_averager(self, model)
+        if not self._reduces_gradients:
             return model, optimizer
+        # With replica groups, as DDP on a process group: the group leader's buffers, inside the group.
         if self._buffers and self.world_size > 1:
             self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)
         had_state = any(len(s) for s in optimizer.state.values())
+        # hvd.Average divides by the size of the process set (the group's, with replica groups).
         opt = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(),
             compression=hvd.Compression.fp16 if d.compression == "fp16" else hvd.Compression.none,
             backward_passes_per_step=self.cfg.accum_grad_multiple_step,
-            op=hvd.Average if d.avg_grad else hvd.Sum)
+            op=hvd.Average if d.avg_grad else hvd.Sum, process_set=self._group_set)
         # torch's zero_grad(set_to_none=True), the standard idiom, on Horovod's class (whose zero_grad
         # takes no argument): Horovod's check that no reduction is in flight, then torch's own.
         opt.zero_grad = types.MethodType(_zero_grad, opt)  # type: ignore[method-assign]
@@ -158,6 +193,7 @@ class HorovodEngine(Strategy):
             # Only with existing state: on a fresh optimizer Horovod first takes one step with zero
             # gradients to create the state, which moves Adam's step count and applies weight decay
             # (a different result from DDP). A fresh optimizer has equal (empty) state everywhere.
+            # Over every rank, as the parameters above: with replica groups every group starts as rank 0.
             opt.load_state_dict(optimizer.state_dict())
             hvd.broadcast_optimizer_state(opt, root_rank=0)
         per_elem = 2 if d.compression == "fp16" else None
@@ -166,11 +202,35 @@ class HorovodEngine(Strategy):
 
     def _sync_buffers(self, module: nn.Module, args: Any) -> None:
         if module.training:
-            self.broadcast_tensors(self._buffers)
+            # root_rank is a global rank also inside a process set (Horovod checks that it is in the set)
+            leader = self.replicas.leader if self.replicas is not None else 0
+            self._broadcast(self._buffers, leader, self._group_set)
+
+    def cross_group_mean(self, flat: torch.Tensor) -> None:
+        """One ``hvd.allreduce`` (sum) over this rank's cross group, divided by the number of groups."""
+        assert self.replicas is not None
+        hvd = self.hvd
+        self.comm_bytes += flat.numel() * flat.element_size()
+        # Named: the name the ranks of a set match on then does not depend on how many other Horovod ops each
+        # rank started (an unnamed op is named after this process's handle number).
+        out = hvd.allreduce(flat, op=hvd.Sum, name="distkit.cross_group_mean", process_set=self._cross_set)
+        with torch.no_grad():
+            flat.copy_(out.div_(self.replicas.count))
+
+    def _group_all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """In place, over the ranks that reduce gradients together (this rank's replica group): the used-mask
+        of find_unused_parameters (``drop_globally_unused``), as DDP's on its process group. op is max|min|sum."""
+        hvd = self.hvd
+        self.comm_bytes += tensor.numel() * tensor.element_size()
+        out = hvd.allreduce(tensor.detach(), op={"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op],
+                            name="distkit.group_all_reduce", process_set=self._group_set)
+        with torch.no_grad():
+            tensor.copy_(out)
+        return tensor
 
     # -- per step ----------------------------------------------------------------------
     def _distributed(self, optimizer: torch.optim.Optimizer) -> bool:
-        return hasattr(optimizer, "synchronize") and self.averager is None
+        return hasattr(optimizer, "synchronize") and self._reduces_gradients
 
     def _gradient_arrived(self, p: torch.Tensor) -> None:
         self._seen.add(id(p))
@@ -178,10 +238,11 @@ class HorovodEngine(Strategy):
     def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
         """``loss.backward()``; in grad mode, on the last of ``accum_grad_multiple_step`` passes, the
         gradients are reduced when it returns (as DDP's are), so a plain ``clip_grad_norm_`` between
-        backward and step clips what every rank holds. Further passes before the step add their reduced
-        gradients (DDP's result for accumulation without ``no_sync``), where Horovod itself would raise."""
+        backward and step clips what every rank holds (every rank of the group, with replica groups).
+        Further passes before the step add their reduced gradients (DDP's result for accumulation without
+        ``no_sync``), where Horovod itself would raise."""
         loss.backward()
-        if self.averager is not None or self.world_size == 1 or not self._trainable:
+        if not self._reduces_gradients or self.world_size == 1 or not self._trainable:
             return
         self._micro += 1
         if self._micro >= self.cfg.accum_grad_multiple_step:
@@ -194,8 +255,10 @@ class HorovodEngine(Strategy):
             with self.waiting():
                 optimizer.synchronize()  # type: ignore[attr-defined]
             self.comm_bytes += self._grad_bytes
-            if self._find_unused:  # where Horovod filled in zeros
-                drop_globally_unused(self, [p for _, p in self._trainable], self._seen, self._had_grad)
+            if self._find_unused:  # where Horovod filled in zeros; "globally": over the group that reduced
+                group: Optional[Callable[[torch.Tensor, str], Any]] = (
+                    self._group_all_reduce if self.replicas is not None else None)
+                drop_globally_unused(self, [p for _, p in self._trainable], self._seen, self._had_grad, group)
             self._had_grad = {id(p): p.grad is not None for _, p in self._trainable}
             self._synchronized = True  # step() must then skip Horovod's own synchronize
             self._micro = 0
@@ -228,6 +291,8 @@ class HorovodEngine(Strategy):
         self._synchronized = False
         optimizer.zero_grad()  # sets grads to None
         self._micro, self._seen, self._had_grad = 0, set(), {}
+        if self.averager is not None:  # replica groups: the groups average when due (collective)
+            self.averager.after_step()
 
     # no_sync: Horovod counts micro-steps itself (backward_passes_per_step) and sends on the last.
 
@@ -266,10 +331,15 @@ class HorovodEngine(Strategy):
         """Collective: every rank must call it, in the same order. In-place ``hvd.broadcast_`` of each tensor."""
         if self.world_size == 1:
             return
+        self._broadcast(tensors, src, self.hvd.global_process_set)
+
+    def _broadcast(self, tensors: list[torch.Tensor], root_rank: int, process_set: Any) -> None:
+        """Collective over ``process_set``: in-place ``hvd.broadcast_`` of each tensor from global rank ``root_rank``
+        (a member of the set), all started before the first is waited for."""
         handles = []
         for t in tensors:
             self.comm_bytes += t.numel() * t.element_size()
-            handles.append(self.hvd.broadcast_async_(t.detach(), root_rank=src))
+            handles.append(self.hvd.broadcast_async_(t.detach(), root_rank=root_rank, process_set=process_set))
         for h in handles:
             self.hvd.synchronize(h)
 

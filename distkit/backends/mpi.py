@@ -10,7 +10,9 @@ on the bucket's own memory (no copies between torch and MPI) while backward goes
 Buckets are started strictly in index order, so every rank issues the same collectives in
 the same order (MPI requires it). ``step()`` waits, divides by the world size
 (``avg_grad``; sums when False) and steps. param mode: a plain model and
-:class:`~distkit.averaging.ParamAverager`, averaging with one flat ``Allreduce``.
+:class:`~distkit.averaging.ParamAverager`, averaging with one flat ``Allreduce``. param mode
+with replica groups (:mod:`distkit.replicas`): the reducer on the group's communicator (a
+``Split`` of distkit's), the averager's ``Allreduce`` on the cross group's.
 
 Failures: an exception on one rank calls ``MPI_Abort`` (mpi4py's default would leave the
 other ranks blocked in a collective forever); a rank stuck in one collective longer than
@@ -112,6 +114,8 @@ class MPIStrategy(Strategy):
                 f"{self.rank} of {self.world_size}: MPI engines need an MPI launcher: "
                 f"mpirun -np {self.world_size} python -m distkit train CONFIG (not --nprocs)")
         self.comm: Any = None
+        self.group_comm: Any = None  # replica groups only: this rank's group, and its cross group
+        self.cross_comm: Any = None
         self.reducer: Optional[GradReducer] = None
         self._buffers: list[torch.Tensor] = []
         self._buffer_hook: Any = None
@@ -138,6 +142,10 @@ class MPIStrategy(Strategy):
         if self._buffer_hook is not None:
             self._buffer_hook.remove()
             self._buffer_hook = None
+        for extra in ("group_comm", "cross_comm"):
+            if getattr(self, extra, None) is not None:
+                getattr(self, extra).Free()
+                setattr(self, extra, None)
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
@@ -187,28 +195,40 @@ class MPIStrategy(Strategy):
         d = self.cfg.distributed
         # rank 0's initial parameters and buffers everywhere (as DDP's constructor does).
         self.broadcast_tensors([*model.parameters(), *model.buffers()])
-        if self.reduce_type == "grad":
+        if self.replicas is not None:
+            # Replica groups: gradients reduced inside this rank's group (its own communicator), the averager
+            # over the cross group. Split is collective over self.comm, the same order on every rank.
+            self.group_comm = self.comm.Split(self.replicas.index, self.rank)
+            self.cross_comm = self.comm.Split(self.replicas.position, self.rank)
+        if self.reduce_type == "grad" or self.replicas is not None:
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             params = [p for _, p in named]
             odd = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
             if odd:
                 raise UnsupportedCombination(f"the mpi engine all-reduces fp32/fp64 gradients; the model has {', '.join(odd)} "
                                              "parameters: keep fp32 master parameters (autocast) or use ddp")
+            comm, size = (self.comm, self.world_size) if self.replicas is None else (self.group_comm, self.replicas.size)
             self.reducer = GradReducer(self, params, d.bucket_cap_mb, bool(d.avg_grad), names=[n for n, _ in named],
-                                       find_unused=bool(d.options.get("find_unused_parameters", False)))
-            # DDP semantics for buffers (BatchNorm statistics): rank 0's, before every training forward.
-            # Only buffers that are model state: a constant (non-persistent) buffer such as a causal mask
-            # would cost one Bcast per step for nothing (it was broadcast once above).
+                                       find_unused=bool(d.options.get("find_unused_parameters", False)),
+                                       comm=comm, size=size)
+            # DDP semantics for buffers (BatchNorm statistics): the leader's (rank 0, or the replica group's
+            # first rank), before every training forward. Only buffers that are model state: a constant
+            # (non-persistent) buffer such as a causal mask would cost one Bcast per step for nothing (it
+            # was broadcast once above).
             self._buffers = persistent_buffers(model)
-            if self._buffers and self.world_size > 1:
+            if self._buffers and size > 1:
                 self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)
-            return model, optimizer
+            if self.replicas is None:
+                return model, optimizer
         self.averager = param_averager(self, model)
         return model, optimizer
 
     def _sync_buffers(self, module: nn.Module, args: Any) -> None:
         if module.training:
-            self.broadcast_tensors(self._buffers)
+            if self.replicas is None:
+                self.broadcast_tensors(self._buffers)
+            else:  # inside the replica group, from its first rank (DDP's rule on a process group)
+                self._bcast(self.group_comm, self._buffers, 0)
 
     # -- per step ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
@@ -255,6 +275,8 @@ class MPIStrategy(Strategy):
         self.reducer.finish()
         optimizer.step()
         self.reducer.zero()  # zero_grad: the grads are bucket views and stay so
+        if self.averager is not None:  # replica groups: the groups average when due
+            self.averager.after_step()
 
     # -- collectives -------------------------------------------------------------------
     def _op(self, op: str) -> Any:
@@ -264,20 +286,35 @@ class MPIStrategy(Strategy):
         """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
         if self.world_size == 1:
             return tensor
+        return self._allreduce(self.comm, self.world_size, tensor, op)
+
+    def _allreduce(self, comm: Any, size: int, tensor: torch.Tensor, op: str, what: str = "") -> torch.Tensor:
+        """All-reduce ``tensor`` in place over ``comm`` (``size`` ranks; ``mean`` divides by it)."""
         direct = tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype not in (torch.bfloat16, torch.float16)
         buf = tensor if direct else tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else tensor.dtype).contiguous()
         self.comm_bytes += tensor.numel() * tensor.element_size()
-        with self.watch(f"Allreduce({op})"):
+        with self.watch(f"Allreduce({op}){what}"):
             if buf.numel() * buf.element_size() >= NONBLOCKING_MIN_BYTES:  # libnbc's ring (MCA_DEFAULTS)
-                wait_all(self.MPI, [self.comm.Iallreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))])
+                wait_all(self.MPI, [comm.Iallreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))])
             else:
-                self.comm.Allreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))
+                comm.Allreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))
         if op == "mean":
-            buf.div_(self.world_size)
+            buf.div_(size)
         if not direct:
             with torch.no_grad():
                 tensor.copy_(buf)
         return tensor
+
+    def cross_group_mean(self, flat: torch.Tensor) -> None:
+        """One ``Allreduce`` over this rank's cross group (the ranks at its position in every replica group)."""
+        assert self.replicas is not None
+        self._allreduce(self.cross_comm, self.replicas.count, flat, "mean", " over the replica groups")
+
+    def group_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Collective over this rank's replica group (or every rank without replica groups)."""
+        if self.replicas is None:
+            return self.all_reduce(tensor, op)
+        return self._allreduce(self.group_comm, self.replicas.size, tensor, op, " in the replica group")
 
     def average_parameters(self, params: list[torch.Tensor]) -> None:
         """Collective: every rank must call it, in the same order. One flat ``Allreduce`` of all ``params``."""
@@ -307,11 +344,15 @@ class MPIStrategy(Strategy):
         """Collective: every rank must call it, in the same order. ``Bcast`` of each tensor's memory."""
         if self.world_size == 1:
             return
+        self._bcast(self.comm, tensors, src)
+
+    def _bcast(self, comm: Any, tensors: list[torch.Tensor], root: int) -> None:
+        """``Bcast`` of each tensor's memory over ``comm`` from its rank ``root``."""
         with self.watch("Bcast"), torch.no_grad():
             for t in tensors:
                 direct = t.device.type == "cpu" and t.is_contiguous() and t.dtype not in (torch.bfloat16, torch.float16)
                 buf = t.detach() if direct else t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).contiguous()
                 self.comm_bytes += t.numel() * t.element_size()
-                self.comm.Bcast(_np(buf), root=src)
+                comm.Bcast(_np(buf), root=root)
                 if not direct:
                     t.copy_(buf)

@@ -71,14 +71,19 @@ class GradReducer:
         strategy: the MPI strategy (communicator, world size, byte count).
         params: parameters that require grad, in registration order.
         bucket_cap_mb: bucket size in MiB; a parameter larger than that gets a bucket of its own.
-        average: divide the sum by the world size.
+        average: divide the sum by the number of ranks reduced over.
+        comm, size: the communicator to reduce over and its size (the strategy's, every rank; a replica
+            group's with replica groups).
     """
 
     def __init__(self, strategy: "MPIStrategy", params: list[nn.Parameter], bucket_cap_mb: float, average: bool,
-                 names: Optional[list[str]] = None, find_unused: bool = False) -> None:
+                 names: Optional[list[str]] = None, find_unused: bool = False, comm: Any = None,
+                 size: Optional[int] = None) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.s, self.average = strategy, average
+        self.comm = comm if comm is not None else strategy.comm
+        self.size = size if size is not None else strategy.world_size
         self.enabled = True  # False inside no_sync(): hooks then only accumulate
         self.params = params
         self.names = names or [f"parameter {i}" for i in range(len(params))]
@@ -124,7 +129,7 @@ class GradReducer:
         b = self._where[id(p)]
         b.ready += 1
         if b.ready == len(b.params):
-            if 0 < self._next and self.s.world_size > 1:
+            if 0 < self._next and self.size > 1:
                 # Open MPI has no progress thread: a started Iallreduce only advances inside MPI calls.
                 # One non-blocking Testall per bucket filled (not per gradient: that cost 8.5 % CPU per
                 # step on a shared machine) lets the buckets already sent progress during backward.
@@ -137,8 +142,8 @@ class GradReducer:
     def _start(self, b: _Bucket) -> None:
         if b.host is not b.flat:
             b.host.copy_(b.flat)
-        if self.s.world_size > 1:
-            b.request = self.s.comm.Iallreduce(self.s.MPI.IN_PLACE, _np(b.host), op=self.s.MPI.SUM)
+        if self.size > 1:
+            b.request = self.comm.Iallreduce(self.s.MPI.IN_PLACE, _np(b.host), op=self.s.MPI.SUM)
             self.s.comm_bytes += b.nbytes
 
     def finish(self) -> None:
@@ -161,10 +166,10 @@ class GradReducer:
             b.request = None
             if b.host is not b.flat:
                 b.flat.copy_(b.host)
-            if self.average and self.s.world_size > 1:
-                b.flat.div_(self.s.world_size)
+            if self.average and self.size > 1:
+                b.flat.div_(self.size)
         if self.find_unused:  # (attach() makes a dropped gradient a bucket view again before the next backward)
-            drop_globally_unused(self.s, self.params, self._seen, self._had_grad)
+            drop_globally_unused(self.s, self.params, self._seen, self._had_grad, self.s.group_all_reduce)
         self.reduced = True
 
     @property

@@ -55,7 +55,8 @@ class DistributedConfig:
     bucket_cap_mb: float = 25.0
     #: deepspeed: the DeepSpeed config (a dict, after loading the JSON file if a path was given)
     deepspeed_config: Optional[dict[str, Any]] = None
-    #: deepspeed param mode: ranks per replica group (ZeRO shards inside a group, groups average)
+    #: param mode, every engine: ranks per replica group (gradients reduced inside a group every step, ZeRO
+    #: shards inside it; the groups average every param_sync_step); 1 = every rank its own replica
     param_sync_group_size: int = 1
 
 

@@ -156,11 +156,6 @@ class _DeepSpeedConfigured(DDPStrategy):
         if "scheduler" in ds and cfg.lr_scheduler is not None:
             raise ConfigError("'lr_scheduler' (distkit) and the 'scheduler' block of the DeepSpeed config both choose "
                               "the LR schedule: remove one of them")
-        if d.reduce_type == "param" and cfg.nprocs > 1 and cfg.nprocs % d.param_sync_group_size:
-            raise UnsupportedCombination(f"param_sync_group_size {d.param_sync_group_size} does not divide the world "
-                                         f"size {cfg.nprocs} (nprocs): use a divisor of the number of ranks")
-        if d.reduce_type == "grad" and d.param_sync_group_size != 1:
-            raise ConfigError("'distributed.param_sync_group_size' only applies to reduce_type 'param': remove it")
         if d.reduce_type == "param":
             if "nvme" in (_offload_device(z, "offload_optimizer"), _offload_device(z, "offload_param")):
                 raise UnsupportedCombination("param mode averages the optimizer's master weights in memory; NVMe "
@@ -179,14 +174,6 @@ class _DeepSpeedConfigured(DDPStrategy):
     def _resolve_batch(self) -> None:
         """DeepSpeed's rule train_batch_size = micro * accumulation * data-parallel size, with this world size."""
         cfg, ds = self.cfg, self.cfg.distributed.deepspeed_config or {}
-        g = self.cfg.distributed.param_sync_group_size
-        if self.reduce_type == "param" and self.world_size % g:
-            # every rank finds this before any collective: reported once (check_config finds it before start
-            # where --nprocs gives the world size)
-            error = UnsupportedCombination(f"param_sync_group_size {g} does not divide the world size "
-                                           f"{self.world_size}: use a divisor of the number of ranks")
-            error.agreed = True
-            raise error
         dp, tbs = self._data_parallel_size(), ds.get("train_batch_size")
         if tbs is None:
             return

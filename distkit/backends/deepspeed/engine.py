@@ -20,7 +20,7 @@ from torch import nn
 
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
 
-from ..base import bare_module, unused_parameters
+from ..base import bare_module, persistent_buffers, unused_parameters
 from .config import RESOLVED_NAME, zero_section
 from .groups import _MasterAverager, _ReplicaGroups
 from .state import _DeepSpeedState
@@ -196,6 +196,7 @@ class DeepSpeedStrategy(_DeepSpeedState):
             engine.module.register_forward_pre_hook(
                 lambda _m, args: tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                                        for a in args))
+        self._hook_buffers(engine)
         if self.mpu is not None:
             masters, refresh = self._masters(engine)
             buffers = [(n, b) for n, b in self.unwrap(engine).named_buffers() if b.is_floating_point()]
@@ -215,6 +216,28 @@ class DeepSpeedStrategy(_DeepSpeedState):
 
     def engine_defines_optimizer(self) -> bool:
         return "optimizer" in (self.cfg.distributed.deepspeed_config or {})
+
+    def _hook_buffers(self, engine: Any) -> None:
+        """DDP's rule for buffers (BatchNorm statistics), which DeepSpeed has not: before every training forward
+        the leader's persistent buffers replace the others', where the ranks reduce gradients together (rank 0's
+        in grad mode, the replica group's first rank's with replica groups; none where every rank is its own
+        replica). Only model state: a constant (non-persistent) buffer such as a causal mask would cost a
+        broadcast per step for nothing."""
+        buffers = persistent_buffers(self.unwrap(engine))
+        if self.mpu is None:
+            group, src, size = None, 0, self.world_size
+        else:
+            group, src, size = self.mpu.dp_group, self.mpu.index * self.mpu.size, self.mpu.size
+        if not buffers or size == 1:
+            return
+
+        def sync(module: nn.Module, args: Any) -> None:
+            if module.training:
+                for b in buffers:
+                    self.comm_bytes += b.numel() * b.element_size()
+                    dist.broadcast(b.data, src=src, group=group)
+
+        engine.module.register_forward_pre_hook(sync)
 
     def average_over(self, tensors: list[torch.Tensor], group: Any, size: int) -> None:
         """Collective over ``group`` (None = all ranks): set each tensor to its mean; one flat all-reduce."""

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distkit.averaging import ParamAverager
+from distkit.replicas import ReplicaGroups
 
 if TYPE_CHECKING:
     from .engine import DeepSpeedStrategy
@@ -34,13 +35,14 @@ class _ReplicaGroups:
 
     def __init__(self, rank: int, world_size: int, size: int) -> None:
         self.rank, self.size = rank, size
-        self.index = rank // size              # which replica group
-        self.position = rank % size            # rank inside the group = ZeRO partition id
-        groups = [dist.new_group(list(range(k * size, (k + 1) * size))) for k in range(world_size // size)]
-        cross = [dist.new_group(list(range(i, world_size, size))) for i in range(size)]
+        layout = ReplicaGroups(rank, world_size, size)
+        self.index = layout.index              # which replica group
+        self.position = layout.position        # rank inside the group = ZeRO partition id
+        groups = [dist.new_group(ranks) for ranks in layout.groups()]
+        cross = [dist.new_group(ranks) for ranks in layout.crosses()]
         singles = [dist.new_group([r]) for r in range(world_size)]
         self.dp_group, self.cross_group, self.single = groups[self.index], cross[self.position], singles[rank]
-        self.cross_size = world_size // size
+        self.cross_size = layout.count
 
     # data parallel
     def get_data_parallel_group(self) -> Any:
@@ -53,7 +55,7 @@ class _ReplicaGroups:
         return self.position
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(range(self.index * self.size, (self.index + 1) * self.size))
+        return list(range(self.index * self.size, (self.index + 1) * self.size))  # (ReplicaGroups.members)
 
     # model / tensor / pipeline parallel: one rank each
     def get_model_parallel_group(self) -> Any:
