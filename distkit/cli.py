@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     from distkit.sbatch import add_parser as add_sbatch_parser
 
     add_sbatch_parser(sub)
+    from distkit.lighthouse import add_parser as add_lighthouse_parser
+
+    add_lighthouse_parser(sub)
     return parser
 
 
@@ -264,6 +267,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from distkit.sbatch import run as sbatch
 
             return sbatch(args, overrides)
+        if args.command == "lighthouse":
+            from distkit.lighthouse import run as lighthouse
+
+            return lighthouse(args)
         return train(args, overrides, argv)
     except DistkitError as e:
         print(f"distkit: error: {e}", file=sys.stderr, flush=True)

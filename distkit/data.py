@@ -217,8 +217,12 @@ def sharded_loader(session: "Session", dataset: Any, batch_size: Optional[int], 
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise UsageError("dk.dataloader needs a map-style dataset (with __len__ and __getitem__), got "
                          f"{type(dataset).__name__}")
-    plan = BatchPlan(len(dataset), batch_size, session.rank, session.world_size, session.cfg.data_distribution,
-                     session.cfg.seed, shuffle=shuffle)
+    from distkit.fault_tolerance import data_place
+
+    # fault-tolerant replica groups: group i takes what its ranks would take in one job of all the groups
+    rank, world = data_place(session.cfg.fault_tolerance, session.rank, session.world_size)
+    plan = BatchPlan(len(dataset), batch_size, rank, world, session.cfg.data_distribution, session.cfg.seed,
+                     shuffle=shuffle)
     # Ranks may hold different data (per-rank datasets): the minimum never hangs.
     steps = int(session.all_reduce(torch.tensor([plan.steps_per_epoch]), op="min").item())
     if steps == 0:  # (the same on every rank: agreed by the all-reduce above)

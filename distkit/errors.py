@@ -39,6 +39,13 @@ class CollectiveTimeout(DistkitError):
     exit_code = 1
 
 
+class LighthouseLost(DistkitError):
+    """The torchft lighthouse of fault-tolerant replica groups stopped answering: no sync can commit, so the
+    group stops rather than train on alone unseen; the text says how to go on."""
+
+    exit_code = 1
+
+
 class UsageError(DistkitError):
     """The distkit API was called in a way that cannot work (e.g. ``dk.step()`` before ``dk.setup()``);
     the text says which call to make instead."""

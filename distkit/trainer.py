@@ -89,6 +89,7 @@ class TrainingRun:
         self.callbacks = list(cfg.callbacks)
         self._stop = False
         self._pending: Optional[checkpoint.PendingCheckpoint] = None  # checkpoint_async: the one being written
+        self._ft_logged, self._ft_groups, self._ft_heals = 0, None, 0  # fault_tolerance: syncs reported, heals seen
         self._data_offset = 0  # data steps ahead of the step count: nonzero after a resume with another global batch
         scheduler = build_scheduler(cfg, self.total_steps)
         # The factory is called with this bare model's parameters (names without a wrapper's "module."
@@ -302,6 +303,21 @@ class TrainingRun:
                 step = dk.num_steps
                 bar.update(1)
                 faults.maybe_fire(dk.rank, step)
+                ft = dk.fault_tolerance
+                if ft is not None and len(ft.syncs) > self._ft_logged:
+                    # each sync across fault-tolerant groups whose membership or outcome changed: one record
+                    for sync in ft.syncs[self._ft_logged:]:
+                        if sync["healed"] or not sync["committed"] or sync["groups"] != self._ft_groups:
+                            self._log({"event": "sync", **sync})
+                            dk.print(f"distkit: sync at step {sync['step']}: {sync['groups']} group(s)"
+                                     f"{', healed from a live group' if sync['healed'] else ''}"
+                                     f"{'' if sync['committed'] else ', not committed (a group failed in it)'}")
+                        self._ft_groups = sync["groups"]
+                    self._ft_logged = len(ft.syncs)
+                    if ft.heals > self._ft_heals:  # this group healed: the step count jumped, the data follows it
+                        self._ft_heals = ft.heals
+                        bar.n = dk.num_steps
+                        break
                 if step % cfg.log_every == 0 or step == self.total_steps:
                     names = sorted(window_metrics)  # a train_step's metrics: the same names on every rank
                     means = dk.all_reduce(torch.stack([window.double(), *(window_metrics[n] for n in names)]) / window_n,

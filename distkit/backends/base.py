@@ -74,8 +74,13 @@ class Strategy(ABC):
         #: param mode with ``param_sync_group_size`` > 1: the replica groups (gradients reduced inside this
         #: rank's group every step, the groups averaged every param_sync_step); None: every rank its own
         #: replica, or grad mode. Raises the agreed UnsupportedCombination when the size does not divide.
+        if cfg.fault_tolerance:  # each replica group is a launch of its own: this world is one group
+            cfg.distributed.param_sync_group_size = self.world_size
         self.replicas: Optional[ReplicaGroups] = replica_groups(
             self.reduce_type, cfg.distributed.param_sync_group_size, self.rank, self.world_size)
+        #: fault-tolerant replica groups (``fault_tolerance``): the syncs across groups go through torchft
+        #: (:class:`distkit.fault_tolerance.FaultTolerance`, set by the Session after setup); None otherwise
+        self.ft: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -278,6 +283,12 @@ class Strategy(ABC):
         (:meth:`cross_group_mean`), one copy of the model per link instead of one per rank; the floating
         buffers, which differ inside a group, over every rank.
         """
+        if self.ft is not None:  # across groups through torchft; the buffers first over this group's ranks
+            if self.world_size > 1:
+                flat_mean([t for t in params if not isinstance(t, nn.Parameter)],
+                          lambda flat: self.all_reduce(flat, op="mean"))
+            self.ft.average(params)
+            return
         if self.replicas is None:
             flat_mean(params, lambda flat: self.all_reduce(flat, op="mean"))
             return

@@ -191,6 +191,8 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None, cli_keys: fro
     if flags.nprocs is not None:
         cfg.nprocs = flags.nprocs
     _validate(cfg)
+    if cfg.fault_tolerance:  # every replica group is a launch of its own: each writes its own directory
+        cfg.output_dir = os.path.join(cfg.output_dir, f"group-{cfg.fault_tolerance['replica_id']}")
     return cfg
 
 

@@ -171,6 +171,13 @@ class RunConfig:
     #: and exits with status 75 (``++resume auto`` continues bit-identically; ``distkit sbatch --requeue``
     #: requeues the job on it); a second signal ends the run at once. False: the signals end it at once
     preemption: bool = True
+    #: replica groups that survive failures (torchft; param mode): ``{"lighthouse": "http://HOST:29510",
+    #: "replica_id": i, "num_replicas": N, "min_replicas": 1}``. Each group is a launch of its own (replica_id
+    #: 0 .. N-1, writing to output_dir/group-<i>); inside a group gradients are reduced every step, across groups
+    #: the parameters are averaged every param_sync_step steps by the groups alive then (a quorum from the
+    #: lighthouse: ``distkit lighthouse``); a (re)started group heals from a live one. ``quorum_timeout_s``
+    #: (default 600) bounds the wait for a quorum. None = no fault tolerance
+    fault_tolerance: Optional[dict[str, Any]] = None
     #: a tqdm bar on rank 0
     progress_bar: bool = True
     #: engine and mode: see the distributed.* keys

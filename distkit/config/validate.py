@@ -108,6 +108,15 @@ def _validate(cfg: RunConfig) -> None:
     _int("keep_checkpoints", cfg.keep_checkpoints, 1)
     if not isinstance(cfg.preemption, bool):
         raise ConfigError(f"preemption must be True or False, got {cfg.preemption!r}")
+    if cfg.fault_tolerance is not None:
+        from distkit import fault_tolerance
+
+        if not isinstance(cfg.fault_tolerance, dict):
+            raise ConfigError(f"fault_tolerance must be a dict like {{'lighthouse': 'http://HOST:29510', 'replica_id': 0, "
+                              f"'num_replicas': 2}}, got {cfg.fault_tolerance!r}")
+        fault_tolerance.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff)
+        fault_tolerance.import_torchft()
+        fault_tolerance.probe_lighthouse(cfg.fault_tolerance["lighthouse"])  # before anything is written
     if cfg.device == "cuda":
         import torch
 

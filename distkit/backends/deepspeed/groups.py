@@ -145,6 +145,10 @@ class _MasterAverager(ParamAverager):
     def average_parameters(self, tensors: list[torch.Tensor]) -> None:
         s = self._ds
         assert s.mpu is not None
+        if s.ft is not None:  # fault-tolerant groups: this launch is one group, the average across goes via torchft
+            s.average_over(tensors[self._n_masters:], None, s.world_size)
+            s.ft.average(tensors)
+            return
         s.average_over(tensors[:self._n_masters], s.mpu.cross_group, s.mpu.cross_size)
         s.average_over(tensors[self._n_masters:], None, s.world_size)
 

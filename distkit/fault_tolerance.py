@@ -1,0 +1,264 @@
+"""Fault-tolerant replica groups with torchft (``fault_tolerance = {...}``, param mode).
+
+Each replica group is a launch of its own (its own ``torchrun`` / ``mpirun`` / ``--nprocs`` / SLURM job
+step) with ``fault_tolerance.replica_id`` = its index. Inside a group the chosen engine reduces gradients
+every step (as replica groups in one job do, :mod:`distkit.replicas`); across groups, param mode: every
+``param_sync_step`` steps each rank averages its parameters and floating buffers with the ranks at its
+position in the other groups, through torchft's :class:`torchft.manager.Manager`:
+
+* the Manager asks the lighthouse (``torchft_lighthouse``, ``distkit lighthouse``) for a *quorum* of the
+  groups alive at that sync; a group that died is not in it, so the others average without it;
+* the average goes over torchft's reconfigurable gloo group of the quorum; the Manager's
+  ``should_commit`` then agrees whether every participant completed it. A sync that failed (a group died
+  mid-exchange) is not applied: every group keeps its own model and tries again at the next sync;
+* a group that (re)starts, or that fell behind (missed a sync), *heals* at its first quorum: it receives
+  a live group's state (model, optimizer, averager, step and sample counters) over torchft's HTTP
+  transport, and from then on syncs with the others.
+
+Data: group ``i`` of ``num_replicas`` trains on the slices that ranks ``i * G .. i * G + G - 1`` of one
+job of ``num_replicas * G`` ranks would, so with no failure a fault-tolerant run equals the same replica
+groups in one job (:mod:`distkit.replicas`). What a failure costs: the dead group's steps since its last
+sync, and each survivor's sync in flight when it died (skipped, not lost: the local steps stay).
+
+Cross-rank contract: every rank of every group calls :meth:`FaultTolerance.average` at every sync (collective
+across the groups through torchft). A group that starts later, or restarts, trains from the start until its
+first sync, where it heals: its first period is lost (torchft's LocalSGD does the same).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+
+from distkit.errors import BackendUnavailable, ConfigError, LighthouseLost
+
+if TYPE_CHECKING:
+    from distkit.backends.base import Strategy
+
+INSTALL_HINT = "pip install 'distkit[ft]' (torchft)"
+#: seconds a rank waits for the lighthouse to answer at start before it says it is unreachable
+PROBE_TIMEOUT_S = 5.0
+#: seconds between probes of the lighthouse while a rank waits for a quorum
+WATCH_INTERVAL_S = 2.0
+
+
+def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> None:
+    """Raise ConfigError (exit 2) for a ``fault_tolerance`` dict that cannot work. Not collective."""
+    known = {"lighthouse", "replica_id", "num_replicas", "min_replicas", "quorum_timeout_s"}
+    unknown = sorted(set(ft) - known)
+    if unknown:
+        raise ConfigError(f"fault_tolerance: unknown key(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+    if reduce_type != "param":
+        raise ConfigError("fault_tolerance averages across replica groups in param mode: set distributed.reduce_type "
+                          "= 'param' (gradients are reduced inside each group every step)")
+    if sync_time_diff is not None:
+        raise ConfigError("fault_tolerance syncs by step (param_sync_step): remove param_sync_time_diff")
+    lighthouse = ft.get("lighthouse")
+    if not isinstance(lighthouse, str) or not urllib.parse.urlparse(lighthouse).port:
+        raise ConfigError(f"fault_tolerance.lighthouse must be the lighthouse's URL, e.g. 'http://HOST:29510' "
+                          f"(`distkit lighthouse` prints it), got {lighthouse!r}")
+    for key, low in (("replica_id", 0), ("num_replicas", 1), ("min_replicas", 1)):
+        value = ft.get(key, 1 if key == "min_replicas" else None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"fault_tolerance.{key} must be an integer >= {low}, got {value!r}")
+    if ft["replica_id"] >= ft["num_replicas"]:
+        raise ConfigError(f"fault_tolerance.replica_id {ft['replica_id']} is not below num_replicas "
+                          f"{ft['num_replicas']}: number the groups 0 .. num_replicas - 1")
+    if ft.get("min_replicas", 1) > ft["num_replicas"]:
+        raise ConfigError(f"fault_tolerance.min_replicas {ft['min_replicas']} is larger than num_replicas "
+                          f"{ft['num_replicas']}, the groups that can ever join: no sync could commit")
+    timeout = ft.get("quorum_timeout_s", 600)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ConfigError(f"fault_tolerance.quorum_timeout_s must be a positive number of seconds, got {timeout!r}")
+
+
+def import_torchft() -> Any:
+    """The torchft package, or BackendUnavailable with the install command."""
+    try:
+        import torchft
+    except ImportError as e:
+        raise BackendUnavailable(f"fault_tolerance needs torchft ({e}): {INSTALL_HINT}") from None
+    return torchft
+
+
+def lighthouse_answers(url: str) -> Optional[str]:
+    """None when the lighthouse at ``url`` answers (its web page, GET /), else why not."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/", timeout=PROBE_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError:
+        return None  # something answered: the lighthouse (its page may differ between versions)
+    except (OSError, ValueError) as e:
+        return str(getattr(e, "reason", e))
+
+
+def probe_lighthouse(url: str) -> None:
+    """Raise ConfigError when nothing answers at the lighthouse's address."""
+    why = lighthouse_answers(url)
+    if why is not None:
+        raise ConfigError(f"fault_tolerance.lighthouse {url} does not answer ({why}): start it first "
+                          "(`distkit lighthouse --port PORT`), or give its address")
+
+
+class FaultTolerance:
+    """This rank's torchft Manager, and the syncs through it.
+
+    Args:
+        strategy: the engine, initialised (its collectives work over this rank's group, the launch).
+        ft: the validated ``fault_tolerance`` dict.
+        timeout_s: ``distributed.timeout_s``: the bound of one exchange across groups (seconds).
+        state_dict, load_state_dict: this rank's whole training state for a healing group, and its inverse
+            (model, optimizer, averager, counters): served to, or received from, the same rank of a live group.
+        step_of: the number of the step whose sync this is (recorded with each sync's outcome).
+    """
+
+    def __init__(self, strategy: "Strategy", ft: dict[str, Any], timeout_s: float,
+                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None],
+                 step_of: Callable[[], int]) -> None:
+        import torch.distributed as dist
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        from distkit.env import _my_address
+        from distkit.netif import reachable_address
+
+        self.replica_id, self.num_replicas = int(ft["replica_id"]), int(ft["num_replicas"])
+        self.url, self._rank, self._end_job = ft["lighthouse"], strategy.rank, strategy.end_job
+        url = urllib.parse.urlparse(ft["lighthouse"])
+        here = reachable_address(url.hostname) or _my_address()
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        # torchft's own logs (every quorum, every commit) go to its loggers; distkit reports the membership itself
+        for name in ("torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # a warning at every new quorum that means nothing without NCCL (CPU); torchft's real warnings stay
+        logging.getLogger("torchft.manager").addFilter(
+            lambda record: "flight recorder" not in record.getMessage())
+        # The group's store for torchft (its manager's address; the cross-group gloo group of a quorum meets in
+        # the store of one member, so it must be reachable from the other groups' hosts): served by this group's
+        # rank 0, found by the others with one broadcast.
+        self._store = None
+        where = None
+        if strategy.rank == 0:
+            self._store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=timeout, wait_for_workers=False)
+            where = (here, int(self._store.port))
+        host, port = strategy.broadcast_object(where, 0) if strategy.world_size > 1 else where
+        #: how many heals this rank went through (the caller re-seeks its data when it grows)
+        self.heals = 0
+        self._step_of = step_of
+
+        def load(state: dict[str, Any]) -> None:
+            load_state_dict(state)
+            self.heals += 1
+
+        os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state_dict,
+            # async quorum: a healing group takes no part in the average of the sync it joins at (its tensors are
+            # zeroed and not counted), receives it, and gets the rest of a live group's state at should_commit
+            min_replica_size=int(ft.get("min_replicas", 1)), use_async_quorum=True, timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=float(ft.get("quorum_timeout_s", 600))),
+            connect_timeout=datetime.timedelta(seconds=PROBE_TIMEOUT_S * 2),
+            rank=strategy.rank, world_size=strategy.world_size, store_addr=host, store_port=port,
+            lighthouse_addr=ft["lighthouse"], replica_id=f"distkit_group_{self.replica_id}", hostname=here,
+            # every group starts from the same model (the seed, and rank 0's broadcast inside the group): no heal
+            # at step 0, which would replace the other groups' first period by one group's
+            init_sync=False)
+        #: every sync's outcome: {"step", "groups" (how many took part), "committed", "healed" (this group healed)}
+        self.syncs: list[dict[str, Any]] = []
+        self.wait_s = 0.0  #: seconds in quorums and exchanges across groups
+
+    def average(self, tensors: list[torch.Tensor]) -> bool:
+        """Collective: set ``tensors`` to their mean over the groups in this sync's quorum, if every participant
+        completed the exchange (``should_commit``); else leave them as they were. Returns whether it committed.
+        A rank that heals at this sync takes no part in the average, receives it, and gets the rest of a live
+        group's state at ``should_commit`` (through ``load_state_dict``; ``heals`` then grows)."""
+        if not tensors:
+            return True
+        t0, heals = time.perf_counter(), self.heals
+        why = lighthouse_answers(self.url)
+        if why is not None:
+            raise self._lost(why)
+        with torch.no_grad(), self._watching_lighthouse():
+            self.manager.start_quorum()
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            self.manager.allreduce(flat).wait()  # AVG: sum over the participants, divided by their number
+            committed = self.manager.should_commit()
+            if committed:
+                offset = 0
+                for t in tensors:
+                    n = t.numel()
+                    t.copy_(flat[offset:offset + n].view_as(t))
+                    offset += n
+        self.wait_s += time.perf_counter() - t0
+        self.syncs.append({"step": self._step_of(), "groups": self.manager.num_participants(),
+                           "committed": bool(committed), "healed": self.heals > heals})
+        return committed
+
+    def _lost(self, why: str) -> LighthouseLost:
+        return LighthouseLost(f"rank {self._rank} of replica group {self.replica_id}: the lighthouse {self.url} stopped "
+                              f"answering at the sync of step {self._step_of()} ({why}); no sync can commit without "
+                              "it: restart it (`distkit lighthouse`) and then this group with ++resume auto, or let "
+                              "the groups still running heal it")
+
+    @contextlib.contextmanager
+    def _watching_lighthouse(self) -> Iterator[None]:
+        """While this rank waits in a quorum or an exchange: a lighthouse that stops answering (two probes
+        :data:`WATCH_INTERVAL_S` apart) ends this rank with :meth:`_lost`'s line (the quorum would wait for
+        ``quorum_timeout_s``). Pure Python in the watcher thread: nothing of torch's runs in it."""
+        done = threading.Event()
+
+        def watch() -> None:
+            misses = 0
+            while not done.wait(WATCH_INTERVAL_S):
+                why = lighthouse_answers(self.url)
+                misses = misses + 1 if why is not None else 0
+                if why is not None and misses >= 2 and not done.is_set():
+                    print(f"distkit: error: {self._lost(why)}", file=sys.__stderr__ or sys.stderr, flush=True)
+                    self._end_job(1)
+
+        thread = threading.Thread(target=watch, name="distkit-lighthouse-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    def membership_changes(self) -> list[dict[str, Any]]:
+        """The syncs at which the number of groups changed (and the first), with heals and skipped syncs."""
+        out, last = [], None
+        for s in self.syncs:
+            if s["groups"] != last or not s["committed"] or s["healed"]:
+                out.append(s)
+            last = s["groups"]
+        return out
+
+    def shutdown(self) -> None:
+        """Leave the quorum (the lighthouse stops waiting for this group at once). Not collective."""
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:  # noqa: BLE001 - best effort at the end of the run
+            pass
+
+
+def data_place(ft: Optional[dict[str, Any]], rank: int, world_size: int) -> tuple[int, int]:
+    """(rank, world size) this rank takes its data slices as: in group ``replica_id`` of ``num_replicas``,
+    what rank ``replica_id * world_size + rank`` of one job of ``num_replicas * world_size`` ranks takes."""
+    if not ft:
+        return rank, world_size
+    return int(ft["replica_id"]) * world_size + rank, int(ft["num_replicas"]) * world_size
+
+
+def enabled(cfg: Any) -> bool:
+    return bool(getattr(cfg, "fault_tolerance", None))
+

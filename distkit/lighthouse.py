@@ -1,0 +1,66 @@
+"""``distkit lighthouse``: start torchft's lighthouse (``torchft_lighthouse``, in the torchft wheel), which forms
+the quorum of fault-tolerant replica groups at every sync (:mod:`distkit.fault_tolerance`), and say where the
+groups find it. It runs in the foreground until it is stopped (Ctrl-C, SIGTERM); its exit status is the
+lighthouse's."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from distkit.errors import BackendUnavailable, ConfigError
+from distkit.fault_tolerance import INSTALL_HINT
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("lighthouse", help="start torchft's lighthouse for fault-tolerant replica groups",
+                       allow_abbrev=False,
+                       description="Start torchft's lighthouse (the quorum of fault-tolerant replica groups) in the "
+                                   "foreground and print the URL for fault_tolerance.lighthouse.")
+    p.add_argument("--port", type=int, default=29510, help="port to listen on (default 29510; 0: any free port is "
+                                                             "not supported by the lighthouse, give one)")
+    p.add_argument("--min-replicas", dest="min_replicas", type=int, default=1, metavar="N",
+                   help="groups a quorum needs at least (default 1: the groups go on as long as one lives)")
+    p.add_argument("--join-timeout", dest="join_timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a quorum waits for groups that are alive but late (default 10)")
+    p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout", type=float, default=5.0, metavar="S",
+                   help="seconds without a group's heartbeat after which it is left out (default 5)")
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    """The ``torchft_lighthouse`` command line for ``args`` (ConfigError for bad values; BackendUnavailable
+    without torchft)."""
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port must be 1 .. 65535, got {args.port}")
+    if args.min_replicas < 1:
+        raise ConfigError(f"--min-replicas must be >= 1, got {args.min_replicas}")
+    for name in ("join_timeout", "heartbeat_timeout"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
+    exe = shutil.which("torchft_lighthouse", path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                                    os.environ.get("PATH", "")]))
+    if exe is None:
+        raise BackendUnavailable(f"torchft_lighthouse is not installed: {INSTALL_HINT}")
+    return [exe, "--bind", f"[::]:{args.port}", "--min_replicas", str(args.min_replicas),
+            "--join_timeout_ms", str(int(args.join_timeout * 1000)),
+            "--heartbeat_timeout_ms", str(int(args.heartbeat_timeout * 1000)), "--quorum_tick_ms", "100"]
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = command(args)
+    print(f"distkit: lighthouse at http://{socket.gethostname()}:{args.port} (min_replicas {args.min_replicas}): "
+          f"give the groups fault_tolerance = {{'lighthouse': 'http://{socket.gethostname()}:{args.port}', ...}}",
+          flush=True)
+    proc = subprocess.Popen(cmd)
+
+    def stop(signum: int, _frame: Any) -> None:
+        proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    return proc.wait()

@@ -1,0 +1,207 @@
+"""Fault-tolerant replica groups with torchft (``fault_tolerance = {...}``, issue 25 items 2-4): every group a
+launch of its own, a real ``torchft_lighthouse`` (started by ``distkit lighthouse``), real kills.
+
+Proven: with no failure the groups equal one job of the same replica groups bit for bit (ddp, 1 rank per
+group) or within rounding (2 ranks per group, ddp and mpi inside); a group SIGKILLed mid-run leaves the
+others training (they never exit, their syncs go on with the groups alive), and the same command restarted
+heals from a live group at its first sync, after which all groups hold the same model and end at the same
+step with the same checksum; every membership change is in each group's summary and metrics.jsonl. Bad
+input is one line, exit 2, nothing written.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, run, stacks_of_marked, summary
+
+TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++progress_bar", "False", "++log_every", "5",
+         "++batch_size", "8"]
+PARAM = "{'backend': '%s', 'reduce_type': 'param', 'param_sync_step': 5}"
+TOL = 1e-6  # buffers averaged inside a group and then across groups round differently from one average
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Lighthouse(str):
+    """The lighthouse's URL, with its process (for a test that kills it)."""
+
+    def __new__(cls, url: str, proc: "subprocess.Popen[str]") -> "_Lighthouse":
+        self = super().__new__(cls, url)
+        self.proc = proc
+        return self
+
+
+@pytest.fixture
+def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark."""
+    mark = request.node.get_closest_marker("min_replicas")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas",
+                             str(mark.args[0] if mark else 1)], env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith("distkit: lighthouse at http://") and f":{port} (min_replicas" in first, first
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:  # until it answers
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "the lighthouse did not start"
+            time.sleep(0.1)
+    yield _Lighthouse(url, proc)
+    with contextlib.suppress(ProcessLookupError):  # distkit lighthouse and torchft_lighthouse, its child
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _group(url: str, i: int, n: int, out: Path, *extra: str, engine: str = "ddp", **env: str) -> "subprocess.Popen[str]":
+    ft = f"{{'lighthouse': '{url}', 'replica_id': {i}, 'num_replicas': {n}}}"
+    return subprocess.Popen([sys.executable, "-m", "distkit", *TRAIN, "++output_dir", str(out), "++distributed",
+                             PARAM % engine, "++fault_tolerance", ft, *extra], env=base_env(**env), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait(p: "subprocess.Popen[str]", timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = stacks_of_marked()
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {p.args}\n{err[-3000:]}\n{stacks}")
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _syncs(out: Path) -> list[dict[str, Any]]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "sync"]
+
+
+@pytest.mark.min_replicas(2)  # the first quorum waits for both groups: the same syncs as one job
+def test_without_failures_two_groups_equal_one_job_bit_for_bit(lighthouse: str, tmp_path: Path) -> None:
+    procs = [_group(lighthouse, i, 2, tmp_path / "ft", "++max_steps", "20") for i in range(2)]
+    results = [_wait(p) for p in procs]
+    for res in results:
+        ok(res)
+    ref = tmp_path / "one_job"
+    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "2", "++output_dir", str(ref), "++distributed", PARAM % "ddp"))
+    for i in range(2):
+        s = summary(tmp_path / "ft" / f"group-{i}")
+        assert s["param_checksum"] == summary(ref)["param_checksum"]
+        assert max_abs_diff(final_params(tmp_path / "ft" / f"group-{i}"), final_params(ref)) == 0.0
+        ft = s["fault_tolerance"]
+        assert (ft["replica_id"], ft["num_replicas"], ft["syncs"], ft["committed"], ft["heals"]) == (i, 2, 4, 4, 0)
+        assert ft["membership"] == [{"step": 5, "groups": 2, "committed": True, "healed": False}]
+
+
+@pytest.mark.min_replicas(2)
+@pytest.mark.parametrize("engine", ["ddp", "mpi"])
+def test_two_ranks_per_group_equal_one_job_of_replica_groups(lighthouse: str, tmp_path: Path, engine: str) -> None:
+    # inside each group the engine reduces gradients (2 ranks); across groups torchft averages
+    procs = [_group(lighthouse, i, 2, tmp_path / "ft", "++max_steps", "20", "--nprocs", "2", engine=engine)
+             for i in range(2)]
+    for p in procs:
+        ok(_wait(p))
+    ref = tmp_path / "one_job"
+    groups = "{'backend': '%s', 'reduce_type': 'param', 'param_sync_step': 5, 'param_sync_group_size': 2}" % engine
+    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "4", "++output_dir", str(ref), "++distributed", groups))
+    for i in range(2):
+        s = summary(tmp_path / "ft" / f"group-{i}")
+        assert s["world_size"] == 2 and s["param_sync_group_size"] == 2 and s["ranks_in_sync"] is True
+        for r in range(2):
+            assert max_abs_diff(final_params(tmp_path / "ft" / f"group-{i}", r), final_params(ref, 2 * i + r)) <= TOL
+
+
+def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(lighthouse: str, tmp_path: Path) -> None:
+    # 3 groups of 1 rank, sync every 5 of 60 steps. Group 2 is SIGKILLed at step 12; the others pause 5 s at
+    # step 20 (DISTKIT_FAULT delay: a slow step), so the same command restarted for group 2 joins while they train.
+    out = tmp_path / "ft"
+    steps = ["++max_steps", "60"]
+    survivors = [_group(lighthouse, i, 3, out, *steps, DISTKIT_FAULT="0:20:delay") for i in range(2)]
+    killed = _wait(_group(lighthouse, 2, 3, out, *steps, DISTKIT_FAULT="0:12:kill"))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert all(p.poll() is None for p in survivors), "a surviving group exited when group 2 died"
+    restarted = ok(_wait(_group(lighthouse, 2, 3, out, *steps)))
+    for p in survivors:
+        ok(_wait(p))
+    sums = [summary(out / f"group-{i}") for i in range(3)]
+    assert all(s["steps"] == 60 for s in sums)
+    assert len({s["param_checksum"] for s in sums}) == 1, "the groups do not end with the same model"
+    for i in range(3):
+        assert max_abs_diff(final_params(out / f"group-{i}"), final_params(out / "group-0")) == 0.0
+    # the survivors: every sync committed; fewer groups while group 2 was gone, all three again after its heal
+    for s in sums[:2]:
+        ft = s["fault_tolerance"]
+        assert ft["committed"] == ft["syncs"] == 12 and ft["heals"] == 0
+        groups = [m["groups"] for m in ft["membership"]]
+        assert groups[0] == 3 and min(groups) == 2 and groups[-1] == 3, ft["membership"]
+    # the restarted group healed once, at its first sync, from a live group's step
+    ft2 = sums[2]["fault_tolerance"]
+    assert ft2["heals"] == 1 and ft2["membership"][0]["healed"] is True and ft2["membership"][0]["step"] > 12
+    assert "healed from a live group" in restarted.stdout
+    assert [r["healed"] for r in _syncs(out / "group-2")][0] is True
+    assert any(r["groups"] == 2 for r in _syncs(out / "group-0"))
+
+
+def test_a_lighthouse_that_dies_stops_every_group_with_one_line(lighthouse: str, tmp_path: Path) -> None:
+    # Decided: stop, not train on alone. Without the lighthouse no sync can commit, and groups that went on
+    # would silently become independent runs. Both groups pause 5 s at step 7 (DISTKIT_FAULT delay); the
+    # lighthouse dies after their first sync (step 5), so their next sync (step 10) finds it gone.
+    out = tmp_path / "ft"
+    procs = [_group(lighthouse, i, 2, out, "++max_steps", "30", DISTKIT_FAULT="0:7:delay") for i in range(2)]
+    deadline = time.monotonic() + 120
+    while not all((out / f"group-{i}" / "metrics.jsonl").exists() and _syncs(out / f"group-{i}") for i in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no first sync"
+        time.sleep(0.1)
+    os.killpg(lighthouse.proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]  # distkit's and torchft's process
+    for i, p in enumerate(procs):
+        res = _wait(p)
+        assert res.returncode == 1, res.stderr[-3000:]
+        lines = [ln for ln in res.stderr.splitlines() if "LighthouseLost" in ln or "stopped answering" in ln]
+        assert len(lines) == 1 and f"replica group {i}: the lighthouse {lighthouse} stopped answering at the sync " \
+            "of step 10" in lines[0], res.stderr[-3000:]
+        assert "Traceback" not in res.stderr
+        assert not (out / f"group-{i}" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("ft,reduce_type,expected", [
+    ("{'lighthouse': 'http://127.0.0.1:%d', 'replica_id': 0, 'num_replicas': 2}", "grad",
+     "fault_tolerance averages across replica groups in param mode: set distributed.reduce_type = 'param'"),
+    ("{'lighthouse': 'http://127.0.0.1:%d', 'replica_id': 0, 'num_replicas': 2}", "param",
+     "does not answer"),
+    ("{'lighthouse': 'http://127.0.0.1:%d', 'replica_id': 0, 'num_replicas': 2, 'min_replicas': 3}", "param",
+     "fault_tolerance.min_replicas 3 is larger than num_replicas 2"),
+    ("{'lighthouse': 'http://127.0.0.1:%d', 'replica_id': 2, 'num_replicas': 2}", "param",
+     "fault_tolerance.replica_id 2 is not below num_replicas 2"),
+], ids=["grad-mode", "no-lighthouse", "min-replicas", "replica-id"])
+def test_bad_fault_tolerance_is_one_line_before_anything_is_written(tmp_path: Path, ft: str, reduce_type: str,
+                                                                    expected: str) -> None:
+    out = tmp_path / "out"
+    res = distkit(*TRAIN, *SHORT, "++output_dir", str(out), "++distributed", f"{{'reduce_type': '{reduce_type}'}}",
+                  "++fault_tolerance", ft % _free_port(), timeout=60)
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distkit: error: ") and expected in lines[0], res.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_lighthouse_command_refuses_bad_values() -> None:
+    res = run([sys.executable, "-m", "distkit", "lighthouse", "--min-replicas", "0"], timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == "distkit: error: --min-replicas must be >= 1, got 0"
