@@ -2,7 +2,7 @@
 
 ``DISTKIT_FAULT="RANK:STEP:KIND[:POINT]"`` makes rank RANK, at optimizer step STEP, ``kill``
 itself with SIGKILL, ``raise`` RuntimeError, ``hang`` (sleep forever in the main thread, to test
-timeouts: its other threads go on), ``delay`` (sleep 5 s, then go on: a slow rank) or ``stop`` itself with SIGSTOP (every thread frozen, as a
+timeouts: its other threads go on), ``delay`` (sleep 5 s, then go on: a slow rank; ``delay=S`` sleeps S seconds) or ``stop`` itself with SIGSTOP (every thread frozen, as a
 stalled or cut-off process: see :mod:`distkit.watchdog`). POINT is ``step`` (right after the
 optimizer step, the default) or a point inside the checkpoint save of that step
 (:func:`distkit.checkpoint.write`, in order): ``rank_file`` (this rank's ``.part`` file
@@ -28,7 +28,7 @@ _PARTS = _SPEC.split(":") if _SPEC else ["-1", "-1", "", "step"]
 _RANK, _STEP, _KIND = int(_PARTS[0]), int(_PARTS[1]), _PARTS[2]
 _POINT = _PARTS[3] if len(_PARTS) > 3 else "step"
 _STAMP = os.environ.get("DISTKIT_FAULT_STAMP", "")
-#: seconds a ``delay`` fault sleeps
+#: seconds a ``delay`` fault sleeps (unless it says: ``delay=S``)
 DELAY_S = 5.0
 
 
@@ -46,7 +46,7 @@ def maybe_fire(rank: int, step: int, point: str = "step") -> None:
     elif _KIND == "hang":
         while True:
             time.sleep(3600)
-    elif _KIND == "delay":
-        time.sleep(DELAY_S)
+    elif _KIND.startswith("delay"):
+        time.sleep(float(_KIND.partition("=")[2] or DELAY_S))
     elif _KIND == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -23,6 +23,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from distkit import procfs
+
 from conftest import ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, run, stacks_of_marked, summary
 
 TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++progress_bar", "False", "++log_every", "5",
@@ -51,8 +53,10 @@ def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
     """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark."""
     mark = request.node.get_closest_marker("min_replicas")
     port = _free_port()
+    # --join-timeout 30: a quorum waits that long for a group that is alive (heartbeating) but late, e.g. one
+    # paused by a DISTKIT_FAULT delay; a group paused longer would be left out and heal at its next sync
     proc = subprocess.Popen([sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas",
-                             str(mark.args[0] if mark else 1)], env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                             str(mark.args[0] if mark else 1), "--join-timeout", "30"], env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     assert proc.stdout is not None
     first = proc.stdout.readline()
@@ -130,11 +134,11 @@ def test_two_ranks_per_group_equal_one_job_of_replica_groups(lighthouse: str, tm
 
 
 def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(lighthouse: str, tmp_path: Path) -> None:
-    # 3 groups of 1 rank, sync every 5 of 60 steps. Group 2 is SIGKILLed at step 12; the others pause 5 s at
+    # 3 groups of 1 rank, sync every 5 of 60 steps. Group 2 is SIGKILLed at step 12; the others pause 12 s at
     # step 20 (DISTKIT_FAULT delay: a slow step), so the same command restarted for group 2 joins while they train.
     out = tmp_path / "ft"
     steps = ["++max_steps", "60"]
-    survivors = [_group(lighthouse, i, 3, out, *steps, DISTKIT_FAULT="0:20:delay") for i in range(2)]
+    survivors = [_group(lighthouse, i, 3, out, *steps, DISTKIT_FAULT="0:20:delay=12") for i in range(2)]
     killed = _wait(_group(lighthouse, 2, 3, out, *steps, DISTKIT_FAULT="0:12:kill"))
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert all(p.poll() is None for p in survivors), "a surviving group exited when group 2 died"
@@ -146,18 +150,41 @@ def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(ligh
     assert len({s["param_checksum"] for s in sums}) == 1, "the groups do not end with the same model"
     for i in range(3):
         assert max_abs_diff(final_params(out / f"group-{i}"), final_params(out / "group-0")) == 0.0
-    # the survivors: every sync committed; fewer groups while group 2 was gone, all three again after its heal
+    # the survivors: every sync committed; fewer groups while group 2 was gone, all three again after its heal.
+    # (Which groups share the very first sync depends on how fast each started: with min_replicas 1 a group
+    # alone there syncs alone, and a later one heals from it at its first sync; so no assertion on that.)
     for s in sums[:2]:
         ft = s["fault_tolerance"]
-        assert ft["committed"] == ft["syncs"] == 12 and ft["heals"] == 0
-        groups = [m["groups"] for m in ft["membership"]]
-        assert groups[0] == 3 and min(groups) == 2 and groups[-1] == 3, ft["membership"]
+        assert ft["committed"] == ft["syncs"] == 12
+        groups = [m["groups"] for m in ft["membership"] if m["step"] > 12]
+        assert min(groups) == 2 and groups[-1] == 3, ft["membership"]
     # the restarted group healed once, at its first sync, from a live group's step
     ft2 = sums[2]["fault_tolerance"]
-    assert ft2["heals"] == 1 and ft2["membership"][0]["healed"] is True and ft2["membership"][0]["step"] > 12
+    assert ft2["heals"] == 1 and ft2["membership"][0]["healed"] is True and ft2["membership"][0]["step"] > 12, ft2
     assert "healed from a live group" in restarted.stdout
     assert [r["healed"] for r in _syncs(out / "group-2")][0] is True
     assert any(r["groups"] == 2 for r in _syncs(out / "group-0"))
+
+
+def test_a_stopped_group_is_left_out_and_the_others_go_on(lighthouse: str, tmp_path: Path) -> None:
+    # group 2 is SIGSTOPped at step 12 (frozen, its sockets open): the lighthouse misses its heartbeats and
+    # leaves it out of the next quorum; the others commit every sync and end, it stays stopped
+    out = tmp_path / "ft"
+    steps = ["++max_steps", "40"]
+    stopped = _group(lighthouse, 2, 3, out, *steps, DISTKIT_FAULT="0:12:stop")
+    survivors = [_group(lighthouse, i, 3, out, *steps) for i in range(2)]
+    try:
+        for p in survivors:
+            ok(_wait(p))
+        assert stopped.poll() is None and procfs.is_stopped(stopped.pid)
+    finally:
+        stopped.kill()
+        stopped.communicate()
+    for i in range(2):
+        ft = summary(out / f"group-{i}")["fault_tolerance"]
+        assert ft["committed"] == ft["syncs"] == 8, ft
+        assert [m["groups"] for m in ft["membership"]][-1] == 2 and ft["membership"][-1]["step"] <= 15, ft
+    assert summary(out / "group-0")["param_checksum"] == summary(out / "group-1")["param_checksum"]
 
 
 def test_a_lighthouse_that_dies_stops_every_group_with_one_line(lighthouse: str, tmp_path: Path) -> None:
