@@ -54,6 +54,7 @@ def summary(session: "Session", **extra: Any) -> dict[str, Any]:
     if ft is not None:  # fault-tolerant replica groups: this group, and every change of the groups in the syncs
         out["fault_tolerance"] = {"replica_id": ft.replica_id, "num_replicas": ft.num_replicas, "syncs": len(ft.syncs),
                                   "committed": sum(x["committed"] for x in ft.syncs), "heals": ft.heals,
+                                  "manager_step": ft.manager.current_step(),
                                   "membership": ft.membership_changes(), "wait_s": ft.wait_s}
     out.update(extra)
     return out

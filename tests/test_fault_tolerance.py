@@ -133,6 +133,27 @@ def test_two_ranks_per_group_equal_one_job_of_replica_groups(lighthouse: str, tm
             assert max_abs_diff(final_params(tmp_path / "ft" / f"group-{i}", r), final_params(ref, 2 * i + r)) <= TOL
 
 
+@pytest.mark.min_replicas(2)
+def test_every_group_killed_then_resumed_ends_where_the_uninterrupted_run_ends(lighthouse: str, tmp_path: Path) -> None:
+    # a whole-job restart: both groups SIGKILLed at step 15 (checkpoint every 10), then the same commands with
+    # ++resume auto; each group's checkpoint holds the torchft Manager's state (2 syncs committed), so neither
+    # heals, and the run ends bit-identical to one job of the same groups
+    out, steps = tmp_path / "ft", ["++max_steps", "20", "++checkpoint_every", "10"]
+    killed = [_group(lighthouse, i, 2, out, *steps, DISTKIT_FAULT="0:15:kill") for i in range(2)]
+    for p in killed:
+        assert _wait(p).returncode == -9
+    resumed = [_group(lighthouse, i, 2, out, *steps, "++resume", "auto") for i in range(2)]
+    for p in resumed:
+        assert "at step 10" in ok(_wait(p)).stdout
+    ref = tmp_path / "one_job"
+    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "2", "++output_dir", str(ref), "++distributed", PARAM % "ddp"))
+    for i in range(2):
+        s = summary(out / f"group-{i}")
+        assert s["param_checksum"] == summary(ref)["param_checksum"]
+        ft = s["fault_tolerance"]
+        assert (ft["syncs"], ft["heals"], ft["manager_step"]) == (2, 0, 4), ft
+
+
 def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(lighthouse: str, tmp_path: Path) -> None:
     # 3 groups of 1 rank, sync every 5 of 60 steps. Group 2 is SIGKILLed at step 12; the others pause 12 s at
     # step 20 (DISTKIT_FAULT delay: a slow step), so the same command restarted for group 2 joins while they train.

@@ -64,6 +64,8 @@ def load_state(session: "Session", path: str, state: dict[str, Any]) -> dict[str
     internal = saved["distkit"]
     if session._strategy.averager is not None and internal.get("averager") is not None:
         session._strategy.averager.load_state_dict(internal["averager"])
+    if session.fault_tolerance is not None and internal.get("fault_tolerance"):
+        session.fault_tolerance.manager.load_state_dict(internal["fault_tolerance"])
     torch.set_rng_state(internal["rng"]["torch"])
     random.setstate(internal["rng"]["python"])
     np.random.set_state(internal["rng"]["numpy"])

@@ -29,11 +29,15 @@ def engine_state(session: "Session") -> dict[str, Any]:
 
 
 def internal_state(session: "Session") -> dict[str, Any]:
-    """distkit's own part of a rank file: the averager, this rank's RNG states, the step and sample counters."""
+    """distkit's own part of a rank file: the averager, this rank's RNG states, the step and sample counters, and
+    with fault-tolerant groups the torchft Manager's state (how many syncs committed: a resumed group that
+    starts from it does not take the live groups for ahead of it and heal)."""
     averager = session._strategy.averager
+    ft = session.fault_tolerance  # fault-tolerant groups: the torchft Manager's committed syncs (its "step")
     return {"averager": averager.state_dict() if averager is not None else None,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            "progress": {"step": session.num_steps, "samples": session.num_samples}}
+            "progress": {"step": session.num_steps, "samples": session.num_samples},
+            "fault_tolerance": ft.manager.state_dict() if ft is not None else None}
 
 
 def save_state(session: "Session", path: str, state: dict[str, Any], background: bool) -> PendingCheckpoint:
