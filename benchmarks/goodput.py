@@ -14,11 +14,13 @@ every F seconds (``--every``, a list: the sweep) and the failed part back R seco
   steps; a failure SIGKILLs one random rank, which ends the whole job; R s later it is started again with
   ``++resume auto``.
 
-Goodput = the time of the run without failures / the time of the run with failures, both doing the same
-optimizer steps on the same data (for the fault-tolerant run: each group ends at ``--steps``; a healed group
-skips the steps it took over). Quality: the final eval loss against the run without failures. Failures start F
-s after the first launch and stop once a group (or the job) has reached 90 % of its steps, so that no failure
-restarts a group whose peers have finished. Writes the JSON (``--out``, default a fresh temp directory) and a
+Goodput = useful samples per second with failures / samples per second without. The restarted job recomputes
+what it lost, so all its samples are useful: its goodput is the time without failures / the time with. In the
+fault-tolerant run each group ends at ``--steps``, but a group that healed at step k skipped steps k' .. k of
+its data (and its first period after the restart was replaced): only its steps after k count
+(:func:`useful_steps`); ``goodput_ft`` is the plain time ratio, ``goodput_ft_useful`` the useful-sample one. Quality: the final eval loss against the run without failures. Failures start F
+s after the first launch and stop once a group (or the job) has reached 70 % of its steps, so that no failure
+restarts a group whose peers have finished (it would train alone from the start). Writes the JSON (``--out``, default a fresh temp directory) and a
 PNG next to it when matplotlib is installed (``pip install 'distkit[bench]'``).
 """
 from __future__ import annotations
@@ -37,6 +39,9 @@ from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
+#: no failure once a group (or the job) is this far: a group restarted after the others finished would train alone
+#: from the start (there is nobody left to heal from), which measures nothing
+LAST_FAILURE = 0.7
 
 
 def _free_port() -> int:
@@ -120,7 +125,7 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
                 if p.poll() not in (None, 0) and not (down and down[0] == i) and not any(f["group"] == i and
                                                                                        f["t"] > now - 1 for f in failures):
                     raise RuntimeError(f"group {i} failed on its own (exit {p.returncode}): see {logs[i]}")
-            near_end = max(_progress(os.path.join(out, f"group-{i}")) for i in range(args.groups)) >= 0.9 * args.steps
+            near_end = max(_progress(os.path.join(out, f"group-{i}")) for i in range(args.groups)) >= LAST_FAILURE * args.steps
             if now >= next_failure and down is None and not near_end and not any(done):
                 victim = rng.randrange(args.groups)
                 _kill(procs[victim])
@@ -136,10 +141,22 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
                 _kill(p)
         _kill(lh)
     sums = [_summary(os.path.join(out, f"group-{i}")) for i in range(args.groups)]
-    return {"wall_s": wall, "failures": failures, "eval_loss": sums[0]["eval_loss"],
+    return {"wall_s": wall, "failures": failures, "eval_loss": sums[0]["eval_loss"], "useful_steps": useful_steps(sums),
             "same_model": len({s["param_checksum"] for s in sums}) == 1,
             "heals": sum(s["fault_tolerance"]["heals"] for s in sums),
             "membership": sums[0]["fault_tolerance"]["membership"]}
+
+
+def useful_steps(sums: list[dict[str, Any]]) -> int:
+    """Optimizer steps whose work is in the final model, over the groups: a group's final life that healed at
+    step k contributes the steps after k only (what it trained before the heal was replaced, and so was what
+    an earlier life did after its last sync; what an earlier life synced before it died is not counted
+    either: a lower bound)."""
+    total = 0
+    for s in sums:
+        healed = [m["step"] for m in s["fault_tolerance"]["membership"] if m["healed"]]
+        total += s["steps"] - (healed[-1] if healed else 0)
+    return total
 
 
 def restart(args: argparse.Namespace, work: str, every: Optional[float]) -> dict[str, Any]:
@@ -162,7 +179,7 @@ def restart(args: argparse.Namespace, work: str, every: Optional[float]) -> dict
                 break
             if code is not None:  # (a failure this script caused is followed by the restart at once, below)
                 raise RuntimeError(f"the job failed on its own (exit {code}): see {log}")
-            near_end = _progress(out) >= 0.9 * args.steps
+            near_end = _progress(out) >= LAST_FAILURE * args.steps
             if now >= next_failure and code is None and not near_end:
                 ranks = _rank_pids(proc.pid)
                 if ranks:
@@ -212,6 +229,9 @@ def main() -> None:
         ft, rs = fault_tolerant(args, work, every), restart(args, work, every)
         result["fault_tolerant"][f"{every:g}"], result["restart"][f"{every:g}"] = ft, rs
         row = {"every_s": every, "goodput_ft": base_ft["wall_s"] / ft["wall_s"],
+               # useful samples per second over those of the run without failures (a healed group's skipped steps
+               # and its discarded first period are not useful); the restarted job recomputes what it lost
+               "goodput_ft_useful": (ft["useful_steps"] / ft["wall_s"]) / (base_ft["useful_steps"] / base_ft["wall_s"]),
                "goodput_restart": base_rs["wall_s"] / rs["wall_s"], "failures_ft": len(ft["failures"]),
                "failures_restart": len(rs["failures"]), "eval_loss_ratio_ft": ft["eval_loss"] / base_ft["eval_loss"],
                "eval_loss_ratio_restart": rs["eval_loss"] / base_rs["eval_loss"], "same_model_ft": ft["same_model"]}
@@ -229,7 +249,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(5, 3.5))
         xs = [r["every_s"] for r in rows]
-        ax.plot(xs, [r["goodput_ft"] for r in rows], "o-", label="fault-tolerant groups (torchft)")
+        ax.plot(xs, [r["goodput_ft_useful"] for r in rows], "o-", label="fault-tolerant groups (torchft)")
         ax.plot(xs, [r["goodput_restart"] for r in rows], "s-", label="restart from checkpoint")
         ax.set_xlabel(f"seconds between failures (back after {args.restart_after:g} s)")
         ax.set_ylabel("goodput")
