@@ -16,9 +16,9 @@ every F seconds (``--every``, a list: the sweep) and the failed part back R seco
 
 Goodput = useful samples per second with failures / samples per second without. The restarted job recomputes
 what it lost, so all its samples are useful: its goodput is the time without failures / the time with. In the
-fault-tolerant run each group ends at ``--steps``, but a group that healed at step k skipped steps k' .. k of
-its data (and its first period after the restart was replaced): only its steps after k count
-(:func:`useful_steps`); ``goodput_ft`` is the plain time ratio, ``goodput_ft_useful`` the useful-sample one. Quality: the final eval loss against the run without failures. Failures start F
+fault-tolerant run a killed group loses its steps since its last sync and its restart's steps before the heal
+(:func:`useful_steps`): ``goodput_ft_useful`` counts only useful samples; ``goodput_ft`` is the plain time ratio
+(on a machine with fewer cores than groups it flatters: a dead group leaves its core to the others). Quality: the final eval loss against the run without failures. Failures start F
 s after the first launch and stop once a group (or the job) has reached 70 % of its steps, so that no failure
 restarts a group whose peers have finished (it would train alone from the start). Writes the JSON (``--out``, default a fresh temp directory) and a
 PNG next to it when matplotlib is installed (``pip install 'distkit[bench]'``).
@@ -141,21 +141,33 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
                 _kill(p)
         _kill(lh)
     sums = [_summary(os.path.join(out, f"group-{i}")) for i in range(args.groups)]
-    return {"wall_s": wall, "failures": failures, "eval_loss": sums[0]["eval_loss"], "useful_steps": useful_steps(sums),
+    return {"wall_s": wall, "failures": failures, "eval_loss": sums[0]["eval_loss"],
+            "useful_steps": useful_steps(logs, failures, args.steps, args.sync),
             "same_model": len({s["param_checksum"] for s in sums}) == 1,
             "heals": sum(s["fault_tolerance"]["heals"] for s in sums),
             "membership": sums[0]["fault_tolerance"]["membership"]}
 
 
-def useful_steps(sums: list[dict[str, Any]]) -> int:
-    """Optimizer steps whose work is in the final model, over the groups: a group's final life that healed at
-    step k contributes the steps after k only (what it trained before the heal was replaced, and so was what
-    an earlier life did after its last sync; what an earlier life synced before it died is not counted
-    either: a lower bound)."""
+def useful_steps(logs: list[str], failures: list[dict[str, Any]], steps: int, sync: int) -> int:
+    """Optimizer steps whose work reached the final model, over the groups, from each group's log (every life of
+    it, appended) and the failures: a life counts from its start (step 0, or the step it healed at) to its last
+    sync before it was killed (the step of the kill, read from metrics.jsonl every 50 steps, rounded down to a
+    sync), or to ``steps`` for the life that finished. What a restarted life trained before its heal was replaced,
+    and what a killed life trained after its last sync was lost: neither counts."""
     total = 0
-    for s in sums:
-        healed = [m["step"] for m in s["fault_tolerance"]["membership"] if m["healed"]]
-        total += s["steps"] - (healed[-1] if healed else 0)
+    for g, log in enumerate(logs):
+        with open(log, errors="replace") as f:
+            lines = f.read().splitlines()
+        lives: list[int] = []  # the step each life started its useful work at
+        for line in lines:
+            if line.startswith("distkit: ") and "/param on " in line and " rank(s) via " in line:  # a life starts
+                lives.append(0)
+            elif line.startswith("distkit: sync at step ") and "healed" in line and lives:
+                lives[-1] = int(line.split()[4].rstrip(":"))
+        kills = [f["step"] for f in failures if f["group"] == g]
+        for i, start in enumerate(lives):
+            end = (kills[i] // sync) * sync if i < len(kills) else steps
+            total += max(0, end - start)
     return total
 
 
@@ -207,6 +219,27 @@ def _rank_pids(parent: int) -> list[int]:
         return []
 
 
+def plot(rows: list[dict[str, Any]], out: str, restart_after: float) -> None:
+    """The sweep as a PNG next to ``out`` (nothing without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    xs = [r["every_s"] for r in rows]
+    ax.plot(xs, [r["goodput_ft_useful"] for r in rows], "o-", label="fault-tolerant groups (torchft)")
+    ax.plot(xs, [r["goodput_restart"] for r in rows], "s-", label="restart from checkpoint")
+    ax.set_xlabel(f"seconds between failures (back after {restart_after:g} s)")
+    ax.set_ylabel("goodput")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(out)[0] + ".png", dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=3)
@@ -241,24 +274,7 @@ def main() -> None:
     out = args.out or os.path.join(work, "goodput.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        xs = [r["every_s"] for r in rows]
-        ax.plot(xs, [r["goodput_ft_useful"] for r in rows], "o-", label="fault-tolerant groups (torchft)")
-        ax.plot(xs, [r["goodput_restart"] for r in rows], "s-", label="restart from checkpoint")
-        ax.set_xlabel(f"seconds between failures (back after {args.restart_after:g} s)")
-        ax.set_ylabel("goodput")
-        ax.set_ylim(0, 1.05)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.splitext(out)[0] + ".png", dpi=120)
-    except ImportError:
-        pass
+    plot(rows, out, args.restart_after)
     print(f"wrote {out}")
 
 
