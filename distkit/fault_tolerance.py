@@ -44,6 +44,7 @@ from distkit.errors import BackendUnavailable, ConfigError, LighthouseLost
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
+    from distkit.session import Session
 
 INSTALL_HINT = "pip install 'distkit[ft]' (torchft)"
 #: seconds a rank waits for the lighthouse to answer at start before it says it is unreachable
@@ -249,6 +250,40 @@ class FaultTolerance:
             self.manager.shutdown(wait=False)
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             pass
+        return None
+
+
+# -- the Session's side (its own code, kept here; it knows the Session only as a type) --------------------------
+def join(session: "Session") -> FaultTolerance:
+    """Collective over this group, after ``session.setup``: this rank's Manager, handed to the engine (whose
+    ``average_parameters`` then goes through it)."""
+    ft = FaultTolerance(session._strategy, session.cfg.fault_tolerance or {}, float(session.cfg.distributed.timeout_s),
+                        lambda: training_state(session), lambda state: load_training_state(session, state),
+                        lambda: session.num_steps + 1)
+    session._strategy.ft = ft
+    return ft
+
+
+def training_state(session: "Session") -> dict[str, Any]:
+    """This rank's training state for the same rank of a group that heals (read while this rank waits in a sync:
+    nothing changes it meanwhile)."""
+    s, scheduler = session._strategy, session._scheduler
+    return {"engine": s.state_dict(session._model, session._optimizer),  # type: ignore[arg-type]
+            "scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+            "averager": s.averager.state_dict() if s.averager is not None else None,
+            "distkit": {"num_steps": session.num_steps, "num_samples": session.num_samples}}
+
+
+def load_training_state(session: "Session", state: dict[str, Any]) -> None:
+    """Take a live group's state (:func:`training_state`): this group heals (inside a sync, before its result is
+    applied; the step and sample counters jump to that group's)."""
+    s, scheduler = session._strategy, session._scheduler
+    s.load_state_dict(session._model, session._optimizer, state["engine"])  # type: ignore[arg-type]
+    if state.get("scheduler") is not None and hasattr(scheduler, "load_state_dict"):
+        scheduler.load_state_dict(state["scheduler"])
+    if state.get("averager") is not None and s.averager is not None:
+        s.averager.load_state_dict(state["averager"])
+    session.num_steps, session.num_samples = int(state["distkit"]["num_steps"]), int(state["distkit"]["num_samples"])
 
 
 def data_place(ft: Optional[dict[str, Any]], rank: int, world_size: int) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from distkit import faults
 from distkit.backends import strategy_class
 from distkit.backends.base import Strategy
 from distkit.components import pick_device
@@ -83,6 +84,29 @@ class Job:
         kwargs.pop("flush", None)
         if self.is_main:
             print(*args, **kwargs, flush=True)
+
+    # -- the end of the job (Session.close) ----------------------------------------------------------
+    def _meet_at_end(self) -> bool:
+        """Collective after a normal run: the ranks leave together (a barrier, bounded by ``timeout_s``), since a
+        rank that tears gloo down while a peer still finishes the last exchange has been seen to end that peer
+        with "terminate called" (SIGABRT). Returns whether they met (False on one rank)."""
+        if self.world_size == 1:
+            return False
+        try:
+            self._strategy.barrier()
+        except Exception:  # noqa: BLE001 - a peer is gone: leave alone
+            return False
+        faults.maybe_fire(self.rank, getattr(self, "num_steps", 0), "close")
+        return True
+
+    def _leave(self, together: bool) -> None:
+        """Stop the watchdog, tear the engine down and, after a run whose ranks met at the end, wait for this
+        host's other ranks to leave (:meth:`distkit.watchdog.Watchdog.see_local_peers_out`)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._strategy.teardown()
+        if together and self._watchdog is not None:
+            self._watchdog.see_local_peers_out(float(self.cfg.distributed.timeout_s))
 
     # -- collectives ----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from distkit import checkpoint, faults, ompi_leftovers, report
+from distkit import checkpoint, ompi_leftovers, report
 from distkit.backends import check_backend, strategy_class
 from distkit.backends.base import float_state
 from distkit.components import check_device
@@ -51,6 +51,7 @@ from distkit.config.arguments import (  # noqa: F401 (distkit.session's names be
 from distkit.data import ShardedLoader, sharded_loader
 from distkit.env import ClusterEnv, detect
 from distkit.errors import ConfigError, UsageError
+from distkit.fault_tolerance import join as join_groups
 from distkit.guards import (
     LossWatch, check_backward, check_step, guard_raw_clip, install_excepthook, name_missing_module, setup_optimizer,
 )
@@ -205,48 +206,17 @@ class Session(Job):
             # The engine returned its own optimizer object over the same param_groups (Horovod): the
             # scheduler still sets the right learning rates but cannot see that step() ran.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        if self.cfg.fault_tolerance:
-            self._join_fault_tolerant_groups()
+        self._ft = join_groups(self) if self.cfg.fault_tolerance else None  # torchft's Manager, for the syncs
         self._t_start = time.perf_counter()
         self._setup_time_s = self._t_start - self._t_created
         if lr_scheduler is not None:
             return self._model, self._optimizer, self._scheduler
         return self._model, self._optimizer
 
-    # -- fault-tolerant replica groups (distkit.fault_tolerance) --------------------------------------
-    def _join_fault_tolerant_groups(self) -> None:
-        """Collective over this group: this rank's torchft Manager, which the averager's syncs go through."""
-        from distkit.fault_tolerance import FaultTolerance
-
-        self._ft = FaultTolerance(self._strategy, self.cfg.fault_tolerance or {}, float(self.cfg.distributed.timeout_s),
-                                  self._ft_state, self._ft_load, lambda: self.num_steps + 1)
-        self._strategy.ft = self._ft
-
     @property
     def fault_tolerance(self) -> Any:
-        """The :class:`~distkit.fault_tolerance.FaultTolerance` of a fault-tolerant run (its ``syncs``, ``heals``),
-        else None."""
+        """The run's :class:`~distkit.fault_tolerance.FaultTolerance` (its ``syncs``, ``heals``), or None."""
         return self._ft
-
-    def _ft_state(self) -> dict[str, Any]:
-        """This rank's training state for the same rank of a group that heals (read while this rank waits in a
-        sync: nothing changes it meanwhile)."""
-        s = self._strategy
-        return {"engine": s.state_dict(self._model, self._optimizer),  # type: ignore[arg-type]
-                "scheduler": self._scheduler.state_dict() if hasattr(self._scheduler, "state_dict") else None,
-                "averager": s.averager.state_dict() if s.averager is not None else None,
-                "distkit": {"num_steps": self.num_steps, "num_samples": self.num_samples}}
-
-    def _ft_load(self, state: dict[str, Any]) -> None:
-        """Take a live group's state (:meth:`_ft_state`): this group heals (inside a sync, before its result
-        is applied; the step and sample counters jump to that group's)."""
-        s = self._strategy
-        s.load_state_dict(self._model, self._optimizer, state["engine"])  # type: ignore[arg-type]
-        if state.get("scheduler") is not None and hasattr(self._scheduler, "load_state_dict"):
-            self._scheduler.load_state_dict(state["scheduler"])
-        if state.get("averager") is not None and s.averager is not None:
-            s.averager.load_state_dict(state["averager"])
-        self.num_steps, self.num_samples = int(state["distkit"]["num_steps"]), int(state["distkit"]["num_samples"])
 
     def set_accumulation(self, steps: int) -> None:
         """Backward passes per optimizer step (``accum_grad_multiple_step``), for a script that derives it from
@@ -520,24 +490,14 @@ class Session(Job):
         if Session.current is self:
             Session.current = None
             set_current_strategy(None)
-        together = False
-        if not self._failed and not self._closed and self.world_size > 1:
-            with contextlib.suppress(Exception):
-                self._strategy.barrier()
-                together = True
-            faults.maybe_fire(self.rank, self.num_steps, "close")
+        together = not self._failed and not self._closed and self._meet_at_end()  # (Job: the ranks meet)
         self._closed = True
         if self._ft is not None:  # leave the quorum: the other groups need not wait for this one's heartbeat
-            self._ft.shutdown()
-            self._ft = None
-        if self._watchdog is not None:
-            self._watchdog.stop()
+            self._ft = self._ft.shutdown()
         # drop the wrapped model first: a DDP wrapper freed only after the process group is gone releases
         # the group's last reference at interpreter exit (see DDPStrategy.teardown)
         self._model = self._optimizer = self._scheduler = None
-        self._strategy.teardown()
-        if together and self._watchdog is not None:
-            self._watchdog.see_local_peers_out(float(self.cfg.distributed.timeout_s))
+        self._leave(together)  # (Job: the watchdog, the engine's teardown, this host's other ranks)
 
     def __enter__(self) -> "Session":
         return self

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -303,40 +302,6 @@ class Strategy(ABC):
         same order): ``flat`` (in place) becomes its mean over the replica groups. Engines that support
         ``param_sync_group_size`` > 1 implement it."""
         raise NotImplementedError(f"the {self.name} engine has no replica groups")
-
-
-#: the guard process of :func:`startup_guard`: waits for its stdin to close (the block finished, or the rank
-#: died); after the timeout it prints the rank's line and SIGKILLs the rank
-_GUARD = """
-import os, select, signal, sys
-pid, timeout, line = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
-if not select.select([sys.stdin], [], [], timeout)[0]:
-    sys.stderr.write(line + chr(10))
-    sys.stderr.flush()
-    os.kill(pid, signal.SIGKILL)
-"""
-
-
-@contextlib.contextmanager
-def startup_guard(rank: int, timeout_s: float, what: str, hint: str = "") -> Iterator[None]:
-    """Bound an engine's start-up (``MPI_Init``, ``hvd.init()``), which no timeout of the engine's own covers
-    and which runs before distkit's heartbeat watchdog can start (the watchdog needs the engine to share
-    its address): when the block has not finished after ``timeout_s`` seconds, this rank is named in one
-    line and ended (SIGKILL); the launcher (mpirun, horovodrun) then ends the job. A rank stopped or
-    missing at start-up would otherwise keep every other rank waiting forever. Not collective.
-
-    The guard is a tiny separate process, not a thread: ``MPI_Init`` runs inside the import of mpi4py's
-    extension module, which holds the GIL, so no Python thread of this process could run meanwhile."""
-    line = (f"distkit: rank {rank}: {what} did not complete within distributed.timeout_s = {timeout_s:g} s "
-            f"(another rank did not start, is stopped, hangs or died{hint}): ending this rank")
-    guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), str(timeout_s), line],
-                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=sys.__stderr__ or sys.stderr)
-    try:
-        yield
-    finally:
-        assert guard.stdin is not None
-        guard.stdin.close()  # done: the guard exits at once
-        guard.wait()
 
 
 #: the fix for a parameter without gradient where the engine follows DDP's rule (mpi, Horovod)

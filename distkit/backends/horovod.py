@@ -32,8 +32,9 @@ from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageErro
 from distkit.netif import openmpi_interface_hint
 
 from .base import (
-    Strategy, drop_globally_unused, param_averager, persistent_buffers, report_failure, startup_guard, unused_parameters,
+    Strategy, drop_globally_unused, param_averager, persistent_buffers, report_failure, unused_parameters,
 )
+from .startup import startup_guard
 from .mpi import MPIStrategy, mpi_impl
 
 INSTALL_HINT = "build and install it with `make horovod` (runs scripts/build_horovod.sh .venv, ~3 min once, then cached)"

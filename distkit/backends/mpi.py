@@ -37,7 +37,8 @@ from distkit.errors import BackendUnavailable, UnsupportedCombination
 from distkit.netif import openmpi_interface_hint
 from distkit.watchdog import explain_stall
 
-from .base import Strategy, param_averager, persistent_buffers, report_failure, startup_guard
+from .base import Strategy, param_averager, persistent_buffers, report_failure
+from .startup import startup_guard
 from .mpi_reducer import GradReducer, _np, wait_all
 
 INSTALL_HINT = "pip install 'distkit[mpi]' (mpi4py + the Open MPI wheel), then launch with mpirun -np N"
