@@ -292,8 +292,3 @@ def data_place(ft: Optional[dict[str, Any]], rank: int, world_size: int) -> tupl
     if not ft:
         return rank, world_size
     return int(ft["replica_id"]) * world_size + rank, int(ft["num_replicas"]) * world_size
-
-
-def enabled(cfg: Any) -> bool:
-    return bool(getattr(cfg, "fault_tolerance", None))
-

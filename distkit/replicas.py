@@ -53,14 +53,6 @@ class ReplicaGroups:
         """Every cross group's ranks (the ranks at one position in every group), in position order."""
         return [list(range(i, self.world_size, self.size)) for i in range(self.size)]
 
-    def members(self) -> list[int]:
-        """This rank's replica group."""
-        return self.groups()[self.index]
-
-    def cross(self) -> list[int]:
-        """This rank's cross group."""
-        return self.crosses()[self.position]
-
 
 def replica_groups(reduce_type: str, size: int, rank: int, world_size: int) -> Optional[ReplicaGroups]:
     """The layout for ``distributed.param_sync_group_size = size``: None outside param mode and for

@@ -55,7 +55,7 @@ class _ReplicaGroups:
         return self.position
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(range(self.index * self.size, (self.index + 1) * self.size))  # (ReplicaGroups.members)
+        return list(range(self.index * self.size, (self.index + 1) * self.size))
 
     # model / tensor / pipeline parallel: one rank each
     def get_model_parallel_group(self) -> Any:
