@@ -46,6 +46,14 @@ class LighthouseLost(DistkitError):
     exit_code = 1
 
 
+class HealMismatch(DistkitError):
+    """A fault-tolerant replica group healed, but the state it holds afterwards is not the state the live
+    group sent (an engine that restores part of it): the group stops instead of training on a different
+    model or optimizer state unseen; the text names the parts that differ."""
+
+    exit_code = 1
+
+
 class UsageError(DistkitError):
     """The distkit API was called in a way that cannot work (e.g. ``dk.step()`` before ``dk.setup()``);
     the text says which call to make instead."""

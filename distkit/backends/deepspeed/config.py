@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from typing import Any
 
 from distkit.config import RunConfig
@@ -156,6 +157,12 @@ class _DeepSpeedConfigured(DDPStrategy):
         if "scheduler" in ds and cfg.lr_scheduler is not None:
             raise ConfigError("'lr_scheduler' (distkit) and the 'scheduler' block of the DeepSpeed config both choose "
                               "the LR schedule: remove one of them")
+        if cfg.fault_tolerance and stage >= 1 and _group_size(cfg) > 1:
+            # a heal copies state rank by rank from live groups that torchft picks per rank: shards of one
+            # optimizer state cannot be put together that way (whole states can: distkit.fault_tolerance)
+            raise UnsupportedCombination(f"fault_tolerance with ZeRO stage {stage} shards the optimizer state over "
+                                         "the ranks of a group, which a heal cannot copy rank by rank: use ZeRO stage "
+                                         "0 inside fault-tolerant groups, or one rank per group")
         if d.reduce_type == "param":
             if "nvme" in (_offload_device(z, "offload_optimizer"), _offload_device(z, "offload_param")):
                 raise UnsupportedCombination("param mode averages the optimizer's master weights in memory; NVMe "
@@ -203,3 +210,11 @@ class _DeepSpeedConfigured(DDPStrategy):
             conf.setdefault("zero_force_ds_cpu_optimizer", False)  # torch optimizers work; CPUAdam needs a compiler
         conf.setdefault("steps_per_print", 10 ** 9)  # distkit logs; DeepSpeed prints only if asked
         return conf
+
+
+def _group_size(cfg: RunConfig) -> int:
+    """The ranks of this launch, before start: ``--nprocs``, or the launcher's world size (torchrun, mpirun)."""
+    for value in (cfg.nprocs, os.environ.get("WORLD_SIZE"), os.environ.get("OMPI_COMM_WORLD_SIZE")):
+        if value is not None and str(value).isdigit() and int(value) > 1:
+            return int(value)
+    return 1
