@@ -244,6 +244,53 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
     assert [m["groups"] for m in sums[0]["fault_tolerance"]["membership"]][-1] == 3
 
 
+def test_a_preempted_group_alone_leaves_with_a_checkpoint_and_rejoins_on_resume(lighthouse: str, tmp_path: Path) -> None:
+    # Issue 25 item 7 under fault tolerance: SIGTERM to group 1's launcher (a scheduler preempting its job step):
+    # its ranks stop after an agreed step with a checkpoint and exit 75, it leaves the quorum, and group 0 goes on
+    # alone, every sync committed (it pauses 15 s at step 30, so the same command with ++resume auto, the
+    # requeued job step, finds it running). The resumed group continues from its checkpoint, is behind the live
+    # group at its next sync and heals from it; both end with one model.
+    out, stamp = tmp_path / "ft", tmp_path / "delayed"
+    steps = ["++max_steps", "60"]
+    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:30:delay=15")
+    # the signal lands while group 1 is in a 5 s slow step 10 (DISTKIT_FAULT delay): it stops after step 10
+    first = _group(lighthouse, 1, 2, out, *steps, DISTKIT_FAULT="0:10:delay", DISTKIT_FAULT_STAMP=str(stamp))
+    deadline = time.monotonic() + 120
+    while not stamp.exists():
+        assert time.monotonic() < deadline and first.poll() is None and live.poll() is None, "group 1 never at step 10"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGTERM)
+    stopped = _wait(first)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "distkit: stopped by SIGTERM after step 10 of 60; checkpoint step-0000010 written: continue with " \
+        "++resume auto" in stopped.stderr and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert live.poll() is None, "the live group exited when group 1 was preempted"
+    while not any(r["groups"] == 1 for r in _syncs(out / "group-0")):  # group 0 syncs alone, then (step 30) pauses
+        assert time.monotonic() < deadline and live.poll() is None, "group 0 never synced alone"
+        time.sleep(0.05)
+    resumed = ok(_wait(_group(lighthouse, 1, 2, out, *steps, "++resume", "auto")))
+    assert "resum" in resumed.stdout.lower(), resumed.stdout[-2000:]
+    ok(_wait(live))
+    sums = [summary(out / f"group-{i}") for i in range(2)]
+    assert all(s["steps"] == 60 for s in sums) and sums[0]["param_checksum"] == sums[1]["param_checksum"]
+    ft0, ft1 = (s["fault_tolerance"] for s in sums)
+    assert ft0["committed"] == ft0["syncs"] and 1 in [m["groups"] for m in ft0["membership"]], ft0
+    assert [m["groups"] for m in ft0["membership"]][-1] == 2, ft0
+    assert ft1["heals"] == 1 and ft1["membership"][0]["healed"] is True, ft1
+
+
+@pytest.mark.min_replicas(2)
+def test_deepspeed_zero_shards_over_several_ranks_of_a_group_are_refused(lighthouse: str, tmp_path: Path) -> None:
+    out = tmp_path / "ft"
+    zero2 = "{'backend': '%s', 'reduce_type': 'param', 'deepspeed_config': {'zero_optimization': {'stage': 2}}}"
+    res = _wait(_group(lighthouse, 0, 2, out, "--nprocs", "2", engine="deepspeed", distributed=zero2), timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "distkit: error: fault_tolerance with ZeRO stage 2 shards the optimizer state over the ranks of a group, which "
+        "a heal cannot copy rank by rank: use ZeRO stage 0 inside fault-tolerant groups, or one rank per group"), \
+        res.stderr[-3000:]
+    assert not out.exists()
+
+
 def test_a_stopped_group_is_left_out_and_the_others_go_on(lighthouse: str, tmp_path: Path) -> None:
     # group 2 is SIGSTOPped at step 12 (frozen, its sockets open): the lighthouse misses its heartbeats and
     # leaves it out of the next quorum; the others commit every sync and end, it stays stopped
