@@ -11,6 +11,11 @@ reads the rank layout from SLURM); the mpi engine and Horovod start under ``mpir
 allocation (Open MPI reads the allocation from SLURM). ``--bind-to none`` keeps Open MPI from binding
 every rank of a node to one core.
 
+Under ``fault_tolerance`` (torchft replica groups) it writes one script per group, ``<job name>-group-i``,
+each running group ``i`` (``fault_tolerance.replica_id = i``) as a job of its own: a group that is
+preempted, requeued (``--requeue``) or fails is one job, and the others go on. The lighthouse runs
+elsewhere (``distkit lighthouse``, on a host every node reaches).
+
 ``--dry-run`` prints the script and writes nothing; ``--submit`` writes it and submits it with
 ``sbatch``; with neither, it is written and its path printed. The config is loaded and checked
 first: a bad config or flag is one line and exit status 2, nothing written.
@@ -54,7 +59,17 @@ def add_parser(sub: Any) -> None:
 
 
 def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[str, str]:
-    """``(script text, output base directory)`` for ``args``; ConfigError for bad input."""
+    """``(script text, output base directory)`` for ``args``; ConfigError for bad input. Under
+    ``fault_tolerance`` the texts of the groups' scripts, one after the other (see :func:`scripts`)."""
+    texts, base = scripts(args, overrides)
+    return "".join(text for _, text in texts), base
+
+
+def scripts(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[list[tuple[str, str]], str]:
+    """``([(job name, script text)], output base directory)``: one script, or under ``fault_tolerance`` one per
+    replica group (its own job: a group preempted, requeued or failed is a job of its own, as torchft wants;
+    group ``i`` runs with ``fault_tolerance.replica_id = i`` and writes ``$OUT/group-i``). ConfigError for bad
+    input."""
     from distkit.config import load_config
 
     if args.nodes < 1 or args.ntasks_per_node < 1:
@@ -67,7 +82,9 @@ def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[
         extra.append(("distributed.backend", args.engine))
     cfg = load_config(configs, extra)  # checks files, keys and values now, before anything is written
     engine = cfg.distributed.backend
-    base = os.path.abspath(cfg.output_dir)
+    ft = cfg.fault_tolerance
+    # under fault_tolerance the loaded output_dir is already the group's (<output_dir>/group-i)
+    base = os.path.abspath(os.path.dirname(cfg.output_dir) if ft else cfg.output_dir)
     name = args.job_name or f"distkit-{os.path.splitext(os.path.basename(configs[0]))[0]}"
     if not re.fullmatch(r"[\w.-]+", name):
         raise ConfigError(f"--job-name {name!r}: use letters, digits, '.', '_' and '-'")
@@ -75,9 +92,20 @@ def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[
     if args.requeue and not cfg.preemption:
         raise ConfigError("--requeue needs preemption = True (the run must stop with a checkpoint on the signal): "
                           "remove ++preemption False, or --requeue")
-    pass_on = [tok for key, value in extra if key != "output_dir" for tok in (f"++{key}", _token(value))]
+    pass_on = [tok for key, value in extra if key not in ("output_dir", "fault_tolerance")
+               for tok in (f"++{key}", _token(value))]
     if args.requeue and not any(key == "resume" for key, _ in extra):
         pass_on += ["++resume", "auto"]  # a requeued job (same job id, same OUT) continues its own checkpoint
+    if not ft:
+        return [(name, _text(args, engine, base, name, configs, pass_on))], base
+    return [(f"{name}-group-{i}", _text(args, engine, base, f"{name}-group-{i}", configs,
+                                     ["++fault_tolerance", repr({**ft, "replica_id": i}), *pass_on]))
+            for i in range(int(ft["num_replicas"]))], base
+
+
+def _text(args: argparse.Namespace, engine: str, base: str, name: str, configs: list[str],
+          pass_on: list[str]) -> str:
+    """One batch script: ``distkit train CONFIGS ++output_dir $OUT PASS_ON`` on the allocation."""
     train = [sys.executable, "-m", "distkit", "train", *configs]
     train_line = " ".join(shlex.quote(a) for a in train) + ' ++output_dir "$OUT"' + \
         "".join(" " + shlex.quote(a) for a in pass_on)
@@ -111,7 +139,7 @@ def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[
         *(_requeue_lines(run) if args.requeue else [run]),
         "",
     ])
-    return text, base
+    return text
 
 
 def _requeue_lines(run: str) -> list[str]:
@@ -141,26 +169,34 @@ def _token(value: Any) -> str:
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> int:
-    text, base = script(args, overrides)
+    texts, base = scripts(args, overrides)
     if args.dry_run:
-        print(text, end="")
+        print("".join(text for _, text in texts), end="")
         return 0
-    name = re.search(r"--job-name=(\S+)", text).group(1)  # type: ignore[union-attr]
-    path = os.path.abspath(args.script or os.path.join(base, f"{name}.sbatch"))
     if args.submit and shutil.which("sbatch") is None:
         raise UsageError("--submit needs SLURM's sbatch on PATH (this machine has none); write the script without "
                          "--submit and submit it where SLURM runs")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".part", "w") as f:
-        f.write(text)
-    os.chmod(path + ".part", 0o755)
-    os.replace(path + ".part", path)
+    paths = []
+    for name, text in texts:
+        if args.script:  # one path given, several groups: group i's script gets "-group-i" before the extension
+            stem, ext = os.path.splitext(args.script)
+            path = os.path.abspath(args.script if len(texts) == 1 else f"{stem}{name[name.rindex('-group-'):]}{ext}")
+        else:
+            path = os.path.join(base, f"{name}.sbatch")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".part", "w") as f:
+            f.write(text)
+        os.chmod(path + ".part", 0o755)
+        os.replace(path + ".part", path)
+        paths.append(path)
     if not args.submit:
-        print(f"distkit: wrote {path}; submit it with: sbatch {path}")
+        for path in paths:
+            print(f"distkit: wrote {path}; submit it with: sbatch {path}")
         return 0
-    res = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise UsageError(f"sbatch refused {path}: {res.stderr.strip() or res.stdout.strip()}")
-    job = res.stdout.strip().split(";")[0]
-    print(f"distkit: submitted job {job} ({path}); output in {base}/job-{job}, SLURM's log {base}/slurm-{job}.out")
+    for path in paths:
+        res = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise UsageError(f"sbatch refused {path}: {res.stderr.strip() or res.stdout.strip()}")
+        job = res.stdout.strip().split(";")[0]
+        print(f"distkit: submitted job {job} ({path}); output in {base}/job-{job}, SLURM's log {base}/slurm-{job}.out")
     return 0

@@ -5,17 +5,19 @@ still alive with that mark is killed and the test fails (no leftover ranks).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -223,3 +225,47 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+# -- a torchft lighthouse (fault_tolerance tests, test_fault_tolerance.py and test_slurm.py) ----------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Lighthouse(str):
+    """The lighthouse's URL, with its process (for a test that kills it)."""
+
+    def __new__(cls, url: str, proc: "subprocess.Popen[str]") -> "_Lighthouse":
+        self = super().__new__(cls, url)
+        self.proc = proc
+        return self
+
+
+@pytest.fixture
+def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark."""
+    mark = request.node.get_closest_marker("min_replicas")
+    port = free_port()
+    # --join-timeout 30: a quorum waits that long for a group that is alive (heartbeating) but late, e.g. one
+    # paused by a DISTKIT_FAULT delay; a group paused longer would be left out and heal at its next sync
+    proc = subprocess.Popen([sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas",
+                             str(mark.args[0] if mark else 1), "--join-timeout", "30"], env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith("distkit: lighthouse at http://") and f":{port} (min_replicas" in first, first
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:  # until it answers
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "the lighthouse did not start"
+            time.sleep(0.1)
+    yield _Lighthouse(url, proc)
+    with contextlib.suppress(ProcessLookupError):  # distkit lighthouse and torchft_lighthouse, its child
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -10,22 +10,20 @@ input is one line, exit 2, nothing written.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from distkit import procfs
 
-from conftest import ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, run, stacks_of_marked, summary
+from conftest import ROOT, SHORT, free_port, base_env, distkit, final_params, max_abs_diff, ok, run, stacks_of_marked, summary
 
 TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++progress_bar", "False", "++log_every", "5",
          "++batch_size", "8"]
@@ -35,49 +33,6 @@ PARAM_NESTEROV = ("{'backend': '%s', 'reduce_type': 'param', 'param_sync_step': 
                   "'outer_optimizer': {'class': 'nesterov', 'lr': 0.7, 'momentum': 0.9}}")
 ADAM = ["++optimizer", "{'class': 'adam'}", "++learning_rate", "0.01"]
 TOL = 1e-6  # buffers averaged inside a group and then across groups round differently from one average
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Lighthouse(str):
-    """The lighthouse's URL, with its process (for a test that kills it)."""
-
-    def __new__(cls, url: str, proc: "subprocess.Popen[str]") -> "_Lighthouse":
-        self = super().__new__(cls, url)
-        self.proc = proc
-        return self
-
-
-@pytest.fixture
-def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark."""
-    mark = request.node.get_closest_marker("min_replicas")
-    port = _free_port()
-    # --join-timeout 30: a quorum waits that long for a group that is alive (heartbeating) but late, e.g. one
-    # paused by a DISTKIT_FAULT delay; a group paused longer would be left out and heal at its next sync
-    proc = subprocess.Popen([sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas",
-                             str(mark.args[0] if mark else 1), "--join-timeout", "30"], env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
-    assert first.startswith("distkit: lighthouse at http://") and f":{port} (min_replicas" in first, first
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:  # until it answers
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "the lighthouse did not start"
-            time.sleep(0.1)
-    yield _Lighthouse(url, proc)
-    with contextlib.suppress(ProcessLookupError):  # distkit lighthouse and torchft_lighthouse, its child
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _group(url: str, i: int, n: int, out: Path, *extra: str, engine: str = "ddp", distributed: str = PARAM,
@@ -347,7 +302,7 @@ def test_bad_fault_tolerance_is_one_line_before_anything_is_written(tmp_path: Pa
                                                                     expected: str) -> None:
     out = tmp_path / "out"
     res = distkit(*TRAIN, *SHORT, "++output_dir", str(out), "++distributed", f"{{'reduce_type': '{reduce_type}'}}",
-                  "++fault_tolerance", ft % _free_port(), timeout=60)
+                  "++fault_tolerance", ft % free_port(), timeout=60)
     assert res.returncode == 2, res.stderr[-3000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("distkit: error: ") and expected in lines[0], res.stderr[-3000:]

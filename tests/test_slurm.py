@@ -109,6 +109,30 @@ def test_sbatch_requeue_stops_with_a_checkpoint_on_usr1_and_the_requeued_job_con
     assert s["steps"] == 200 and s["param_checksum"] == summary(ref)["param_checksum"]
 
 
+@pytest.mark.min_replicas(2)  # the lighthouse's first quorum waits for both groups: the same syncs as one job
+def test_sbatch_writes_one_job_per_fault_tolerant_group(cluster: testslurm.Slurm, lighthouse: str, tmp_path: Path) -> None:
+    """Issue 25 item 8: under ``fault_tolerance`` ``distkit sbatch`` writes one job per replica group (each
+    preempted, requeued or failed on its own); the two jobs train together through the lighthouse and end
+    bit-identical to one job of the same two replica groups."""
+    param = "{'reduce_type': 'param', 'param_sync_step': 5}"
+    ft = f"{{'lighthouse': '{lighthouse}', 'replica_id': 0, 'num_replicas': 2}}"
+    args = ["sbatch", CONFIG, *SHORT, "++distributed", param, "++fault_tolerance", ft, "++output_dir", str(tmp_path / "runs")]
+    dry = ok(distkit(*args, "--dry-run")).stdout
+    assert dry.count("#!/bin/bash\n") == 2 and "#SBATCH --job-name=distkit-returnn_ddp-group-1\n" in dry
+    assert re.findall(r"replica_id\W+: (\d)", dry) == ["0", "1"] and not (tmp_path / "runs").exists()
+    sub = ok(distkit(*args, "--submit", SLURM_CONF=cluster.conf))
+    jobs = re.findall(r"submitted job (\d+)", sub.stdout)
+    assert len(jobs) == 2, sub.stdout
+    for job in jobs:
+        assert cluster.wait(job) == "COMPLETED", (tmp_path / "runs" / f"slurm-{job}.out").read_text()[-3000:]
+    ref = tmp_path / "one_job"
+    ok(distkit("train", CONFIG, *SHORT, "--nprocs", "2", "++distributed", param, "++output_dir", str(ref)))
+    for i, job in enumerate(jobs):
+        s = summary(tmp_path / "runs" / f"job-{job}" / f"group-{i}")
+        assert s["fault_tolerance"]["replica_id"] == i and s["launcher"] == "slurm", s
+        assert s["param_checksum"] == summary(ref)["param_checksum"]
+
+
 @pytest.mark.parametrize("bad,needle", [
     (["missing.py"], "does not exist"),
     ([CONFIG, "--nodes", "0"], "--nodes and --ntasks-per-node must be at least 1"),
