@@ -1,12 +1,15 @@
-"""Fault-tolerant replica groups with torchft (``fault_tolerance = {...}``, issue 25 items 2-4): every group a
-launch of its own, a real ``torchft_lighthouse`` (started by ``distkit lighthouse``), real kills.
+"""Fault-tolerant replica groups with torchft (``fault_tolerance = {...}``, issue 25 items 1-5 and 7): every group
+a launch of its own, a real ``torchft_lighthouse`` (started by ``distkit lighthouse``), real kills and signals.
 
 Proven: with no failure the groups equal one job of the same replica groups bit for bit (ddp, 1 rank per
-group) or within rounding (2 ranks per group, ddp and mpi inside); a group SIGKILLed mid-run leaves the
-others training (they never exit, their syncs go on with the groups alive), and the same command restarted
-heals from a live group at its first sync, after which all groups hold the same model and end at the same
-step with the same checksum; every membership change is in each group's summary and metrics.jsonl. Bad
-input is one line, exit 2, nothing written.
+group) or within rounding (2 ranks per group, on ddp, mpi, DeepSpeed and Horovod inside); a group SIGKILLed
+mid-run leaves the others training (they never exit, their syncs go on with the groups alive), and the same
+command restarted heals from live groups at its first sync (its 2 ranks end identical although torchft sends
+them different groups' states), after which all groups hold the same model and end at the same step with the
+same checksum; a late group heals on mpi, Horovod and DeepSpeed (Adam, outer Nesterov: the healed state is
+checked against what was sent); a preempted group alone leaves with a checkpoint (exit 75) and rejoins on
+``++resume auto``; every membership change is in each group's summary and metrics.jsonl. Bad input is one
+line, exit 2, nothing written.
 """
 from __future__ import annotations
 
