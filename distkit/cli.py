@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     from distkit.lighthouse import add_parser as add_lighthouse_parser
 
     add_lighthouse_parser(sub)
+    from distkit.envreport import add_parser as add_env_parser
+
+    add_env_parser(sub)
     return parser
 
 
@@ -271,6 +274,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from distkit.lighthouse import run as lighthouse
 
             return lighthouse(args)
+        if args.command == "env":
+            from distkit.envreport import run as env_report
+
+            return env_report(args)
         return train(args, overrides, argv)
     except DistkitError as e:
         print(f"distkit: error: {e}", file=sys.stderr, flush=True)

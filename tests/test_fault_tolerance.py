@@ -270,6 +270,51 @@ def test_a_stopped_group_is_left_out_and_the_others_go_on(lighthouse: str, tmp_p
     assert summary(out / "group-0")["param_checksum"] == summary(out / "group-1")["param_checksum"]
 
 
+def test_a_group_cut_off_by_the_network_is_left_out_and_ends_with_one_line(tmp_path: Path) -> None:
+    # Three hosts (network namespaces, tests/hosts.py), one group of 1 rank on each, the lighthouse on host 0.
+    # Host 2's link goes down after group 2's first sync: the other groups' exchange with it fails after
+    # timeout_s (that sync is not applied), the lighthouse leaves it out, and they go on together to the end;
+    # the cut-off group cannot reach the lighthouse and ends with LighthouseLost's one line (it cannot tell a
+    # dead lighthouse from its own cut link, and training on alone would be unseen).
+    import hosts as nethosts
+
+    reason = nethosts.unavailable()
+    if reason:
+        pytest.fail(f"the netns test cannot run on this machine: {reason}")
+    out, port = tmp_path / "ft", 29510
+    with nethosts.Hosts(3) as h:
+        lh = h.popen(0, [sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas", "3",
+                         "--join-timeout", "30"], env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            assert lh.stdout is not None and "distkit: lighthouse at" in lh.stdout.readline()
+            url = f"http://{h.addr(0)}:{port}"
+            time.sleep(1)  # torchft_lighthouse binds its port a moment after distkit's line
+            dist = "{'backend': 'ddp', 'reduce_type': 'param', 'param_sync_step': 5, 'timeout_s': 10}"
+            procs = [h.popen(i, [sys.executable, "-m", "distkit", *TRAIN, "++max_steps", "100", "++output_dir", str(out),
+                                 "++distributed", dist, "++fault_tolerance",
+                                 f"{{'lighthouse': '{url}', 'replica_id': {i}, 'num_replicas': 3}}"],
+                             env=base_env(DISTKIT_FAULT="0:15:delay=5"), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True) for i in range(3)]
+            _until_synced(out / "group-2", procs)
+            h.link_down(2)
+            cut = _wait(procs[2], timeout=120)
+            survivors = [ok(_wait(p, timeout=180)) for p in procs[:2]]
+        finally:
+            os.killpg(lh.pid, signal.SIGKILL)
+            lh.wait()
+    assert cut.returncode == 1, cut.stderr[-3000:]
+    lines = [ln for ln in cut.stderr.splitlines() if "stopped answering" in ln]
+    assert len(lines) == 1 and "replica group 2: the lighthouse" in lines[0], cut.stderr[-3000:]
+    assert survivors
+    sums = [summary(out / f"group-{i}") for i in range(2)]
+    assert all(s["steps"] == 100 for s in sums) and sums[0]["param_checksum"] == sums[1]["param_checksum"]
+    for s in sums:
+        ft = s["fault_tolerance"]
+        assert ft["syncs"] - ft["committed"] <= 1, ft
+        assert [m["groups"] for m in ft["membership"] if m["committed"]][-1] == 2, ft
+
+
 def test_a_lighthouse_that_dies_stops_every_group_with_one_line(lighthouse: str, tmp_path: Path) -> None:
     # Decided: stop, not train on alone. Without the lighthouse no sync can commit, and groups that went on
     # would silently become independent runs. Both groups pause 5 s at step 7 (DISTKIT_FAULT delay); the
