@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     from distkit.envreport import add_parser as add_env_parser
 
     add_env_parser(sub)
+    from distkit.plot import add_parser as add_plot_parser
+
+    add_plot_parser(sub)
     return parser
 
 
@@ -278,6 +281,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from distkit.envreport import run as env_report
 
             return env_report(args)
+        if args.command == "plot":
+            from distkit.plot import run as plot
+
+            return plot(args)
         return train(args, overrides, argv)
     except DistkitError as e:
         print(f"distkit: error: {e}", file=sys.stderr, flush=True)

@@ -326,13 +326,17 @@ class TrainingRun:
                     elapsed = time.perf_counter() - t_start
                     record = {"step": step, "epoch": epoch, "samples": dk.num_samples, "loss": train_loss,
                               **{n: float(v) for n, v in zip(names, means[1:])},
-                              "lr": self.opt.param_groups[0]["lr"], "samples_per_s": dk.num_samples / max(elapsed, 1e-9)}
+                              "lr": self.opt.param_groups[0]["lr"], "samples_per_s": dk.num_samples / max(elapsed, 1e-9),
+                              # rank 0's seconds since training started, and of those blocked on the training
+                              # collectives (gradient all-reduce, averaging): for `distkit plot`
+                              "time_s": round(elapsed, 3), "comm_wait_s": round(dk.comm_wait_s, 3)}
                     self._log(record)
-                    bar.set_postfix(loss=f"{train_loss:.4f}")
+                    bar.set_postfix(loss=f"{train_loss:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
+                                    comm=f"{record['comm_wait_s']:.1f}s")
                     window, window_n, window_metrics = torch.zeros(()), 0, {}
                     self._call("on_step_end", record)
                 if cfg.eval_every and step % cfg.eval_every == 0:
-                    self._log({"step": step, **self.evaluate()})
+                    self._log({"step": step, **self.evaluate(), "time_s": round(time.perf_counter() - t_start, 3)})
                 if self.callbacks and (step % cfg.log_every == 0 or (cfg.eval_every and step % cfg.eval_every == 0)):
                     # a callback may have asked to stop (on any rank): agree on it now, after the hooks of this step
                     stopped = bool(dk.all_reduce(torch.tensor([float(self._stop)]), op="max").item() > 0)

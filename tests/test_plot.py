@@ -1,0 +1,62 @@
+"""``distkit plot`` (issue 27 item 3): the curves it draws are the numbers in each run's metrics.jsonl, each run
+labelled with its engine and mode; the PNG is written where asked; bad input is one line, exit 2, nothing written."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import SHORT, distkit, ok
+from distkit.plot import figure, load_run
+
+
+@pytest.fixture(scope="module")
+def param_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("plot") / "param"
+    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(out), *SHORT, "++eval_every", "10",
+               "++distributed", "{'reduce_type': 'param', 'param_sync_step': 5}"))
+    return out
+
+
+def _records(run: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_figure_draws_each_runs_logged_numbers_with_its_engine_and_mode(ddp_short_ref: Path, param_run: Path) -> None:
+    fig = figure([load_run(str(ddp_short_ref)), load_run(str(param_run))])
+    loss, lr, speed, comm = fig.axes
+    train = [r for r in _records(param_run) if "loss" in r]
+    evals = [r for r in _records(param_run) if "eval_loss" in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20] and [r["step"] for r in evals] == [10, 20]
+    lines = {line.get_label(): line for line in loss.get_lines()}
+    assert set(lines) == {"ddp (ddp grad, 2 ranks)", "param (ddp param, 2 ranks)", "param (ddp param, 2 ranks) eval"}
+    mine = lines["param (ddp param, 2 ranks)"]
+    assert list(mine.get_xdata()) == [5, 10, 15, 20] and list(mine.get_ydata()) == [r["loss"] for r in train]
+    dashed = lines["param (ddp param, 2 ranks) eval"]
+    assert dashed.get_linestyle() == "--" and list(dashed.get_ydata()) == [r["eval_loss"] for r in evals]
+    for ax, key in ((lr, "lr"), (speed, "samples_per_s"), (comm, "comm_wait_s")):
+        assert list(ax.get_lines()[1].get_ydata()) == [r[key] for r in train], key
+    assert all(r["comm_wait_s"] >= 0 and r["time_s"] > 0 for r in train)
+    timed = figure([load_run(str(param_run))], x="time")
+    assert list(timed.axes[0].get_lines()[0].get_xdata()) == [r["time_s"] for r in train]
+
+
+def test_the_command_writes_the_png(ddp_short_ref: Path, param_run: Path, tmp_path: Path) -> None:
+    res = ok(distkit("plot", str(param_run), str(ddp_short_ref), "--x", "time"))
+    assert res.stdout.strip() == f"distkit: wrote {param_run / 'plot.png'} (2 run(s), x = time)"
+    png = (param_run / "plot.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    ok(distkit("plot", str(ddp_short_ref), "-o", str(tmp_path / "sub" / "cmp.png")))
+    assert (tmp_path / "sub" / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["{missing}"], "is not a run's output directory (no metrics.jsonl)"),
+    (["{run}", "-o", "{tmp}/out.pdf"], "the plot is a PNG"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(param_run: Path, tmp_path: Path, args: list[str], needle: str) -> None:
+    filled = [a.format(missing=tmp_path / "nope", run=param_run, tmp=tmp_path) for a in args]
+    res = distkit("plot", *filled)
+    assert res.returncode == 2 and res.stderr.strip().startswith("distkit: error: ") and needle in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
