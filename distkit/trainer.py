@@ -110,6 +110,8 @@ class TrainingRun:
             print(f"distkit: {d.backend}/{d.reduce_type} on {dk.world_size} rank(s) via {dk.env.launcher}, "
                   f"task {self.task.name}, batch {cfg.batch_size}/rank, {self.total_steps} steps; "
                   f"resolved config: {os.path.join(cfg.output_dir, 'config.resolved.json')}", flush=True)
+            if resolved["num_nodes"] > 1:  # where each rank runs, from the host names the ranks reported
+                print(f"distkit: ranks by host: {ranks_by_host(resolved['hosts'], resolved['node_ranks'])}", flush=True)
         if dk.is_main:
             self.out = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a" if dk.num_steps else "w")
 
@@ -389,3 +391,19 @@ class TrainingRun:
         file intact, see :func:`distkit.checkpoint.write_json`); its error is raised on every rank, so the job
         stops with one line and no rank waits for rank 0."""
         self._on_main(lambda: checkpoint.write_json(os.path.join(self.cfg.output_dir, name), obj), OutputError)
+
+
+def ranks_by_host(hosts: list[str], node_ranks: list[int]) -> str:
+    """``"h0: ranks 0-3; h1: ranks 4-7"``: each host (in node order) and its ranks, consecutive ones as a range."""
+    parts = []
+    for node, host in enumerate(hosts):
+        ranks = [r for r, n in enumerate(node_ranks) if n == node]
+        spans: list[str] = []
+        for r in ranks:
+            if spans and r - 1 in ranks:
+                first = spans[-1].split("-")[0]
+                spans[-1] = f"{first}-{r}"
+            else:
+                spans.append(str(r))
+        parts.append(f"{host}: rank{'s' if len(ranks) != 1 else ''} {', '.join(spans)}")
+    return "; ".join(parts)

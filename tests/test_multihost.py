@@ -93,9 +93,12 @@ def check_two_hosts(out: Path, h: nethosts.Hosts | None, names: list[str] | None
 
 def test_ddp_under_torchrun_on_two_hosts_is_bit_identical_to_one_host(one_host: dict[str, Path], tmp_path: Path) -> None:
     with nethosts.Hosts(2) as h:
-        for res in torchrun_on_hosts(h, [*TRAIN, "++output_dir", str(tmp_path)]):
+        results = torchrun_on_hosts(h, [*TRAIN, "++output_dir", str(tmp_path)])
+        for res in results:
             ok(res)
         s = check_two_hosts(tmp_path, h)
+        # rank 0 says at start where each rank runs (issue 27 item 4)
+        assert f"distkit: ranks by host: {h.names[0]}: ranks 0-1; {h.names[1]}: ranks 2-3\n" in results[0].stdout
     assert s["launcher"] == "torchrun" and s["param_checksum"] == summary(one_host["grad"])["param_checksum"]
 
 
