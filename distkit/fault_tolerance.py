@@ -157,10 +157,15 @@ class FaultTolerance:
         #: how many heals this rank went through (the caller re-seeks its data when it grows)
         self.heals = 0
         self._step_of = step_of
+        self._load_state_dict = load_state_dict
+        #: a live group's state received at this sync, applied only once the whole group committed it
+        self._received: Optional[dict[str, Any]] = None
 
         def load(state: dict[str, Any]) -> None:
-            load_state_dict(state)
-            self.heals += 1
+            # torchft calls this inside should_commit on the ranks whose fetch succeeded: a rank whose source died
+            # mid-heal has none. So nothing collective here: the group applies it after a committed should_commit
+            # (which every rank of the group reaches, and which fails for all of them if one rank's fetch failed)
+            self._received = state
 
         os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently
         self.manager = Manager(
@@ -183,18 +188,29 @@ class FaultTolerance:
         """Collective: set ``tensors`` to their mean over the groups in this sync's quorum, if every participant
         completed the exchange (``should_commit``); else leave them as they were. Returns whether it committed.
         A rank that heals at this sync takes no part in the average, receives it, and gets the rest of a live
-        group's state at ``should_commit`` (through ``load_state_dict``; ``heals`` then grows)."""
+        group's state once the whole group committed (``load_state_dict``, collective over the group; ``heals``
+        then grows); a heal that failed on any rank of the group is undone on all of them and retried at the
+        next sync."""
         if not tensors:
             return True
         t0, heals = time.perf_counter(), self.heals
         why = lighthouse_answers(self.url)
         if why is not None:
             raise self._lost(why)
+        before = {"step": self.manager.current_step(), "batches_committed": self.manager.batches_committed()}
         with torch.no_grad(), self._watching_lighthouse():
             self.manager.start_quorum()
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             self.manager.allreduce(flat).wait()  # AVG: sum over the participants, divided by their number
             committed = self.manager.should_commit()
+            received, self._received = self._received, None
+            if committed and received is not None:  # every rank of this group received a live group's state
+                self._load_state_dict(received)  # collective over this group
+                self.heals += 1
+            elif not committed and self.manager.current_step() != before["step"]:
+                # a heal that failed on some rank (its source died mid-heal): torchft already moved the step of the
+                # ranks whose fetch succeeded; every rank goes back, so the group heals whole at its next sync
+                self.manager.load_state_dict(before)
             if committed:
                 offset = 0
                 for t in tensors:
