@@ -129,6 +129,14 @@ class Watchdog:
             _ACTIVE = None
         if self._beater.is_alive() and threading.current_thread() is not self._beater:
             self._beater.join(STOP_JOIN_S)
+        if self.rank == 0 and len(self._where) < self.world_size and threading.current_thread() is not self._beater:
+            # A run shorter than a heartbeat interval can end before the beater learned where the ranks run; no
+            # rank would then see its host's peers out, and a peer stopped now would keep the launcher waiting
+            # forever (seen under load: torchrun, 6 steps). Rank 0 learns it now from the store it serves itself
+            # (a call to another rank's server could block for good on a stopped server: not from here).
+            with contextlib.suppress(Exception):
+                self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, 5.0)))
+                self._learn_where()
 
     # -- the end of the job: every rank on this host must have left ------------------------------
     def leave(self) -> None:
@@ -197,8 +205,8 @@ class Watchdog:
                 self.store.add(keys[self.rank], 1)
                 if not all(seen):  # at start: a rank that never beat must not block the read
                     seen = [s or self.store.check([k]) for s, k in zip(seen, keys)]
-                    if all(seen):
-                        self._learn_where()
+                if all(seen) and len(self._where) < self.world_size:  # (again at the next beat if it failed)
+                    self._learn_where()
                 ranks = [r for r in range(self.world_size) if seen[r]]
                 values = self.store.multi_get([keys[r] for r in ranks])
             except Exception:  # noqa: BLE001 - the store's host is gone or not answering: the judge decides

@@ -49,6 +49,9 @@ def run(cmd: list[str], timeout: float = 180, cwd: Optional[Path] = None, **env:
     except subprocess.TimeoutExpired:
         stacks = stacks_of_marked()
         os.killpg(p.pid, signal.SIGKILL)
+        for pid in marked_pids():  # torchrun's workers run in sessions of their own, and hold the pipes
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         out, err = p.communicate()
         raise AssertionError(f"timed out after {timeout}s: {cmd}\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}\n{stacks}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from conftest import BIN, base_env, run
 
 from distkit import launch
+from distkit.netif import host_identity
 from distkit.procfs import is_stopped
 from distkit.watchdog import Watchdog
 
@@ -159,6 +160,31 @@ def test_watchdog_spares_live_ranks_and_names_a_silent_one(tmp_path: Path, monke
     finally:
         w0._stop.set()
         w1._stop.set()
+
+
+def test_a_run_shorter_than_a_heartbeat_still_sees_a_stopped_peer_out() -> None:
+    """The torchrun end-of-run hang seen under load (1 run in some hundreds): rank 0's beater had not yet seen
+    rank 1's first beat when a 6-step run ended (the next beat is up to 1 s away), so no rank knew where the
+    other ran, none saw its host's peers out, and rank 1, stopped after the last barrier, kept torchrun waiting
+    forever. Now rank 0 learns at stop() where the ranks run (from the store it serves) if its beater has not,
+    and then ends the stopped peer."""
+    delta = datetime.timedelta(seconds=5.0)
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
+    peer = subprocess.Popen(["sleep", "60"])
+    try:
+        w0 = Watchdog(server, 0, 2, 60.0, lambda code: None)  # 1 s beats
+        w0.run()
+        # rank 1 (the sleeping process) arrives just after rank 0's first beat, and stops before its own first one
+        time.sleep(0.2)
+        server.set("who/1", f"{host_identity()} {peer.pid}")
+        os.kill(peer.pid, signal.SIGSTOP)
+        w0.stop()  # the run ended before rank 0's second beat
+        assert w0.reap_local_peers(10.0) == [1]
+        assert peer.wait(5) == -signal.SIGKILL
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
 
 
 def test_stopping_the_watchdog_leaves_no_heartbeat_call_in_flight() -> None:
