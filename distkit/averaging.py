@@ -33,7 +33,13 @@ def flat_mean(tensors: list[torch.Tensor], mean: Callable[[torch.Tensor], Any],
     with torch.no_grad():
         flat = torch.cat([t.detach().reshape(-1) if dtype is None else t.detach().reshape(-1).to(dtype) for t in tensors])
         mean(flat)
-        offset = 0
+        unflatten_into(flat, tensors)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``flat`` (``tensors`` concatenated, as :func:`flat_mean` builds it) back into each tensor, in its dtype."""
+    offset = 0
+    with torch.no_grad():
         for t in tensors:
             n = t.numel()
             t.copy_(flat[offset:offset + n].view_as(t))

@@ -24,7 +24,6 @@ import io
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from typing import Any, Callable, Optional
@@ -136,8 +135,9 @@ def _mpi() -> dict[str, Any]:
     from mpi4py import MPI
 
     library = MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
-    # where distkit's launcher finds it (distkit.launch.mpirun): beside this Python first, then PATH
-    mpirun = shutil.which("mpirun", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    from distkit.launch import mpirun_path
+
+    mpirun = mpirun_path()
     version = None
     if mpirun:
         with contextlib.suppress(Exception):

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
+from distkit.averaging import unflatten_into
 from distkit.errors import BackendUnavailable, ConfigError, HealMismatch, LighthouseLost
 
 if TYPE_CHECKING:
@@ -212,11 +213,7 @@ class FaultTolerance:
                 # ranks whose fetch succeeded; every rank goes back, so the group heals whole at its next sync
                 self.manager.load_state_dict(before)
             if committed:
-                offset = 0
-                for t in tensors:
-                    n = t.numel()
-                    t.copy_(flat[offset:offset + n].view_as(t))
-                    offset += n
+                unflatten_into(flat, tensors)
         self.wait_s += time.perf_counter() - t0
         self.syncs.append({"step": self._step_of(), "groups": self.manager.num_participants(),
                            "committed": bool(committed), "healed": self.heals > heals})
@@ -350,7 +347,7 @@ def load_training_state(session: "Session", state: dict[str, Any]) -> None:
     session.num_steps, session.num_samples = int(state["distkit"]["num_steps"]), int(state["distkit"]["num_samples"])
     # what this group now holds must be what the live group sent, part by part: an engine that restored only part
     # of it would train on unseen (the next syncs average the models, not the optimizer states)
-    held = digests(training_state(session))
+    held = training_state(session)["digests"]
     wrong = [part for part in CHECKED if held[part] != state["digests"][part]]
     if wrong:
         raise HealMismatch(f"rank {s.rank} of replica group {session.cfg.fault_tolerance['replica_id']} "  # type: ignore[index]

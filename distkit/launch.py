@@ -249,6 +249,11 @@ def run_local(cmd: list[str], nprocs: int, launcher: str, target: Optional[Calla
     return mpirun(cmd, nprocs, preemptible) if launcher == "mpirun" else spawn(cmd, nprocs, target, preemptible)
 
 
+def mpirun_path() -> Optional[str]:
+    """The ``mpirun`` distkit starts: beside this Python first (the venv's Open MPI wheel), then on PATH."""
+    return shutil.which("mpirun", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+
+
 def mpirun(cmd: list[str], nprocs: int, preemptible: bool = False) -> int:
     """``mpirun -np N --bind-to none CMD``: Open MPI starts the ranks and ends the job when one fails.
 
@@ -261,7 +266,7 @@ def mpirun(cmd: list[str], nprocs: int, preemptible: bool = False) -> int:
     forwards SIGUSR1 and waits for the ranks, where on SIGTERM it also ends the job itself a moment
     later (measured: the ranks' last line lost, its own exit status).
     """
-    exe = shutil.which("mpirun", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    exe = mpirun_path()
     if exe is None:
         from distkit.errors import BackendUnavailable
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from distkit.errors import BackendUnavailable, ConfigError
 
-#: the panels: (title, the record key on the y axis, the records it comes from)
-PANELS = (("loss", "loss", "train"), ("learning rate", "lr", "train"), ("samples/s", "samples_per_s", "train"),
-          ("blocked on communication (s, cumulative)", "comm_wait_s", "train"))
+#: the panels: (title, the key of the training records on the y axis)
+PANELS = (("loss", "loss"), ("learning rate", "lr"), ("samples/s", "samples_per_s"),
+          ("blocked on communication (s, cumulative)", "comm_wait_s"))
 
 
 def add_parser(sub: Any) -> None:
@@ -80,7 +80,7 @@ def figure(runs: list[dict[str, Any]], x: str = "step") -> Any:
 
     key = "step" if x == "step" else "time_s"
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    for ax, (title, y, _) in zip(axes.flat, PANELS):
+    for ax, (title, y) in zip(axes.flat, PANELS):
         for i, run in enumerate(runs):
             color = f"C{i % 10}"
             points = [(r[key], r[y]) for r in run["train"] if key in r and y in r]

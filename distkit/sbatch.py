@@ -58,13 +58,6 @@ def add_parser(sub: Any) -> None:
     mode.add_argument("--submit", action="store_true", help="write the script and submit it with sbatch")
 
 
-def script(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[str, str]:
-    """``(script text, output base directory)`` for ``args``; ConfigError for bad input. Under
-    ``fault_tolerance`` the texts of the groups' scripts, one after the other (see :func:`scripts`)."""
-    texts, base = scripts(args, overrides)
-    return "".join(text for _, text in texts), base
-
-
 def scripts(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple[list[tuple[str, str]], str]:
     """``([(job name, script text)], output base directory)``: one script, or under ``fault_tolerance`` one per
     replica group (its own job: a group preempted, requeued or failed is a job of its own, as torchft wants;

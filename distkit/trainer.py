@@ -398,12 +398,12 @@ def ranks_by_host(hosts: list[str], node_ranks: list[int]) -> str:
     parts = []
     for node, host in enumerate(hosts):
         ranks = [r for r, n in enumerate(node_ranks) if n == node]
-        spans: list[str] = []
+        runs: list[list[int]] = []  # [first, last] of each run of consecutive ranks
         for r in ranks:
-            if spans and r - 1 in ranks:
-                first = spans[-1].split("-")[0]
-                spans[-1] = f"{first}-{r}"
+            if runs and runs[-1][1] == r - 1:
+                runs[-1][1] = r
             else:
-                spans.append(str(r))
-        parts.append(f"{host}: rank{'s' if len(ranks) != 1 else ''} {', '.join(spans)}")
+                runs.append([r, r])
+        spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        parts.append(f"{host}: rank{'s' if len(ranks) != 1 else ''} {spans}")
     return "; ".join(parts)

@@ -49,9 +49,7 @@ def run(cmd: list[str], timeout: float = 180, cwd: Optional[Path] = None, **env:
     except subprocess.TimeoutExpired:
         stacks = stacks_of_marked()
         os.killpg(p.pid, signal.SIGKILL)
-        for pid in marked_pids():  # torchrun's workers run in sessions of their own, and hold the pipes
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill(marked_pids())  # torchrun's workers run in sessions of their own, and hold the pipes
         out, err = p.communicate()
         raise AssertionError(f"timed out after {timeout}s: {cmd}\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}\n{stacks}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
@@ -91,6 +89,13 @@ def seconds_since_last_metrics(out_dir: Path) -> float:
     """Seconds since rank 0 last wrote metrics.jsonl: with a fault a step or two after a log
     step, the time from the fault to now (start-up time on a busy machine excluded)."""
     return time.time() - (out_dir / "metrics.jsonl").stat().st_mtime
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that is still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def marked_pids() -> list[int]:
@@ -163,11 +168,7 @@ def _no_leftovers() -> Any:
     deadline = time.monotonic() + 10  # launchers may still be reaping their children
     while (left := marked_pids()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill(left)
     # an mpirun the test killed leaves its session directory, which would fail a later mpirun given
     # its pid (distkit clears them too, but only when it starts under or starts mpirun)
     ompi_leftovers.clear()
@@ -237,6 +238,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def lighthouse_cmd(port: int, min_replicas: int) -> list[str]:
+    """``distkit lighthouse`` on ``port``. --join-timeout 30: a quorum waits that long for a group that is alive
+    (heartbeating) but late, e.g. one paused by a DISTKIT_FAULT delay; a group paused longer would be left out
+    and heal at its next sync."""
+    return [sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas", str(min_replicas),
+            "--join-timeout", "30"]
+
+
 class _Lighthouse(str):
     """The lighthouse's URL, with its process (for a test that kills it)."""
 
@@ -251,11 +260,8 @@ def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
     """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark."""
     mark = request.node.get_closest_marker("min_replicas")
     port = free_port()
-    # --join-timeout 30: a quorum waits that long for a group that is alive (heartbeating) but late, e.g. one
-    # paused by a DISTKIT_FAULT delay; a group paused longer would be left out and heal at its next sync
-    proc = subprocess.Popen([sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas",
-                             str(mark.args[0] if mark else 1), "--join-timeout", "30"], env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(lighthouse_cmd(port, mark.args[0] if mark else 1), env=base_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     assert proc.stdout is not None
     first = proc.stdout.readline()
     assert first.startswith("distkit: lighthouse at http://") and f":{port} (min_replicas" in first, first

@@ -26,7 +26,7 @@ import pytest
 
 from distkit import procfs
 
-from conftest import ROOT, SHORT, free_port, base_env, distkit, final_params, max_abs_diff, ok, run, stacks_of_marked, summary
+from conftest import ROOT, SHORT, free_port, lighthouse_cmd, base_env, distkit, final_params, max_abs_diff, ok, run, stacks_of_marked, summary
 
 TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++progress_bar", "False", "++log_every", "5",
          "++batch_size", "8"]
@@ -283,8 +283,7 @@ def test_a_group_cut_off_by_the_network_is_left_out_and_ends_with_one_line(tmp_p
         pytest.fail(f"the netns test cannot run on this machine: {reason}")
     out, port = tmp_path / "ft", 29510
     with nethosts.Hosts(3) as h:
-        lh = h.popen(0, [sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas", "2",
-                         "--join-timeout", "30"], env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
+        lh = h.popen(0, lighthouse_cmd(port, 2), env=base_env(), cwd=ROOT, stdout=subprocess.PIPE,
                      stderr=subprocess.STDOUT, start_new_session=True)
         try:
             assert lh.stdout is not None and "distkit: lighthouse at" in lh.stdout.readline()
@@ -321,10 +320,8 @@ def test_a_lighthouse_that_dies_stops_every_group_with_one_line(lighthouse: str,
     # lighthouse dies after their first sync (step 5), so their next sync (step 10) finds it gone.
     out = tmp_path / "ft"
     procs = [_group(lighthouse, i, 2, out, "++max_steps", "30", DISTKIT_FAULT="0:7:delay") for i in range(2)]
-    deadline = time.monotonic() + 120
-    while not all((out / f"group-{i}" / "metrics.jsonl").exists() and _syncs(out / f"group-{i}") for i in range(2)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no first sync"
-        time.sleep(0.1)
+    for i in range(2):
+        _until_synced(out / f"group-{i}", procs)
     os.killpg(lighthouse.proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]  # distkit's and torchft's process
     for i, p in enumerate(procs):
         res = _wait(p)

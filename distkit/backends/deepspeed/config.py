@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from distkit.config import RunConfig
+from distkit.env import detect
 from distkit.errors import BackendUnavailable, ConfigError, UnsupportedCombination
 
 from ..ddp import DDPStrategy
@@ -213,8 +214,6 @@ class _DeepSpeedConfigured(DDPStrategy):
 
 
 def _group_size(cfg: RunConfig) -> int:
-    """The ranks of this launch, before start: ``--nprocs``, or the launcher's world size (torchrun, mpirun)."""
-    for value in (cfg.nprocs, os.environ.get("WORLD_SIZE"), os.environ.get("OMPI_COMM_WORLD_SIZE")):
-        if value is not None and str(value).isdigit() and int(value) > 1:
-            return int(value)
-    return 1
+    """The ranks of this launch, before start: ``--nprocs``, or the world size the launcher gave this process
+    (torchrun, mpirun, SLURM, ...: :func:`distkit.env.detect`)."""
+    return max(cfg.nprocs, detect(os.environ).world_size)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distkit.averaging import flat_mean
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
 
 from ..base import bare_module, persistent_buffers, unused_parameters
@@ -243,16 +244,13 @@ class DeepSpeedStrategy(_DeepSpeedState):
         """Collective over ``group`` (None = all ranks): set each tensor to its mean; one flat all-reduce."""
         if not tensors or size == 1:
             return
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+        def mean(flat: torch.Tensor) -> None:
             self.comm_bytes += flat.numel() * flat.element_size()
             dist.all_reduce(flat, group=group)
             flat.div_(size)
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
-                offset += n
+
+        flat_mean(tensors, mean, dtype=torch.float32)
 
     # -- per step -------------------------------------------------------------------------------
     def unwrap(self, model: nn.Module) -> nn.Module:
