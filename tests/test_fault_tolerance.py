@@ -163,8 +163,10 @@ def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(ligh
         failed = [m["step"] for m in ft["membership"] if not m["committed"]]
         assert all(m["step"] == ft["membership"][0]["step"] or any(f < m["step"] for f in failed)
                    for m in ft["membership"] if m["healed"]), ft
+        # a committed sync without group 2 while it was gone (2 groups, or 1 when the other survivor healed at it:
+        # a healing group does not count as a participant), all three at the end
         groups = [m["groups"] for m in ft["membership"] if m["committed"]]
-        assert 2 in groups and groups[-1] == 3, ft["membership"]
+        assert min(groups) < 3 and groups[-1] == 3, ft["membership"]
     # the restarted group healed once, at its first sync, from a live group's step
     ft2 = sums[2]["fault_tolerance"]
     assert ft2["heals"] == 1 and ft2["membership"][0]["healed"] is True, ft2
