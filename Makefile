@@ -17,7 +17,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned here, not in install_requires: 2.13.0 is the CPU wheel on these machines.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[mpi,deepspeed,ft,plot,dev]'
+	$(PY) -m pip install -q -e '.[mpi,deepspeed,ft,plot,trackers,dev]'
 	touch $@
 
 demo: $(STAMP)

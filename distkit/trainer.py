@@ -25,6 +25,7 @@ from distkit.preemption import Preemption
 from distkit.evaluation import batch_loss, evaluate
 from distkit.session import Session, init
 from distkit.tasks import Task, check_task, make_task
+from distkit.trackers import Trackers
 
 
 class Trainer:
@@ -55,6 +56,9 @@ class Trainer:
             run = TrainingRun(self.cfg, dk)
             return run.run()
         except BaseException as e:
+            if run is not None:
+                with contextlib.suppress(Exception):  # the run's own error is the one to report
+                    run.trackers.finish(None, "failed")  # a no-op after a preemption's or a finished run's own
             if not (isinstance(e, DistkitError) and e.agreed):  # every rank raised it together: nobody waits
                 dk.abort()  # e.g. MPI_Abort: the other ranks must not wait for this one
             raise
@@ -112,8 +116,19 @@ class TrainingRun:
                   f"resolved config: {os.path.join(cfg.output_dir, 'config.resolved.json')}", flush=True)
             if resolved["num_nodes"] > 1:  # where each rank runs, from the host names the ranks reported
                 print(f"distkit: ranks by host: {ranks_by_host(resolved['hosts'], resolved['node_ranks'])}", flush=True)
+        #: a resumed run's records up to this step were logged by the earlier run (those after its last checkpoint
+        #: too): they are not logged again, in metrics.jsonl or a tracker (no duplicate points on a step axis)
+        self._logged_through = 0
+        self.trackers = Trackers([])
         if dk.is_main:
-            self.out = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a" if dk.num_steps else "w")
+            metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
+            self._logged_through = last_logged_step(metrics) if dk.num_steps else 0
+            self.out = open(metrics, "a" if dk.num_steps else "w")
+        if cfg.loggers:
+            # rank 0 starts them; one that cannot start (a store it cannot write, a W&B error) stops every rank
+            def start() -> None:
+                self.trackers = Trackers.open(cfg.loggers, cfg.output_dir, dk.run_id, resolved, resumed=dk.num_steps > 0)
+            self._on_main(start, Exception, wrap=True)
 
     # -- what callbacks see ---------------------------------------------------------------------
     @property
@@ -229,15 +244,17 @@ class TrainingRun:
         self._on_main(lambda: checkpoint.mark_latest(self.ckpt_root, name, keep=self.cfg.keep_checkpoints), DistkitError)
         self._call("on_checkpoint", path)
 
-    def _on_main(self, write: Callable[[], Any], errors: type[BaseException]) -> None:
+    def _on_main(self, write: Callable[[], Any], errors: type[BaseException], wrap: bool = False) -> None:
         """Collective: rank 0 runs ``write``; an ``errors`` exception it raises is raised on every rank, marked
-        agreed (reported once), so the job stops with one line and no rank waits for rank 0."""
+        agreed (reported once), so the job stops with one line and no rank waits for rank 0. ``wrap``: a
+        library's own exception (which may not pickle) travels as an :class:`OutputError` naming it."""
         error: Optional[BaseException] = None
         if self.dk.is_main:
             try:
                 write()
             except errors as e:
-                error = e
+                error = e if not wrap or isinstance(e, DistkitError) else OutputError(
+                    f"a tracker of 'loggers' could not start: {type(e).__name__}: {e}")
         if self.dk.world_size > 1:
             error = self.dk.broadcast_object(error, 0)
         if error is not None:
@@ -245,9 +262,12 @@ class TrainingRun:
             raise error
 
     def _log(self, record: dict[str, Any]) -> None:
-        if self.out is not None:
-            self.out.write(json.dumps(record) + "\n")
-            self.out.flush()
+        """Rank 0: one record to metrics.jsonl and the trackers (not one of a step the earlier run logged)."""
+        if self.out is None or record.get("step", self._logged_through + 1) <= self._logged_through:
+            return
+        self.out.write(json.dumps(record) + "\n")
+        self.out.flush()
+        self.trackers.log(record)
 
     def evaluate(self) -> dict[str, float]:
         """Collective: ``eval_loss`` and the task's ``eval_<metric>``s (see :func:`distkit.evaluation.evaluate`);
@@ -372,6 +392,7 @@ class TrainingRun:
         if self.out is not None:
             self.out.close()
         self._write_json("summary.json", summary)
+        self.trackers.finish(summary, "finished")
         return summary
 
     def _preempted(self, received: str, step: int) -> None:
@@ -381,6 +402,7 @@ class TrainingRun:
         if self.out is not None:
             self.out.close()
             self.out = None
+        self.trackers.finish(None, "preempted")
         error = Preempted(f"stopped by {received} after step {step} of {self.total_steps}; checkpoint "
                           f"{checkpoint.step_name(step)} written: continue with ++resume auto")
         error.agreed = True
@@ -391,6 +413,22 @@ class TrainingRun:
         file intact, see :func:`distkit.checkpoint.write_json`); its error is raised on every rank, so the job
         stops with one line and no rank waits for rank 0."""
         self._on_main(lambda: checkpoint.write_json(os.path.join(self.cfg.output_dir, name), obj), OutputError)
+
+
+def last_logged_step(path: str) -> int:
+    """The highest ``step`` in the metrics.jsonl at ``path`` (0: none there, or no such file); a torn last line
+    (the earlier run killed mid-write) is passed over."""
+    last = 0
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line).get("step", 0)))
+                except (ValueError, AttributeError):
+                    continue
+    except OSError:
+        return 0
+    return last
 
 
 def ranks_by_host(hosts: list[str], node_ranks: list[int]) -> str:

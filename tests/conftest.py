@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sysconfig
 import sys
 import time
 import traceback
@@ -58,6 +59,19 @@ def run(cmd: list[str], timeout: float = 180, cwd: Optional[Path] = None, **env:
 def distkit(*args: str, timeout: float = 180, **env: str) -> subprocess.CompletedProcess[str]:
     """``python -m distkit ARGS``."""
     return run([sys.executable, "-m", "distkit", *args], timeout=timeout, **env)
+
+
+def venv_without(where: Path, *names: str) -> Path:
+    """A real venv at ``where`` holding this venv's packages (linked; distkit from its editable install), those whose
+    names start with one of ``names`` left out: what a user who skipped an install has. Returns its python."""
+    venv = where / "venv"
+    ok(subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], capture_output=True, text=True))
+    site = Path(sysconfig.get_paths()["purelib"])
+    target = next(venv.glob("lib/python*/site-packages"))
+    for entry in site.iterdir():
+        if not entry.name.lower().startswith(names):
+            os.symlink(entry, target / entry.name)
+    return venv / "bin" / "python"
 
 
 def ok(res: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:

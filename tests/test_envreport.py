@@ -3,17 +3,14 @@ Horovod (the same packages, Horovod left out), where it says why and how to fix 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import sysconfig
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from conftest import ROOT, base_env, distkit, ok
+from conftest import ROOT, base_env, distkit, ok, venv_without
 
 ENGINES = {"ddp", "deepspeed", "mpi", "horovod"}
 
@@ -58,16 +55,10 @@ def test_the_text_report_has_every_section_and_one_line_per_deepspeed_op() -> No
 
 def test_a_venv_without_horovod_says_why_and_how_to_fix_it(tmp_path: Path) -> None:
     # A real venv with this venv's packages (linked), Horovod left out: what a user who skipped `make horovod` has.
-    venv = tmp_path / "venv"
-    ok(subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], capture_output=True, text=True))
-    site = Path(sysconfig.get_paths()["purelib"])
-    target = next(venv.glob("lib/python*/site-packages"))
-    for entry in site.iterdir():
-        if not entry.name.lower().startswith("horovod"):
-            os.symlink(entry, target / entry.name)
+    python = venv_without(tmp_path, "horovod")
     env = base_env()
     env.pop("PYTHONPATH")  # distkit comes from the linked editable install, as in the user's venv
-    res = subprocess.run([str(venv / "bin" / "python"), "-m", "distkit", "env", "--json"], env=env, cwd=tmp_path,
+    res = subprocess.run([str(python), "-m", "distkit", "env", "--json"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout)

@@ -198,7 +198,7 @@ def resolve(raw: dict[str, Any], flags: LaunchFlags | None = None, cli_keys: fro
 
 #: keys whose values are data or objects, not settings: their numbers are not the config's to judge (a
 #: dataset given as a list may hold NaN on purpose, and walking it would cost time for nothing)
-_NOT_SETTINGS = frozenset({"train_dataset", "eval_dataset", "dataset", "model", "callbacks", "metrics"})
+_NOT_SETTINGS = frozenset({"train_dataset", "eval_dataset", "dataset", "model", "callbacks", "loggers", "metrics"})
 
 
 def _refuse_non_finite(value: Any, path: str = "") -> None:

@@ -123,6 +123,12 @@ class RunConfig:
     #: after the same step (agreed by a MAX all-reduce after each log/eval point's hooks); ``summary.json`` then has
     #: ``stopped_early: true``
     callbacks: list[Any] = field(default_factory=list)
+    #: experiment trackers rank 0 writes to, besides metrics.jsonl: any of "tensorboard" (output_dir/tensorboard),
+    #: "mlflow" (output_dir/mlflow.db, or MLFLOW_TRACKING_URI), "wandb" (offline under output_dir/wandb unless W&B
+    #: is configured), "csv" (output_dir/metrics.csv), and objects with ``log(metrics, step)`` (Accelerate's tracker
+    #: methods, or a Lightning logger's). The same records as metrics.jsonl, the config as hyperparameters, the
+    #: summary at the end; a resumed run continues the same tracker run. ``pip install 'distkit[trackers]'``
+    loggers: list[Any] = field(default_factory=list)
     #: the optimizer's lr (a factory optimizer sets its own)
     learning_rate: float = 0.1
     #: samples per rank per micro-step (like DDP's per-process batch and DeepSpeed's micro batch).

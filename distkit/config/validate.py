@@ -100,6 +100,9 @@ def _validate(cfg: RunConfig) -> None:
     if not isinstance(cfg.callbacks, (list, tuple)):
         raise ConfigError(f"'callbacks' must be a list of callback objects, got {type(cfg.callbacks).__name__}")
     cfg.callbacks = list(cfg.callbacks)
+    from distkit import trackers  # no tracker library is imported here, only looked for
+
+    cfg.loggers = trackers.check(cfg.loggers)
     if not isinstance(cfg.output_dir, str) or not cfg.output_dir:
         raise ConfigError(f"'output_dir' must be a non-empty path, got {cfg.output_dir!r}")
     if cfg.resume not in (None, "auto", "none") and not (isinstance(cfg.resume, str) and os.path.isdir(cfg.resume)):

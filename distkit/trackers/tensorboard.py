@@ -1,0 +1,44 @@
+"""TensorBoard: event files under ``output_dir/tensorboard`` (``tensorboard --logdir output_dir/tensorboard``).
+
+Scalars under the names of ``metrics.jsonl`` at the optimizer step; the run's config in the HPARAMS tab (with
+``loss`` and ``eval_loss`` as its metrics); the summary's numbers as ``summary/<key>`` at the last step. A resumed
+run writes a new event file into the same directory: one run, one step axis.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from distkit.trackers import summary_numbers
+
+
+class TensorBoardTracker:
+    def __init__(self, output_dir: str, params: dict[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        self.logdir = os.path.join(output_dir, "tensorboard")
+        self.writer = SummaryWriter(self.logdir)
+        self.last_step = 0
+        # the HPARAMS tab: the experiment (config keys, metric names) and this session's values; its end at finish
+        exp, ssi, self._sei = hparams(params, {"loss": 0.0, "eval_loss": 0.0})
+        for s in (exp, ssi):
+            self.writer.file_writer.add_summary(s)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.last_step = max(self.last_step, step)
+        self.writer.flush()
+
+    def finish(self, summary: Optional[dict[str, Any]], status: str) -> None:
+        if summary is not None:
+            step = int(summary.get("steps", self.last_step))
+            for name, value in summary_numbers(summary).items():
+                self.writer.add_scalar(name, value, step)
+            self.writer.file_writer.add_summary(self._sei)
+        self.writer.close()
+
+
+def open_tracker(output_dir: str, run_id: str, params: dict[str, Any], resumed: bool) -> TensorBoardTracker:
+    return TensorBoardTracker(output_dir, params)
