@@ -18,6 +18,9 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from torch import nn
+
+from distkit.errors import ConfigError
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
@@ -46,6 +49,35 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
             offset += n
 
 
+def cut(sizes: list[int], parts: int) -> list[list[int]]:
+    """``range(len(sizes))`` cut into ``parts`` contiguous, non-empty runs of near-equal total size: run k ends
+    where the running total comes closest to ``(k+1)/parts`` of the whole (leaving an item for each run after
+    it). The same on every rank: it depends only on the sizes, in their fixed order."""
+    if not 1 <= parts <= len(sizes):
+        raise ValueError(f"cannot cut {len(sizes)} items into {parts} parts")
+    total, n = sum(sizes), len(sizes)
+    runs: list[list[int]] = []
+    run: list[int] = []
+    acc = 0  # the running total, times parts below (integers: the same cut on every machine)
+    for i, size in enumerate(sizes):
+        k = len(runs)
+        if run and k < parts - 1:
+            target = (k + 1) * total
+            # close before item i: the items left are just enough for the runs left, or taking i would overshoot
+            # the target by more than stopping here falls short of it
+            if n - i == parts - 1 - k or (acc + size) * parts - target > target - acc * parts:
+                runs.append(run)
+                run = []
+        run.append(i)
+        acc += size
+        k = len(runs)
+        if k < parts - 1 and acc * parts >= (k + 1) * total and n - i - 1 >= parts - 1 - k:
+            runs.append(run)
+            run = []
+    runs.append(run)
+    return runs
+
+
 class ParamAverager:
     """Average ``tensors`` over ranks every ``sync_step`` steps or every ``sync_time_diff`` seconds.
 
@@ -59,13 +91,29 @@ class ParamAverager:
             with Nesterov SGD instead of being taken as is. None = plain averaging.
         names: the model's name for each of ``tensors`` (``state_dict`` keys), so that the averager's
             state can go into a checkpoint's portable part by name (:meth:`portable_state`).
+        fragments: F >= 1 (Streaming DiLoCo): the tensors, in their fixed order, are cut into F contiguous
+            runs of whole tensors of near-equal size (``fragment_sizes``); fragment i syncs at steps ``s`` with
+            ``s >= i*H//F`` and ``(s - i*H//F) % H == 0`` (step rule), or the fragments sync in turn, one every
+            ``sync_time_diff / F`` seconds (time rule). Each fragment still syncs every H steps; the bytes per
+            sync event fall about F-fold. F = 1 is the whole model at once (today's code path, unchanged).
+        fragment_sizes: per tensor, the size the cut goes by (default: its number of elements). An engine whose
+            tensors are this rank's parts of the parameters (ZeRO's masters) passes the whole parameters'
+            sizes, so that every engine and rank cuts the model at the same parameters.
     """
 
     def __init__(self, strategy: "Strategy", tensors: list[torch.Tensor], sync_step: int,
                  sync_time_diff: Optional[float] = None, outer_optimizer: Optional[dict[str, Any]] = None,
-                 names: Optional[list[str]] = None) -> None:
+                 names: Optional[list[str]] = None, fragments: int = 1,
+                 fragment_sizes: Optional[list[int]] = None) -> None:
         if sync_step < 1:
             raise ValueError(f"sync_step must be >= 1, got {sync_step}")
+        if fragments < 1 or (sync_time_diff is None and fragments > sync_step):
+            raise ValueError(f"fragments must be in 1..sync_step ({sync_step}), got {fragments}")
+        if fragments > len(tensors):
+            error = ConfigError(f"'distributed.param_sync_fragments' ({fragments}) is more than the {len(tensors)} "
+                                f"tensors the model averages: set it to at most {len(tensors)}")
+            error.agreed = True  # every rank finds it, at the same point: reported once
+            raise error
         if names is not None and len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
         self.strategy = strategy
@@ -77,6 +125,14 @@ class ParamAverager:
         self.num_syncs = 0
         self.wait_s = 0.0  #: seconds spent in the averaging exchange (blocked on communication)
         self._last_sync = time.monotonic()
+        self.fragments = fragments
+        #: optimizer steps counted since the start (the fragment schedule's clock; saved in checkpoints)
+        self.steps = 0
+        #: per fragment: steps since it last synced
+        self.fragment_since = [0] * fragments
+        self._next_fragment = 0  # time rule: the fragment whose turn is next
+        #: per fragment, the indices of its tensors
+        self.fragment_tensors = cut(fragment_sizes or [t.numel() for t in tensors], fragments)
         #: tensors outside the model averaged plainly at every sync (modules given to ``dk.keep_in_sync``)
         self.extra: list[torch.Tensor] = []
         self._outer: Optional[torch.optim.Optimizer] = None
@@ -96,15 +152,44 @@ class ParamAverager:
         return float(elapsed.item()) >= self.sync_time_diff
 
     def after_step(self) -> bool:
-        """Collective. Count one optimizer step; sync if due. Returns whether it synced."""
+        """Collective. Count one optimizer step; sync if due (with fragments: the fragments due). Returns whether
+        it synced."""
         self.steps_since_sync += 1
-        if not self._due():
-            return False
-        self.sync()
-        return True
+        self.steps += 1
+        if self.fragments == 1:
+            if not self._due():
+                return False
+            self.sync()
+            return True
+        self.fragment_since = [n + 1 for n in self.fragment_since]
+        due = self._due_fragments()
+        if due:
+            self.sync(due)
+        return bool(due)
 
-    def sync(self) -> None:
-        """Collective: average now (and apply the outer optimizer if configured)."""
+    def fragment_offsets(self) -> list[int]:
+        """Step rule: fragment i first syncs at step ``i*H//F``, then every H steps."""
+        return [i * self.sync_step // self.fragments for i in range(self.fragments)]
+
+    def _due_fragments(self) -> list[int]:
+        if self.sync_time_diff is None:
+            h = self.sync_step
+            return [i for i, o in enumerate(self.fragment_offsets()) if self.steps >= max(o, 1) and (self.steps - o) % h == 0]
+        elapsed = torch.tensor([time.monotonic() - self._last_sync], dtype=torch.float64)
+        self.strategy.all_reduce(elapsed, op="max")  # the same decision on every rank
+        return [self._next_fragment] if float(elapsed.item()) >= self.sync_time_diff / self.fragments else []
+
+    def is_parameter(self, index: int) -> bool:
+        """Whether ``self.tensors[index]`` is a parameter (averaged over replica groups' cross groups) rather than a
+        floating buffer (averaged over every rank); engines whose tensors are not the parameters override it."""
+        return isinstance(self.tensors[index], nn.Parameter)
+
+    def sync(self, fragments: Optional[list[int]] = None) -> None:
+        """Collective: average now (and apply the outer optimizer if configured); ``fragments``: only those
+        fragments' ranges (every rank passes the same), None = the whole model."""
+        if fragments is not None and self.fragments > 1:
+            self._sync_fragments(fragments)
+            return
         t0 = time.perf_counter()
         self.strategy.average_parameters(self.tensors)
         # the kept modules: over every rank (all_reduce), also where the model's tensors go over replica groups;
@@ -120,10 +205,48 @@ class ParamAverager:
                     t.copy_(a)
         self.steps_since_sync = 0
         self.num_syncs += 1
+        self.fragment_since = [0] * self.fragments
+        self._last_sync = time.monotonic()
+
+    def _sync_fragments(self, fragments: list[int]) -> None:
+        """Collective: average ``fragments``' tensors in one exchange; with the outer optimizer, its Nesterov step
+        on those tensors' anchors (torch SGD's own formula, with their momentum buffers)."""
+        index = [i for k in fragments for i in self.fragment_tensors[k]]
+        tensors = [self.tensors[i] for i in index]
+        t0 = time.perf_counter()
+        self.strategy.average_parameters(tensors, [self.is_parameter(i) for i in index])
+        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        self.wait_s += time.perf_counter() - t0
+        if self._outer is not None:
+            group = self._outer.param_groups[0]
+            lr, momentum = group["lr"], group["momentum"]
+            with torch.no_grad():
+                for i, t in zip(index, tensors, strict=True):
+                    a = self._anchor[i]
+                    g = a - t  # pseudo-gradient: how far the average moved, negated
+                    state = self._outer.state[a]
+                    if "momentum_buffer" not in state:  # torch's first step: the buffer is the gradient
+                        state["momentum_buffer"] = g.clone()
+                    else:
+                        state["momentum_buffer"].mul_(momentum).add_(g)
+                    buf = state["momentum_buffer"]
+                    a.add_(g.add(buf, alpha=momentum) if group["nesterov"] else buf, alpha=-lr)
+                    t.copy_(a)
+        for k in fragments:
+            self.fragment_since[k] = 0
+        self.steps_since_sync = 0
+        self.num_syncs += 1
+        self._next_fragment = (max(fragments) + 1) % self.fragments
         self._last_sync = time.monotonic()
 
     def final_sync(self) -> None:
-        """Collective: sync unless the last step already did, so every rank ends with the same model."""
+        """Collective: sync unless the last step already did, so every rank ends with the same model (with
+        fragments: every fragment with steps since its last sync, in one exchange)."""
+        if self.fragments > 1:
+            stale = [k for k, n in enumerate(self.fragment_since) if n > 0]
+            if stale:
+                self.sync(stale)
+            return
         if self.steps_since_sync > 0:
             self.sync()
 
@@ -132,6 +255,7 @@ class ParamAverager:
         loaded from elsewhere, e.g. a checkpoint of another layout): no steps since a sync, the
         anchor set to the current tensors, the outer optimizer's momentum cleared."""
         self.steps_since_sync = 0
+        self.fragment_since = [0] * self.fragments
         self._last_sync = time.monotonic()
         if self._outer is not None:
             with torch.no_grad():
@@ -139,8 +263,22 @@ class ParamAverager:
                     a.copy_(t)
             self._outer.state.clear()
 
+    def _counters(self) -> dict[str, Any]:
+        return {"steps_since_sync": self.steps_since_sync, "num_syncs": self.num_syncs, "steps": self.steps,
+                "fragment_since": list(self.fragment_since), "next_fragment": self._next_fragment}
+
+    def _load_counters(self, counters: dict[str, Any]) -> None:
+        self.steps_since_sync = int(counters["steps_since_sync"])
+        self.num_syncs = int(counters["num_syncs"])
+        # a checkpoint from before fragments: its clock from the syncs (exact for the step rule)
+        self.steps = int(counters.get("steps", self.num_syncs * self.sync_step + self.steps_since_sync))
+        since = counters.get("fragment_since")
+        # another number of fragments (or none before): a new period for each, from here
+        self.fragment_since = [int(n) for n in since] if since and len(since) == self.fragments else [0] * self.fragments
+        self._next_fragment = int(counters.get("next_fragment", 0)) % self.fragments
+
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"steps_since_sync": self.steps_since_sync, "num_syncs": self.num_syncs}
+        state: dict[str, Any] = self._counters()
         if self._outer is not None:
             state["anchor"] = [a.detach().clone() for a in self._anchor]
             state["outer"] = self._outer.state_dict()
@@ -155,8 +293,7 @@ class ParamAverager:
         so one rank writes them and the others pass ``keep=False`` (they take no copies; under ZeRO they
         still join the assembly). ``counters``: steps since the last sync, syncs so far, whether an
         outer optimizer ran."""
-        counters = {"steps_since_sync": self.steps_since_sync, "num_syncs": self.num_syncs,
-                    "outer": self._outer is not None}
+        counters = {**self._counters(), "outer": self._outer is not None}
         if self._outer is None:
             return {}, counters
         tensors = {f"anchor/{n}": t for n, t in self._by_name(self._anchor, keep).items()}
@@ -171,8 +308,7 @@ class ParamAverager:
         (steps since the last sync); the anchor and momentum are restored when both sides use the outer
         optimizer, else the anchor is the loaded model (a new outer optimizer starts without momentum)."""
         self.restart()
-        self.steps_since_sync = int(counters["steps_since_sync"])
-        self.num_syncs = int(counters["num_syncs"])
+        self._load_counters(counters)
         if self._outer is None or not any(k.startswith("anchor/") for k in tensors):
             return
         with torch.no_grad():
@@ -199,8 +335,7 @@ class ParamAverager:
             t.copy_(by_name[n].to(t.device, t.dtype).view_as(t))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps_since_sync = int(state["steps_since_sync"])
-        self.num_syncs = int(state["num_syncs"])
+        self._load_counters(state)
         if self._outer is not None and "anchor" in state:
             with torch.no_grad():
                 for a, v in zip(self._anchor, state["anchor"], strict=True):

@@ -92,3 +92,55 @@ def test_outer_nesterov_closed_form(tmp_path: Path) -> None:
     # Nesterov first step: update = g + momentum * g = 1.9 * 1.5; anchor 1 - 0.7 * 2.85.
     for got in run_ranks(_outer, 2, tmp_path, 0.7, 0.9):
         assert torch.allclose(torch.tensor(got), torch.full((3,), 1 - 0.7 * 1.9 * 1.5))
+
+
+def _fragments(rank: int, world: int, outer: bool) -> dict[str, object]:
+    """Four tensors in 2 fragments, H = 4, 11 steps: each step every element of rank r grows by r + 1."""
+    from distkit.averaging import ParamAverager
+
+    s = _strategy(rank, world)
+    tensors = [torch.zeros(6), torch.zeros(2, 5), torch.zeros(3), torch.zeros(9)]
+    oo = {"class": "nesterov", "lr": 0.7, "momentum": 0.9} if outer else None
+    avg = ParamAverager(s, tensors, 4, outer_optimizer=oo, fragments=2)
+    synced, values = [], []
+    for _ in range(11):
+        for t in tensors:
+            t += rank + 1
+        did = avg.after_step()
+        synced.append([k for k in range(2) if did and avg.fragment_since[k] == 0])
+        values.append([t.reshape(-1)[0].item() for t in tensors])
+    return {"fragments": avg.fragment_tensors, "synced": synced, "values": values, "num_syncs": avg.num_syncs}
+
+
+def test_fragments_sync_in_turn_each_every_h_steps_closed_form(tmp_path: Path) -> None:
+    # sizes 6, 10, 3, 9 (28): fragment 0 = tensors 0, 1 (16), fragment 1 = tensors 2, 3 (12). Offsets 0 and
+    # 4 // 2 = 2: fragment 1 syncs at steps 2, 6, 10, fragment 0 at 4, 8.
+    got = run_ranks(_fragments, 2, tmp_path, False)
+    assert got[0]["fragments"] == [[0, 1], [2, 3]]
+    assert got[0]["synced"] == [[], [1], [], [0], [], [1], [], [0], [], [1], []] == got[1]["synced"]
+    assert got[0]["num_syncs"] == 5
+    for s in range(1, 12):
+        last = {0: max([t for t in (4, 8) if t <= s], default=0), 1: max([t for t in (2, 6, 10) if t <= s], default=0)}
+        for rank in (0, 1):
+            # the mean drift (1.5 per step) up to the fragment's last sync, the rank's own (r + 1) since
+            want = [1.5 * last[f] + (rank + 1) * (s - last[f]) for f in (0, 0, 1, 1)]
+            assert got[rank]["values"][s - 1] == want, (s, rank)
+
+
+def test_fragments_outer_nesterov_is_torchs_sgd_per_fragment(tmp_path: Path) -> None:
+    got = run_ranks(_fragments, 2, tmp_path, True)
+    # reference: each fragment's tensors follow torch's own Nesterov SGD on their anchor at that fragment's syncs
+    anchors = {f: torch.zeros(1) for f in (0, 1)}
+    outers = {f: torch.optim.SGD([anchors[f]], lr=0.7, momentum=0.9, nesterov=True) for f in (0, 1)}
+    local = {f: [torch.zeros(1), torch.zeros(1)] for f in (0, 1)}  # per rank, the element's value
+    for s in range(1, 12):
+        for f in (0, 1):
+            for r in (0, 1):
+                local[f][r] += r + 1
+        for f in got[0]["synced"][s - 1]:
+            mean = (local[f][0] + local[f][1]) / 2
+            anchors[f].grad = anchors[f] - mean
+            outers[f].step()
+            local[f] = [anchors[f].detach().clone(), anchors[f].detach().clone()]
+        for r in (0, 1):
+            assert got[r]["values"][s - 1] == [local[f][r].item() for f in (0, 0, 1, 1)], (s, r)

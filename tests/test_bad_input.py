@@ -20,6 +20,14 @@ CASES = [
     ("bad_reduce_type", "torch_distributed = {'reduce_type': 'params'}\n", [], ["reduce_type", "grad, param", "did you mean 'param'"]),
     ("sync_step_zero", "torch_distributed = {'reduce_type': 'param', 'param_sync_step': 0}\n", [], ["param_sync_step", ">= 1"]),
     ("sync_step_negative", "", ["++distributed.param_sync_step", "-3"], ["param_sync_step", ">= 1", "-3"]),
+    ("fragments_over_sync_step", "torch_distributed = {'reduce_type': 'param', 'param_sync_step': 4, "
+     "'param_sync_fragments': 5}\n", [], ["param_sync_fragments' (5) must be at most param_sync_step (4)"]),
+    ("fragments_in_grad_mode", "", ["++distributed.param_sync_fragments", "2"],
+     ["param_sync_fragments' only applies to reduce_type 'param'"]),
+    ("fragments_zero", "", ["++distributed.param_sync_fragments", "0"], ["param_sync_fragments' must be an integer >= 1"]),
+    ("fragments_with_fault_tolerance", "torch_distributed = {'reduce_type': 'param', 'param_sync_fragments': 2}\n"
+     "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2}\n", [],
+     ["not available with fault_tolerance yet", "set param_sync_fragments = 1"]),
     ("two_backends", "", ["++torch_distributed", "{}", "++use_horovod", "1"], ["two backends", "torch_distributed", "use_horovod"]),
     ("two_backends_cli", "torch_distributed = {}\n", ["--deepspeed", "++use_horovod", "1"],
      ["two backends", "use_horovod", "deepspeed"]),

@@ -273,8 +273,10 @@ class Strategy(ABC):
             for t, v in zip(tensors, values, strict=True):
                 t.copy_(v)
 
-    def average_parameters(self, params: list[torch.Tensor]) -> None:
+    def average_parameters(self, params: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> None:
         """Collective: every rank must call it, in the same order. Sets each tensor to its mean over ranks.
+        ``is_param``: which of ``params`` are parameters rather than floating buffers, where they are views
+        (fragments of param_sync_fragments); None = ``isinstance(t, nn.Parameter)``.
 
         One flat all-reduce (torch ``model_averaging/utils.py`` pattern); costs one extra copy
         of the tensors' total size, temporarily. With replica groups the ranks of a group hold the same
@@ -282,10 +284,11 @@ class Strategy(ABC):
         (:meth:`cross_group_mean`), one copy of the model per link instead of one per rank; the floating
         buffers, which differ inside a group, over every rank.
         """
+        kinds = is_param if is_param is not None else [isinstance(t, nn.Parameter) for t in params]
+        buffers = [t for t, p in zip(params, kinds, strict=True) if not p]
         if self.ft is not None:  # across groups through torchft; the buffers first over this group's ranks
             if self.world_size > 1:
-                flat_mean([t for t in params if not isinstance(t, nn.Parameter)],
-                          lambda flat: self.all_reduce(flat, op="mean"))
+                flat_mean(buffers, lambda flat: self.all_reduce(flat, op="mean"))
             self.ft.average(params)
             return
         if self.replicas is None:
@@ -294,8 +297,8 @@ class Strategy(ABC):
         # The parameters over the cross group. The floating buffers (BatchNorm statistics) over every rank:
         # each rank's own forward updated them, so the ranks of a group hold different ones (as DeepSpeed's
         # replica groups do: the same rule on every engine).
-        flat_mean([t for t in params if isinstance(t, nn.Parameter)], self.cross_group_mean)
-        flat_mean([t for t in params if not isinstance(t, nn.Parameter)], lambda flat: self.all_reduce(flat, op="mean"))
+        flat_mean([t for t, p in zip(params, kinds, strict=True) if p], self.cross_group_mean)
+        flat_mean(buffers, lambda flat: self.all_reduce(flat, op="mean"))
 
     def cross_group_mean(self, flat: torch.Tensor) -> None:
         """Collective over this rank's cross group (:meth:`ReplicaGroups.cross`; every rank calls it, in the
@@ -391,4 +394,4 @@ def param_averager(strategy: "Strategy", module: nn.Module) -> ParamAverager:
     named = list(parameters_and_float_buffers(bare_module(module)))
     d = strategy.cfg.distributed
     return ParamAverager(strategy, [t for _, t in named], d.param_sync_step, d.param_sync_time_diff,
-                         d.outer_optimizer, names=[n for n, _ in named])
+                         d.outer_optimizer, names=[n for n, _ in named], fragments=d.param_sync_fragments)

@@ -58,6 +58,12 @@ class DistributedConfig:
     #: param mode, every engine: ranks per replica group (gradients reduced inside a group every step, ZeRO
     #: shards inside it; the groups average every param_sync_step); 1 = every rank its own replica
     param_sync_group_size: int = 1
+    #: param mode, every engine: F fragments (Streaming DiLoCo). The averaged tensors, concatenated, are cut into F
+    #: contiguous ranges of near-equal bytes; fragment i syncs at steps i*H//F + k*H (H = param_sync_step), or, with
+    #: param_sync_time_diff T, the fragments sync in turn every T/F seconds. Each fragment still syncs every H steps
+    #: while the bytes per sync fall F-fold; with the outer optimizer each range has its own anchor and momentum.
+    #: 1 <= F <= H; 1 = the whole model at once
+    param_sync_fragments: int = 1
 
 
 @dataclass
@@ -212,7 +218,8 @@ class RunConfig:
 #: RETURNN's ``torch_distributed`` keys -> canonical ``distributed`` keys.
 TORCH_DISTRIBUTED_KEYS = {
     "reduce_type": "reduce_type", "param_sync_step": "param_sync_step",
-    "param_sync_time_diff": "param_sync_time_diff", "options": "options",
+    "param_sync_time_diff": "param_sync_time_diff", "param_sync_fragments": "param_sync_fragments",
+    "options": "options",
     "backend": "pg_backend", "timeout_sec": "timeout_s", "timeout_s": "timeout_s",
     "sync_on_cpu": None,  # accepted (param mode); on CPU it changes nothing
     "class": None,        # only the default DDP class is supported; checked below

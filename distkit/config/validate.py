@@ -52,6 +52,18 @@ def _validate(cfg: RunConfig) -> None:
     if not isinstance(d.bucket_cap_mb, (int, float)) or isinstance(d.bucket_cap_mb, bool) or d.bucket_cap_mb <= 0:
         raise ConfigError(f"'distributed.bucket_cap_mb' must be a positive number of MiB, got {d.bucket_cap_mb!r}")
     _int("distributed.param_sync_group_size", d.param_sync_group_size, 1)
+    _int("distributed.param_sync_fragments", d.param_sync_fragments, 1)
+    if d.param_sync_fragments > 1:
+        if d.reduce_type != "param":
+            raise ConfigError("'distributed.param_sync_fragments' only applies to reduce_type 'param': remove it or "
+                              "set reduce_type = 'param'")
+        if d.param_sync_time_diff is None and d.param_sync_fragments > d.param_sync_step:
+            raise ConfigError(f"'distributed.param_sync_fragments' ({d.param_sync_fragments}) must be at most "
+                              f"param_sync_step ({d.param_sync_step}): each fragment syncs every param_sync_step "
+                              f"steps, at its own step in that period")
+        if cfg.fault_tolerance is not None:
+            raise ConfigError("'distributed.param_sync_fragments' is not available with fault_tolerance yet (torchft "
+                              "syncs the whole model): set param_sync_fragments = 1")
     for flag in ("scale_lr", "avg_grad", "require_horovod"):
         if not isinstance(getattr(d, flag), (bool, int)):
             raise ConfigError(f"'distributed.{flag}' must be True or False, got {getattr(d, flag)!r}")

@@ -204,10 +204,18 @@ class DeepSpeedStrategy(_DeepSpeedState):
             groups = self._zero_groups(engine)
             names = {id(p): n for n, p in self.unwrap(engine).named_parameters()}
             d = cfg.distributed
+            sizes = None
+            if d.param_sync_fragments > 1:
+                # fragments are runs of whole parameters in the model's order, cut by their whole sizes: the same
+                # parameters in each fragment as on every other engine, whatever part of a master this rank holds
+                masters = self._master_views(engine)
+                sizes = [getattr(p, "ds_numel", p.numel()) for p in self.unwrap(engine).parameters()] + \
+                    [b.numel() for _, b in buffers]
             self.averager = _MasterAverager(self, masters, buffers, refresh,
                                             None if groups is None else [(names[id(p)], p) for g in groups for p in g],
                                             sync_step=d.param_sync_step, sync_time_diff=d.param_sync_time_diff,
-                                            outer_optimizer=d.outer_optimizer)
+                                            outer_optimizer=d.outer_optimizer, fragments=d.param_sync_fragments,
+                                            fragment_sizes=sizes)
         # which trainable parameters got a gradient since the last boundary (see backward)
         self._trainable = [(n, p) for n, p in self.unwrap(engine).named_parameters() if p.requires_grad]
         self._seen: set[int] = set()

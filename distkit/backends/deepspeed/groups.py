@@ -142,19 +142,25 @@ class _MasterAverager(ParamAverager):
             for t, m in zip(into[:n], masters, strict=True):
                 t.copy_(m)
 
-    def average_parameters(self, tensors: list[torch.Tensor]) -> None:
+    def is_parameter(self, index: int) -> bool:
+        return index < self._n_masters  # the masters stand for the parameters; the rest are floating buffers
+
+    def average_parameters(self, tensors: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> None:
         s = self._ds
         assert s.mpu is not None
+        kinds = is_param if is_param is not None else [i < self._n_masters for i in range(len(tensors))]
+        masters = [t for t, p in zip(tensors, kinds, strict=True) if p]
+        buffers = [t for t, p in zip(tensors, kinds, strict=True) if not p]
         if s.ft is not None:  # fault-tolerant groups: this launch is one group, the average across goes via torchft
-            s.average_over(tensors[self._n_masters:], None, s.world_size)
+            s.average_over(buffers, None, s.world_size)
             s.ft.average(tensors)
             return
-        s.average_over(tensors[:self._n_masters], s.mpu.cross_group, s.mpu.cross_size)
-        s.average_over(tensors[self._n_masters:], None, s.world_size)
+        s.average_over(masters, s.mpu.cross_group, s.mpu.cross_size)
+        s.average_over(buffers, None, s.world_size)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self._ds.all_reduce(tensor, op)
 
-    def sync(self) -> None:
-        super().sync()
+    def sync(self, fragments: Optional[list[int]] = None) -> None:
+        super().sync(fragments)
         self._refresh()

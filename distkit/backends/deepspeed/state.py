@@ -86,6 +86,29 @@ class _DeepSpeedState(_DeepSpeedConfigured):
                                          "use a ZeRO stage >= 1 or fp32")
         return params, lambda: None
 
+    def _master_views(self, engine: Any) -> list[torch.Tensor]:
+        """Per model parameter (``named_parameters`` order), the part of the fp32 master this rank holds, as a
+        view into the optimizer's flat partition (writing it writes the master), or an empty tensor where this
+        rank holds none of it (a frozen parameter, or one in another rank's ZeRO partition): what
+        ``param_sync_fragments`` cuts by parameter, as on every other engine."""
+        opt = engine.optimizer
+        views: list[torch.Tensor] = []
+        for p in self.unwrap(engine).parameters():
+            if hasattr(opt, "fp32_partitioned_groups_flat") and hasattr(p, "ds_id"):  # ZeRO-3
+                if not p.requires_grad:
+                    views.append(torch.empty(0))
+                    continue
+                group, offset, numel = opt.grad_position[opt.get_param_id(p)]
+                views.append(opt.fp32_partitioned_groups_flat[group].narrow(0, offset, numel))
+            elif hasattr(p, "_hp_mapping"):  # ZeRO-1/2, bf16 optimizer
+                views.append(p._hp_mapping.hp_fragment if p._hp_mapping is not None else torch.empty(0))
+            elif p.dtype == torch.float32 and not hasattr(opt, "fp32_groups_flat_partition"):  # stage 0, fp32
+                views.append(p)
+            else:
+                raise UnsupportedCombination(f"param_sync_fragments cannot find the master weights of "
+                                             f"{type(opt).__name__}: use a ZeRO stage >= 1 or fp32")
+        return views
+
     def _zero_groups(self, engine: Any) -> Optional[list[list[nn.Parameter]]]:
         """The model parameters of each optimizer group when ZeRO (1-3) or the bf16 optimizer partitions
         the fp32 state (None: the optimizer holds the model's own parameters)."""
