@@ -104,7 +104,8 @@ class ParamAverager:
     def __init__(self, strategy: "Strategy", tensors: list[torch.Tensor], sync_step: int,
                  sync_time_diff: Optional[float] = None, outer_optimizer: Optional[dict[str, Any]] = None,
                  names: Optional[list[str]] = None, fragments: int = 1,
-                 fragment_sizes: Optional[list[int]] = None) -> None:
+                 fragment_sizes: Optional[list[int]] = None, compression: str = "none",
+                 error_feedback: bool = True) -> None:
         if sync_step < 1:
             raise ValueError(f"sync_step must be >= 1, got {sync_step}")
         if fragments < 1 or (sync_time_diff is None and fragments > sync_step):
@@ -136,9 +137,17 @@ class ParamAverager:
         #: tensors outside the model averaged plainly at every sync (modules given to ``dk.keep_in_sync``)
         self.extra: list[torch.Tensor] = []
         self._outer: Optional[torch.optim.Optimizer] = None
+        #: the model as of the last sync: what the pseudo-gradient ``anchor - local`` is taken from (the outer
+        #: optimizer's parameters; with compression also without it). One copy of the averaged tensors.
         self._anchor: list[torch.Tensor] = []
-        if outer_optimizer is not None:
+        self.compression = compression
+        self.error_feedback = error_feedback and compression != "none"
+        #: per parameter tensor: what the last exchange could not send of this rank's pseudo-gradient (the codec's
+        #: rounding), added to the next one (error feedback); None until the first compressed sync. Per rank.
+        self._error: Optional[list[torch.Tensor]] = None
+        if outer_optimizer is not None or compression != "none":
             self._anchor = [t.detach().clone() for t in tensors]
+        if outer_optimizer is not None:
             momentum = float(outer_optimizer.get("momentum", 0.9))
             # torch refuses nesterov without momentum; with momentum 0 both are plain SGD anyway.
             self._outer = torch.optim.SGD(self._anchor, lr=float(outer_optimizer.get("lr", 0.7)),
@@ -186,7 +195,10 @@ class ParamAverager:
 
     def sync(self, fragments: Optional[list[int]] = None) -> None:
         """Collective: average now (and apply the outer optimizer if configured); ``fragments``: only those
-        fragments' ranges (every rank passes the same), None = the whole model."""
+        fragments' tensors (every rank passes the same), None = the whole model."""
+        if self.compression != "none":
+            self._sync_compressed(fragments if fragments is not None and self.fragments > 1 else None)
+            return
         if fragments is not None and self.fragments > 1:
             self._sync_fragments(fragments)
             return
@@ -203,10 +215,7 @@ class ParamAverager:
                 self._outer.step()
                 for a, t in zip(self._anchor, self.tensors, strict=True):
                     t.copy_(a)
-        self.steps_since_sync = 0
-        self.num_syncs += 1
-        self.fragment_since = [0] * self.fragments
-        self._last_sync = time.monotonic()
+        self._synced(None)
 
     def _sync_fragments(self, fragments: list[int]) -> None:
         """Collective: average ``fragments``' tensors in one exchange; with the outer optimizer, its Nesterov step
@@ -218,26 +227,75 @@ class ParamAverager:
         flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
         self.wait_s += time.perf_counter() - t0
         if self._outer is not None:
-            group = self._outer.param_groups[0]
-            lr, momentum = group["lr"], group["momentum"]
             with torch.no_grad():
                 for i, t in zip(index, tensors, strict=True):
-                    a = self._anchor[i]
-                    g = a - t  # pseudo-gradient: how far the average moved, negated
-                    state = self._outer.state[a]
-                    if "momentum_buffer" not in state:  # torch's first step: the buffer is the gradient
-                        state["momentum_buffer"] = g.clone()
-                    else:
-                        state["momentum_buffer"].mul_(momentum).add_(g)
-                    buf = state["momentum_buffer"]
-                    a.add_(g.add(buf, alpha=momentum) if group["nesterov"] else buf, alpha=-lr)
-                    t.copy_(a)
-        for k in fragments:
+                    self._outer_step(i, self._anchor[i] - t)  # pseudo-gradient: how far the average moved, negated
+        self._synced(fragments)
+
+    def _outer_step(self, i: int, g: torch.Tensor) -> None:
+        """The outer optimizer's step on tensor ``i``'s anchor with pseudo-gradient ``g`` (torch SGD's own formula,
+        with its momentum buffer), then the tensor set to the anchor."""
+        group = self._outer.param_groups[0]  # type: ignore[union-attr]
+        lr, momentum = group["lr"], group["momentum"]
+        a = self._anchor[i]
+        state = self._outer.state[a]  # type: ignore[union-attr]
+        if "momentum_buffer" not in state:  # torch's first step: the buffer is the gradient
+            state["momentum_buffer"] = g.clone()
+        else:
+            state["momentum_buffer"].mul_(momentum).add_(g)
+        buf = state["momentum_buffer"]
+        a.add_(g.add(buf, alpha=momentum) if group["nesterov"] else buf, alpha=-lr)
+        self.tensors[i].copy_(a)
+
+    def _synced(self, fragments: Optional[list[int]]) -> None:
+        """The counters after a sync of ``fragments`` (None: the whole model)."""
+        for k in fragments if fragments is not None else range(self.fragments):
             self.fragment_since[k] = 0
+        if fragments is not None:
+            self._next_fragment = (max(fragments) + 1) % self.fragments
         self.steps_since_sync = 0
         self.num_syncs += 1
-        self._next_fragment = (max(fragments) + 1) % self.fragments
         self._last_sync = time.monotonic()
+
+    def _sync_compressed(self, fragments: Optional[list[int]]) -> None:
+        """Collective: the compressed exchange (``compression``) of ``fragments``' tensors (None: all). What
+        crosses the link is each rank's pseudo-gradient ``anchor - local`` (plus the error it could not send
+        last time), encoded (:func:`distkit.compression.compressed_mean`); every rank receives the same mean
+        and applies it to the anchor: plainly (``anchor - mean``, which is the average without compression) or
+        as the outer optimizer's gradient. Floating buffers are averaged uncompressed (they are no
+        pseudo-gradient, and small)."""
+        from distkit.compression import compressed_mean
+
+        index = list(range(len(self.tensors))) if fragments is None else \
+            [i for k in fragments for i in self.fragment_tensors[k]]
+        params = [i for i in index if self.is_parameter(i) and self.tensors[i].numel() > 0]
+        buffers = [i for i in index if not self.is_parameter(i)]
+        t0 = time.perf_counter()
+        if buffers:
+            self.strategy.average_parameters([self.tensors[i] for i in buffers], [False] * len(buffers))
+        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        with torch.no_grad():
+            delta = torch.cat([(self._anchor[i] - self.tensors[i]).reshape(-1).float() for i in params]) \
+                if params else torch.zeros(0)
+            if self.error_feedback:
+                if self._error is None:
+                    self._error = [torch.zeros(t.numel(), dtype=torch.float32, device=t.device) for t in self.tensors]
+                delta += torch.cat([self._error[i] for i in params]) if params else 0
+            mean, sent = compressed_mean(self.strategy, delta, self.compression)
+            self.wait_s += time.perf_counter() - t0
+            offset = 0
+            for i in params:
+                t, n = self.tensors[i], self.tensors[i].numel()
+                if self.error_feedback:
+                    self._error[i] = delta[offset:offset + n] - sent[offset:offset + n]  # type: ignore[index]
+                g = mean[offset:offset + n].view_as(t).to(t.dtype)
+                if self._outer is not None:
+                    self._outer_step(i, g)
+                else:
+                    self._anchor[i].sub_(g)
+                    t.copy_(self._anchor[i])
+                offset += n
+        self._synced(fragments)
 
     def final_sync(self) -> None:
         """Collective: sync unless the last step already did, so every rank ends with the same model (with
@@ -257,10 +315,11 @@ class ParamAverager:
         self.steps_since_sync = 0
         self.fragment_since = [0] * self.fragments
         self._last_sync = time.monotonic()
+        self._error = None
+        with torch.no_grad():
+            for a, t in zip(self._anchor, self.tensors, strict=True):
+                a.copy_(t)
         if self._outer is not None:
-            with torch.no_grad():
-                for a, t in zip(self._anchor, self.tensors, strict=True):
-                    a.copy_(t)
             self._outer.state.clear()
 
     def _counters(self) -> dict[str, Any]:
@@ -279,9 +338,12 @@ class ParamAverager:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = self._counters()
-        if self._outer is not None:
+        if self._anchor:
             state["anchor"] = [a.detach().clone() for a in self._anchor]
+        if self._outer is not None:
             state["outer"] = self._outer.state_dict()
+        if self._error is not None:  # this rank's own: in its rank file only
+            state["error"] = [e.detach().clone() for e in self._error]
         return state
 
     # -- the portable part of a checkpoint (by name: any engine, world size) ------------------------
@@ -294,9 +356,11 @@ class ParamAverager:
         still join the assembly). ``counters``: steps since the last sync, syncs so far, whether an
         outer optimizer ran."""
         counters = {**self._counters(), "outer": self._outer is not None}
-        if self._outer is None:
+        if not self._anchor:
             return {}, counters
         tensors = {f"anchor/{n}": t for n, t in self._by_name(self._anchor, keep).items()}
+        if self._outer is None:
+            return tensors, counters
         momentum = [self._outer.state.get(a, {}).get("momentum_buffer") for a in self._anchor]
         if all(m is not None for m in momentum):
             tensors.update({f"momentum/{n}": t for n, t in self._by_name(momentum, keep).items()})  # type: ignore[arg-type]
@@ -309,12 +373,12 @@ class ParamAverager:
         optimizer, else the anchor is the loaded model (a new outer optimizer starts without momentum)."""
         self.restart()
         self._load_counters(counters)
-        if self._outer is None or not any(k.startswith("anchor/") for k in tensors):
+        if not self._anchor or not any(k.startswith("anchor/") for k in tensors):
             return
         with torch.no_grad():
             self._from_name({k[len("anchor/"):]: v for k, v in tensors.items() if k.startswith("anchor/")}, self._anchor)
             momentum = {k[len("momentum/"):]: v for k, v in tensors.items() if k.startswith("momentum/")}
-            if momentum:
+            if momentum and self._outer is not None:
                 buffers = [torch.zeros_like(a) for a in self._anchor]
                 self._from_name(momentum, buffers)
                 for a, b in zip(self._anchor, buffers, strict=True):
@@ -336,9 +400,11 @@ class ParamAverager:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_counters(state)
-        if self._outer is not None and "anchor" in state:
+        if self._anchor and "anchor" in state:
             with torch.no_grad():
                 for a, v in zip(self._anchor, state["anchor"], strict=True):
                     a.copy_(v)
+        if self._outer is not None and "outer" in state:
             self._outer.load_state_dict(state["outer"])
+        self._error = [e.clone() for e in state["error"]] if self.error_feedback and state.get("error") else None
         self._last_sync = time.monotonic()

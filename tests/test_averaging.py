@@ -144,3 +144,67 @@ def test_fragments_outer_nesterov_is_torchs_sgd_per_fragment(tmp_path: Path) -> 
             local[f] = [anchors[f].detach().clone(), anchors[f].detach().clone()]
         for r in (0, 1):
             assert got[r]["values"][s - 1] == [local[f][r].item() for f in (0, 0, 1, 1)], (s, r)
+
+
+def _compressed(rank: int, world: int, codec: str) -> dict[str, object]:
+    from distkit.compression import compressed_mean
+
+    s = _strategy(rank, world)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(3000, generator=g) * (rank + 1)
+    x[7] = 1000.0 * (rank + 1)  # an outlier: it costs precision in its own block of 1024 only
+    before = s.comm_bytes
+    mean, sent = compressed_mean(s, x, codec)
+    return {"x": x, "mean": mean, "sent": sent, "bytes": s.comm_bytes - before}
+
+
+def test_compressed_mean_closed_forms(tmp_path: Path) -> None:
+    from distkit.compression import BLOCK, encoded_size, roundtrip
+
+    for world, codec, bytes_per in ((2, "bf16", 2), (2, "fp16", 2), (2, "int8", 1), (3, "int8", 1)):
+        got = run_ranks(_compressed, world, tmp_path, codec)
+        xs = [r["x"] for r in got]
+        true = sum(xs) / world
+        for r in got:
+            assert torch.equal(r["mean"], got[0]["mean"])  # every rank: the same bytes decoded
+            assert torch.equal(r["sent"], roundtrip(r["x"], codec))  # what the others read of it
+        # two roundings (each rank's contribution, then the owner's mean) bound the error
+        if codec == "int8":
+            for lo in range(0, 3000, BLOCK):
+                hi = min(lo + BLOCK, 3000)
+                step = max(x[lo:hi].abs().max() for x in xs) / 127  # the coarsest scale of the block
+                assert (got[0]["mean"][lo:hi] - true[lo:hi]).abs().max() <= step + 1e-5, (world, lo)
+            # the outlier's block is coarse; the others keep their precision
+            assert (got[0]["mean"][BLOCK:] - true[BLOCK:]).abs().max() < 0.1
+        else:
+            rel = 2 ** -7 if codec == "bf16" else 2 ** -10
+            assert ((got[0]["mean"] - true).abs() <= 2.01 * rel * (sum(x.abs() for x in xs) / world + true.abs())).all()
+        # bytes: the all-to-all rows (p chunks) and the gathered chunk, each chunk a whole number of blocks
+        unit = BLOCK if codec == "int8" else 1
+        chunk = -(-3000 // (world * unit)) * unit
+        assert got[0]["bytes"] == (world + 1) * encoded_size(chunk, codec)
+        assert encoded_size(chunk, codec) <= chunk * bytes_per * (1 + 4 / BLOCK)
+
+
+def _error_feedback(rank: int, world: int) -> list[list[float]]:
+    """Plain averaging with int8 and error feedback, one tensor, 3 syncs: each rank's pseudo-gradients."""
+    from distkit.averaging import ParamAverager
+
+    s = _strategy(rank, world)
+    p = torch.nn.Parameter(torch.zeros(4))
+    avg = ParamAverager(s, [p], 1, compression="int8")
+    seen = []
+    for k in range(3):
+        with torch.no_grad():
+            p += torch.tensor([0.001, 1.0, -0.5, 0.3]) * (rank + 1) * (k + 1)
+        avg.after_step()
+        seen.append(avg._error[0].tolist())  # type: ignore[index]
+    return seen
+
+
+def test_error_feedback_carries_what_int8_could_not_send(tmp_path: Path) -> None:
+    # 0.001 next to 1.0 in one block rounds to 0 (scale 1/127): without feedback it would never be sent
+    got = run_ranks(_error_feedback, 2, tmp_path)
+    for rank, errors in enumerate(got):
+        assert abs(errors[0][0] + 0.001 * (rank + 1)) < 1e-7  # first sync: its whole pseudo-gradient held back
+        assert all(abs(e) <= (rank + 1) * 3 / 127 / 2 + 1e-6 for es in errors for e in es)  # at most half a step

@@ -28,6 +28,13 @@ CASES = [
     ("fragments_with_fault_tolerance", "torch_distributed = {'reduce_type': 'param', 'param_sync_fragments': 2}\n"
      "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2}\n", [],
      ["not available with fault_tolerance yet", "set param_sync_fragments = 1"]),
+    ("compression_in_grad_mode", "", ["++distributed.param_sync_compression", "int8"],
+     ["param_sync_compression' only applies to reduce_type 'param'"]),
+    ("compression_unknown_codec", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'int4'}\n", [],
+     ["param_sync_compression' must be one of none, bf16, fp16, int8; got 'int4'"]),
+    ("compression_with_fault_tolerance", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'bf16'}\n"
+     "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2}\n", [],
+     ["param_sync_compression' is not available with fault_tolerance yet"]),
     ("two_backends", "", ["++torch_distributed", "{}", "++use_horovod", "1"], ["two backends", "torch_distributed", "use_horovod"]),
     ("two_backends_cli", "torch_distributed = {}\n", ["--deepspeed", "++use_horovod", "1"],
      ["two backends", "use_horovod", "deepspeed"]),

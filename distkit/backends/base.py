@@ -300,6 +300,22 @@ class Strategy(ABC):
         flat_mean([t for t, p in zip(params, kinds, strict=True) if p], self.cross_group_mean)
         flat_mean(buffers, lambda flat: self.all_reduce(flat, op="mean"))
 
+    # -- param mode's compressed exchange (param_sync_compression, distkit.compression) ---------------------
+    def averaging_size(self) -> int:
+        """How many copies of the parameters the averaging averages: the replica groups, else the ranks."""
+        return self.replicas.count if self.replicas is not None else self.world_size
+
+    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+        """Collective over the ranks the parameters are averaged over (this rank's cross group with replica
+        groups, else every rank; :meth:`averaging_size` of them, in rank order): ``rows`` (p, m) uint8, row j for
+        member j; returns (p, m), row j the row member j sent to this rank."""
+        raise NotImplementedError(f"the {self.name} engine has no compressed exchange")
+
+    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
+        """Collective over the same ranks as :meth:`exchange_all_to_all`: ``row`` (m,) uint8 from each; returns
+        (p, m), row j member j's."""
+        raise NotImplementedError(f"the {self.name} engine has no compressed exchange")
+
     def cross_group_mean(self, flat: torch.Tensor) -> None:
         """Collective over this rank's cross group (:meth:`ReplicaGroups.cross`; every rank calls it, in the
         same order): ``flat`` (in place) becomes its mean over the replica groups. Engines that support
@@ -394,4 +410,5 @@ def param_averager(strategy: "Strategy", module: nn.Module) -> ParamAverager:
     named = list(parameters_and_float_buffers(bare_module(module)))
     d = strategy.cfg.distributed
     return ParamAverager(strategy, [t for _, t in named], d.param_sync_step, d.param_sync_time_diff,
-                         d.outer_optimizer, names=[n for n, _ in named], fragments=d.param_sync_fragments)
+                         d.outer_optimizer, names=[n for n, _ in named], fragments=d.param_sync_fragments,
+                         compression=d.param_sync_compression, error_feedback=d.param_sync_error_feedback)

@@ -160,6 +160,22 @@ class DDPStrategy(Strategy):
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._cross)
         flat.div_(self.replicas.count)  # type: ignore[union-attr]
 
+    def _averaging_group(self) -> Any:
+        """The process group the parameters are averaged over (None: every rank)."""
+        return self._cross if self.replicas is not None else None
+
+    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        self.comm_bytes += rows.numel() * rows.element_size()
+        dist.all_to_all_single(out, rows.contiguous(), group=self._averaging_group())
+        return out
+
+    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.averaging_size() * row.numel(), dtype=row.dtype, device=row.device)
+        self.comm_bytes += row.numel() * row.element_size()
+        dist.all_gather_single(out, row.contiguous(), group=self._averaging_group())
+        return out.view(-1, row.numel())
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return bare_module(model.module if isinstance(model, DistributedDataParallel) else model)
 

@@ -218,6 +218,16 @@ class HorovodEngine(Strategy):
         with torch.no_grad():
             flat.copy_(out.div_(self.replicas.count))
 
+    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+        self.comm_bytes += rows.numel() * rows.element_size()
+        # named, as cross_group_mean: the ranks of a set match on the name
+        return self.hvd.alltoall(rows.contiguous(), name="distkit.exchange_all_to_all", process_set=self._cross_set)
+
+    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
+        self.comm_bytes += row.numel() * row.element_size()
+        out = self.hvd.allgather(row.contiguous()[None], name="distkit.exchange_all_gather", process_set=self._cross_set)
+        return out
+
     def _group_all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """In place, over the ranks that reduce gradients together (this rank's replica group): the used-mask
         of find_unused_parameters (``drop_globally_unused``), as DDP's on its process group. op is max|min|sum."""

@@ -311,6 +311,24 @@ class MPIStrategy(Strategy):
         assert self.replicas is not None
         self._allreduce(self.cross_comm, self.replicas.count, flat, "mean", " over the replica groups")
 
+    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+        comm = self.cross_comm if self.replicas is not None else self.comm
+        buf = rows.detach().cpu().contiguous()
+        out = torch.empty_like(buf)
+        self.comm_bytes += buf.numel()
+        with self.watch("Alltoall of the compressed exchange"):
+            comm.Alltoall(_np(buf), _np(out))
+        return out.to(rows.device)
+
+    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
+        comm = self.cross_comm if self.replicas is not None else self.comm
+        buf = row.detach().cpu().contiguous()
+        out = torch.empty((self.averaging_size(), buf.numel()), dtype=buf.dtype)
+        self.comm_bytes += buf.numel()
+        with self.watch("Allgather of the compressed exchange"):
+            comm.Allgather(_np(buf), _np(out))
+        return out.to(row.device)
+
     def group_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Collective over this rank's replica group (or every rank without replica groups)."""
         if self.replicas is None:

@@ -64,6 +64,15 @@ class DistributedConfig:
     #: while the bytes per sync fall F-fold; with the outer optimizer each range has its own anchor and momentum.
     #: 1 <= F <= H; 1 = the whole model at once
     param_sync_fragments: int = 1
+    #: param mode, every engine: what crosses the link at a sync is each rank's pseudo-gradient (anchor - local),
+    #: encoded: "bf16" | "fp16" (half the bytes of fp32) | "int8" (a quarter, plus one fp32 scale per block of
+    #: 1024 elements); the mean is taken in fp32 (an all-to-all, then an all-gather of the encoded mean: the same
+    #: on every rank). Floating buffers go uncompressed. Keeps one copy of the model (the anchor). "none" = the
+    #: fp32 all-reduce of the parameters
+    param_sync_compression: str = "none"
+    #: param mode with param_sync_compression: add what the codec could not send of a rank's pseudo-gradient to
+    #: its next one (error feedback; one fp32 copy of the parameters per rank, in its own checkpoint file)
+    param_sync_error_feedback: bool = True
 
 
 @dataclass
@@ -219,6 +228,7 @@ class RunConfig:
 TORCH_DISTRIBUTED_KEYS = {
     "reduce_type": "reduce_type", "param_sync_step": "param_sync_step",
     "param_sync_time_diff": "param_sync_time_diff", "param_sync_fragments": "param_sync_fragments",
+    "param_sync_compression": "param_sync_compression", "param_sync_error_feedback": "param_sync_error_feedback",
     "options": "options",
     "backend": "pg_backend", "timeout_sec": "timeout_s", "timeout_s": "timeout_s",
     "sync_on_cpu": None,  # accepted (param mode); on CPU it changes nothing

@@ -53,6 +53,18 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"'distributed.bucket_cap_mb' must be a positive number of MiB, got {d.bucket_cap_mb!r}")
     _int("distributed.param_sync_group_size", d.param_sync_group_size, 1)
     _int("distributed.param_sync_fragments", d.param_sync_fragments, 1)
+    from distkit.compression import CODECS
+
+    choice("distributed.param_sync_compression", d.param_sync_compression, CODECS)
+    if not isinstance(d.param_sync_error_feedback, bool):
+        raise ConfigError(f"'distributed.param_sync_error_feedback' must be True or False, got {d.param_sync_error_feedback!r}")
+    if d.param_sync_compression != "none":
+        if d.reduce_type != "param":
+            raise ConfigError("'distributed.param_sync_compression' only applies to reduce_type 'param' (it encodes the "
+                              "parameters' exchange at a sync): remove it or set reduce_type = 'param'")
+        if cfg.fault_tolerance is not None:
+            raise ConfigError("'distributed.param_sync_compression' is not available with fault_tolerance yet (torchft "
+                              "averages in fp32): set param_sync_compression = 'none'")
     if d.param_sync_fragments > 1:
         if d.reduce_type != "param":
             raise ConfigError("'distributed.param_sync_fragments' only applies to reduce_type 'param': remove it or "

@@ -215,7 +215,8 @@ class DeepSpeedStrategy(_DeepSpeedState):
                                             None if groups is None else [(names[id(p)], p) for g in groups for p in g],
                                             sync_step=d.param_sync_step, sync_time_diff=d.param_sync_time_diff,
                                             outer_optimizer=d.outer_optimizer, fragments=d.param_sync_fragments,
-                                            fragment_sizes=sizes)
+                                            fragment_sizes=sizes, compression=d.param_sync_compression,
+                                            error_feedback=d.param_sync_error_feedback)
         # which trainable parameters got a gradient since the last boundary (see backward)
         self._trainable = [(n, p) for n, p in self.unwrap(engine).named_parameters() if p.requires_grad]
         self._seen: set[int] = set()
@@ -247,6 +248,12 @@ class DeepSpeedStrategy(_DeepSpeedState):
                     dist.broadcast(b.data, src=src, group=group)
 
         engine.module.register_forward_pre_hook(sync)
+
+    def _averaging_group(self) -> Any:
+        return self.mpu.cross_group if self.mpu is not None else None
+
+    def averaging_size(self) -> int:
+        return self.mpu.cross_size if self.mpu is not None else self.world_size
 
     def average_over(self, tensors: list[torch.Tensor], group: Any, size: int) -> None:
         """Collective over ``group`` (None = all ranks): set each tensor to its mean; one flat all-reduce."""

@@ -161,6 +161,16 @@ class _MasterAverager(ParamAverager):
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self._ds.all_reduce(tensor, op)
 
+    # the compressed exchange of the masters' pseudo-gradient: over the cross group, as their average
+    def averaging_size(self) -> int:
+        return self._ds.averaging_size()
+
+    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._ds.exchange_all_to_all(rows)
+
+    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
+        return self._ds.exchange_all_gather(row)
+
     def sync(self, fragments: Optional[list[int]] = None) -> None:
         super().sync(fragments)
         self._refresh()
