@@ -137,7 +137,8 @@ def test_param_mode_continues_its_period_and_outer_momentum_on_another_engine(tm
 
     ok(run("zero2", tmp_path / "source"))
     entries = portable.read(str(tmp_path / "source" / "checkpoints" / "step-0000010"))
-    assert entries[portable.META]["averager"] == {"steps_since_sync": 0, "num_syncs": 2, "outer": True}
+    assert entries[portable.META]["averager"] == {"steps_since_sync": 0, "num_syncs": 2, "outer": True, "steps": 10,
+                                                  "fragment_since": [0], "next_fragment": 0}
     averager = portable.averager_state(entries)
     assert averager.keys() == {f"{k}/{n}" for k in ("anchor", "momentum") for n in portable.model_state(entries)}
     assert averager["anchor/0.weight"].shape == (128, 64) and float(averager["momentum/0.weight"].abs().sum()) > 0
