@@ -77,24 +77,53 @@ WORKLOAD = ["train", os.path.join(ROOT, "configs", "charlm.json"), "++charlm_siz
             "++progress_bar", "False", "++resume", "none", "++seed", str(SEED)]
 
 
+#: bytes per element on the link of each ``param_sync_compression`` codec (int8's block scales left out)
+CODEC_BYTES = {"none": 4, "bf16": 2, "fp16": 2, "int8": 1}
+
+
+def mode_options(mode: str) -> tuple[str, int, str]:
+    """``param<H>`` / ``diloco<H>`` with optional ``-f<F>`` (param_sync_fragments) and ``-bf16``/``-fp16``/``-int8``
+    (param_sync_compression) suffixes, e.g. ``diloco100-f4-int8``: (base, F, codec); ValueError otherwise."""
+    base, *options = mode.split("-")
+    fragments, codec = 1, "none"
+    for o in options:
+        if o in CODEC_BYTES and o != "none" and codec == "none":
+            codec = o
+        elif o.startswith("f") and o[1:].isdigit() and int(o[1:]) >= 1 and fragments == 1:
+            fragments = int(o[1:])
+        else:
+            raise ValueError(mode)
+    if base == "grad" and options:
+        raise ValueError(mode)
+    return base, fragments, codec
+
+
 def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[str, Any]:
-    """``grad``, ``param<H>`` or ``diloco<H>`` as a ``distributed`` block (engine added by the caller)."""
+    """``grad``, ``param<H>`` or ``diloco<H>`` (with :func:`mode_options`' suffixes) as a ``distributed`` block
+    (engine added by the caller)."""
     if mode == "grad":
         return {"reduce_type": "grad"}
+    _, fragments, codec = mode_options(mode)
     d: dict[str, Any] = {"reduce_type": "param", "param_sync_step": sync_period(mode)}
     if mode.startswith("diloco"):
         lr, momentum = outer or (0.7, 0.9)
         d["outer_optimizer"] = {"class": "nesterov", "lr": lr, "momentum": momentum}
+    if fragments > 1:
+        d["param_sync_fragments"] = fragments
+    if codec != "none":
+        d["param_sync_compression"] = codec
     return d
 
 
 def sync_period(mode: str) -> int:
-    """Steps per exchange of ``grad`` (1), ``param<H>`` or ``diloco<H>`` (H); ValueError for another name."""
-    if mode == "grad":
+    """Steps per exchange of ``grad`` (1), ``param<H>`` or ``diloco<H>`` (H; with suffixes: H, each fragment's
+    period); ValueError for another name."""
+    base = mode_options(mode)[0]
+    if base == "grad":
         return 1
     for prefix in ("param", "diloco"):
-        if mode.startswith(prefix) and mode[len(prefix):].isdigit() and int(mode[len(prefix):]) >= 1:
-            return int(mode[len(prefix):])
+        if base.startswith(prefix) and base[len(prefix):].isdigit() and int(base[len(prefix):]) >= 1:
+            return int(base[len(prefix):])
     raise ValueError(mode)
 
 
@@ -208,7 +237,8 @@ def model(results: dict[str, Any]) -> None:
             base = by_rate.get("0")
             if base is None:
                 continue
-            payload = exchange / sync_period(mode)
+            # bytes per step: one exchange per period (all fragments together), at the codec's size
+            payload = exchange / sync_period(mode) * CODEC_BYTES[mode_options(mode)[2]] / 4
             for rate, r in by_rate.items():
                 if rate == "0":
                     continue
@@ -415,7 +445,8 @@ def main() -> int:
         except ValueError:
             bad.append(m)
     if bad:
-        print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>", file=sys.stderr)
+        print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>, optionally with -f<F> and "
+              f"-bf16/-fp16/-int8 (e.g. diloco100-f4-int8)", file=sys.stderr)
         return 2
     try:
         if any(float(r) < 0 for r in rates):
