@@ -15,6 +15,7 @@ optimizer, one persistent copy of the parameters (the anchor) plus its momentum 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -47,6 +48,35 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
             n = t.numel()
             t.copy_(flat[offset:offset + n].view_as(t))
             offset += n
+
+
+@dataclass
+class _InFlight:
+    """An exchange of param_sync_overlap in the background: its fragments (None: all), the tensors it averages,
+    the step it started at, the local tensors then, and the exchange itself."""
+
+    fragments: Optional[list[int]]
+    params: list[int]
+    start: int
+    snapshot: list[torch.Tensor]
+    exchange: Any
+
+    def state(self) -> dict[str, Any]:
+        """For this rank's checkpoint file: enough to start the same collective again on resume."""
+        e = self.exchange
+        return {"fragments": self.fragments, "params": self.params, "start": self.start,
+                "snapshot": [t.detach().clone() for t in self.snapshot], "codec": e.codec, "n": e.n,
+                "rows": e.rows if e.phase == 1 else None, "mine": e.mine if e.phase == 2 else None}
+
+    @classmethod
+    def resume(cls, strategy: Any, state: dict[str, Any]) -> "_InFlight":
+        """Collective: the exchange of :meth:`state`, started again at the phase it was in (every rank of the
+        group resumes from the same step, so they start the same collectives in the same order)."""
+        from distkit.compression import Exchange
+
+        x = torch.zeros(state["n"])
+        exchange = Exchange(strategy, x, state["codec"], rows=state["rows"], mine=state["mine"])
+        return cls(state["fragments"], state["params"], state["start"], state["snapshot"], exchange)
 
 
 def cut(sizes: list[int], parts: int) -> list[list[int]]:
@@ -105,7 +135,7 @@ class ParamAverager:
                  sync_time_diff: Optional[float] = None, outer_optimizer: Optional[dict[str, Any]] = None,
                  names: Optional[list[str]] = None, fragments: int = 1,
                  fragment_sizes: Optional[list[int]] = None, compression: str = "none",
-                 error_feedback: bool = True) -> None:
+                 error_feedback: bool = True, overlap: int = 0) -> None:
         if sync_step < 1:
             raise ValueError(f"sync_step must be >= 1, got {sync_step}")
         if fragments < 1 or (sync_time_diff is None and fragments > sync_step):
@@ -145,7 +175,10 @@ class ParamAverager:
         #: per parameter tensor: what the last exchange could not send of this rank's pseudo-gradient (the codec's
         #: rounding), added to the next one (error feedback); None until the first compressed sync. Per rank.
         self._error: Optional[list[torch.Tensor]] = None
-        if outer_optimizer is not None or compression != "none":
+        #: param_sync_overlap: steps an exchange runs in the background before its result is applied
+        self.overlap = overlap
+        self._in_flight: list[_InFlight] = []
+        if outer_optimizer is not None or compression != "none" or overlap > 0:
             self._anchor = [t.detach().clone() for t in tensors]
         if outer_optimizer is not None:
             momentum = float(outer_optimizer.get("momentum", 0.9))
@@ -165,6 +198,13 @@ class ParamAverager:
         it synced."""
         self.steps_since_sync += 1
         self.steps += 1
+        if self.overlap > 0:
+            self.fragment_since = [n + 1 for n in self.fragment_since]
+            self._progress()
+            due = self._due_fragments() if self.fragments > 1 else [0] if self._due() else []
+            if due:
+                self._start(due if self.fragments > 1 else None)
+            return bool(due)
         if self.fragments == 1:
             if not self._due():
                 return False
@@ -233,8 +273,14 @@ class ParamAverager:
         self._synced(fragments)
 
     def _outer_step(self, i: int, g: torch.Tensor) -> None:
+        """The outer optimizer's step on tensor ``i``'s anchor with pseudo-gradient ``g``, then the tensor set to
+        the anchor."""
+        self._outer_update(i, g)
+        self.tensors[i].copy_(self._anchor[i])
+
+    def _outer_update(self, i: int, g: torch.Tensor) -> None:
         """The outer optimizer's step on tensor ``i``'s anchor with pseudo-gradient ``g`` (torch SGD's own formula,
-        with its momentum buffer), then the tensor set to the anchor."""
+        with its momentum buffer)."""
         group = self._outer.param_groups[0]  # type: ignore[union-attr]
         lr, momentum = group["lr"], group["momentum"]
         a = self._anchor[i]
@@ -245,7 +291,6 @@ class ParamAverager:
             state["momentum_buffer"].mul_(momentum).add_(g)
         buf = state["momentum_buffer"]
         a.add_(g.add(buf, alpha=momentum) if group["nesterov"] else buf, alpha=-lr)
-        self.tensors[i].copy_(a)
 
     def _synced(self, fragments: Optional[list[int]]) -> None:
         """The counters after a sync of ``fragments`` (None: the whole model)."""
@@ -256,6 +301,98 @@ class ParamAverager:
         self.steps_since_sync = 0
         self.num_syncs += 1
         self._last_sync = time.monotonic()
+        self._updated()
+
+    def _updated(self) -> None:
+        """The averaged tensors changed (a sync, or an overlapped exchange applied): engines whose model weights
+        are copies of them (DeepSpeed's masters) rewrite the weights here."""
+
+    # -- param_sync_overlap: exchanges in the background ----------------------------------------------------
+    def _start(self, fragments: Optional[list[int]]) -> None:
+        """Collective: start the exchange of ``fragments``' tensors (None: all): floating buffers averaged now
+        (small), each rank's pseudo-gradient (``anchor - local``, plus its error feedback) sent in the
+        background (:class:`distkit.compression.Exchange`, fp32 unless compressed); the local tensors are
+        remembered, to keep the progress made until the result is applied (:meth:`_apply`)."""
+        from distkit.compression import Exchange
+
+        index = list(range(len(self.tensors))) if fragments is None else \
+            [i for k in fragments for i in self.fragment_tensors[k]]
+        params = [i for i in index if self.is_parameter(i) and self.tensors[i].numel() > 0]
+        buffers = [i for i in index if not self.is_parameter(i)]
+        t0 = time.perf_counter()
+        if buffers:
+            self.strategy.average_parameters([self.tensors[i] for i in buffers], [False] * len(buffers))
+        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        with torch.no_grad():
+            delta = self._delta(params)
+            exchange = Exchange(self.strategy, delta, self.compression if self.compression != "none" else "fp32")
+            self._keep_error(params, delta, exchange.sent)
+            if self.overlap // 2 == 0:  # tau = 1: the all-to-all now, the all-gather behind the next step
+                exchange.second()
+            snapshot = [self.tensors[i].detach().clone() for i in params]
+        self.wait_s += time.perf_counter() - t0
+        self._in_flight.append(_InFlight(fragments, params, self.steps, snapshot, exchange))
+        for k in fragments if fragments is not None else range(self.fragments):
+            self.fragment_since[k] = 0
+        if fragments is not None:
+            self._next_fragment = (max(fragments) + 1) % self.fragments
+        self.steps_since_sync = 0
+        self.num_syncs += 1
+        self._last_sync = time.monotonic()
+
+    def _progress(self) -> None:
+        """Collective: move the exchanges in flight on: the second phase starts ``tau // 2`` steps after the
+        first, the result is applied ``tau`` steps after the start; the same steps on every rank."""
+        for f in list(self._in_flight):
+            age = self.steps - f.start
+            if age >= self.overlap // 2 and f.exchange.phase == 1:
+                t0 = time.perf_counter()
+                f.exchange.second()
+                self.wait_s += time.perf_counter() - t0
+            if age >= self.overlap:
+                self._in_flight.remove(f)
+                self._apply(f)
+
+    def _apply(self, f: "_InFlight") -> None:
+        """Collective: the exchange's mean pseudo-gradient moves the anchor (plainly, or as the outer optimizer's
+        gradient) and each tensor becomes the new anchor plus the progress this rank made since the exchange
+        started (the merge rule: no local step is lost; it goes into the next exchange's pseudo-gradient)."""
+        t0 = time.perf_counter()
+        mean = f.exchange.result()
+        self.wait_s += time.perf_counter() - t0
+        with torch.no_grad():
+            offset = 0
+            for i, before in zip(f.params, f.snapshot, strict=True):
+                t, n = self.tensors[i], self.tensors[i].numel()
+                g = mean[offset:offset + n].view_as(t).to(t.dtype)
+                if self._outer is not None:
+                    self._outer_update(i, g)
+                else:
+                    self._anchor[i].sub_(g)
+                t.copy_(self._anchor[i] + (t - before))
+                offset += n
+        self._updated()
+
+    def _delta(self, params: list[int]) -> torch.Tensor:
+        """This rank's pseudo-gradient of tensors ``params`` (flat fp32), plus what the codec held back last time."""
+        delta = torch.cat([(self._anchor[i] - self.tensors[i]).reshape(-1).float() for i in params]) \
+            if params else torch.zeros(0)
+        if self.error_feedback:
+            if self._error is None:
+                self._error = [torch.zeros(t.numel(), dtype=torch.float32, device=t.device) for t in self.tensors]
+            if params:
+                delta += torch.cat([self._error[i] for i in params])
+        return delta
+
+    def _keep_error(self, params: list[int], delta: torch.Tensor, sent: torch.Tensor) -> None:
+        """Error feedback: what of ``delta`` the others did not read (``sent`` is what they read)."""
+        if not self.error_feedback:
+            return
+        offset = 0
+        for i in params:
+            n = self.tensors[i].numel()
+            self._error[i] = delta[offset:offset + n] - sent[offset:offset + n]  # type: ignore[index]
+            offset += n
 
     def _sync_compressed(self, fragments: Optional[list[int]]) -> None:
         """Collective: the compressed exchange (``compression``) of ``fragments``' tensors (None: all). What
@@ -275,19 +412,13 @@ class ParamAverager:
             self.strategy.average_parameters([self.tensors[i] for i in buffers], [False] * len(buffers))
         flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
         with torch.no_grad():
-            delta = torch.cat([(self._anchor[i] - self.tensors[i]).reshape(-1).float() for i in params]) \
-                if params else torch.zeros(0)
-            if self.error_feedback:
-                if self._error is None:
-                    self._error = [torch.zeros(t.numel(), dtype=torch.float32, device=t.device) for t in self.tensors]
-                delta += torch.cat([self._error[i] for i in params]) if params else 0
+            delta = self._delta(params)
             mean, sent = compressed_mean(self.strategy, delta, self.compression)
             self.wait_s += time.perf_counter() - t0
+            self._keep_error(params, delta, sent)
             offset = 0
             for i in params:
                 t, n = self.tensors[i], self.tensors[i].numel()
-                if self.error_feedback:
-                    self._error[i] = delta[offset:offset + n] - sent[offset:offset + n]  # type: ignore[index]
                 g = mean[offset:offset + n].view_as(t).to(t.dtype)
                 if self._outer is not None:
                     self._outer_step(i, g)
@@ -299,7 +430,17 @@ class ParamAverager:
 
     def final_sync(self) -> None:
         """Collective: sync unless the last step already did, so every rank ends with the same model (with
-        fragments: every fragment with steps since its last sync, in one exchange)."""
+        fragments: every fragment with steps since its last sync, in one exchange; with overlap, the exchanges
+        in flight are applied first, then every fragment with local progress is synced without overlap)."""
+        if self.overlap > 0:
+            for f in self._in_flight:
+                self._apply(f)
+            self._in_flight = []
+            stale = [k for k, n in enumerate(self.fragment_since) if n > 0]
+            if stale:
+                self._start(stale if self.fragments > 1 else None)
+                self._apply(self._in_flight.pop())  # at once: no step since its start, nothing to merge
+            return
         if self.fragments > 1:
             stale = [k for k, n in enumerate(self.fragment_since) if n > 0]
             if stale:
@@ -316,6 +457,7 @@ class ParamAverager:
         self.fragment_since = [0] * self.fragments
         self._last_sync = time.monotonic()
         self._error = None
+        self._in_flight = []  # the weights came from elsewhere: an exchange of the old ones would undo them
         with torch.no_grad():
             for a, t in zip(self._anchor, self.tensors, strict=True):
                 a.copy_(t)
@@ -344,6 +486,8 @@ class ParamAverager:
             state["outer"] = self._outer.state_dict()
         if self._error is not None:  # this rank's own: in its rank file only
             state["error"] = [e.detach().clone() for e in self._error]
+        if self._in_flight:  # this rank's payloads: a resume starts the same collectives again (rank file only)
+            state["in_flight"] = [f.state() for f in self._in_flight]
         return state
 
     # -- the portable part of a checkpoint (by name: any engine, world size) ------------------------
@@ -407,4 +551,5 @@ class ParamAverager:
         if self._outer is not None and "outer" in state:
             self._outer.load_state_dict(state["outer"])
         self._error = [e.clone() for e in state["error"]] if self.error_feedback and state.get("error") else None
+        self._in_flight = [_InFlight.resume(self.strategy, f) for f in state.get("in_flight", [])] if self.overlap else []
         self._last_sync = time.monotonic()

@@ -16,7 +16,7 @@ collectives on bytes (uint8): :meth:`~distkit.backends.base.Strategy.exchange_al
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -35,11 +35,13 @@ def encoded_size(n: int, codec: str) -> int:
     """Bytes of ``n`` encoded elements (``n`` a multiple of the codec's unit)."""
     if codec == "int8":
         return n + 4 * (n // BLOCK)
-    return 2 * n
+    return 4 * n if codec == "fp32" else 2 * n
 
 
 def encode(x: torch.Tensor, codec: str) -> torch.Tensor:
     """``x`` (1-D fp32, length a multiple of the unit) as bytes (1-D uint8, :func:`encoded_size` long)."""
+    if codec == "fp32":
+        return x.contiguous().view(torch.uint8)
     if codec == "bf16":
         return x.to(torch.bfloat16).view(torch.uint8)
     if codec == "fp16":
@@ -53,6 +55,8 @@ def encode(x: torch.Tensor, codec: str) -> torch.Tensor:
 
 def decode(data: torch.Tensor, n: int, codec: str) -> torch.Tensor:
     """The inverse of :func:`encode`: ``n`` fp32 elements from ``data``'s bytes."""
+    if codec == "fp32":
+        return data.view(torch.float32)
     if codec == "bf16":
         return data.view(torch.bfloat16).to(torch.float32)
     if codec == "fp16":
@@ -69,21 +73,67 @@ def roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
     return decode(encode(padded, codec), padded.numel(), codec)[:n]
 
 
+class Exchange:
+    """One compressed mean in flight (the two phases of :func:`compressed_mean`, started in turn by the caller, so
+    that training steps can run between them: ``param_sync_overlap``). Collective: every member of the group
+    creates it, calls :meth:`second` and :meth:`result` at the same points, in the same order as its other
+    exchanges. ``codec`` "fp32" sends the values as they are (4 bytes per element)."""
+
+    def __init__(self, strategy: Any, x: torch.Tensor, codec: str, rows: Optional[torch.Tensor] = None,
+                 mine: Optional[torch.Tensor] = None) -> None:
+        self.strategy, self.codec, self.n = strategy, codec, x.numel()
+        self.p = strategy.averaging_size()
+        unit = _unit(codec)
+        self.chunk = -(-self.n // (self.p * unit)) * unit  # elements per owner, a whole number of units
+        if rows is None and mine is None:
+            padded = torch.nn.functional.pad(x.float(), (0, self.p * self.chunk - self.n))
+            rows = torch.stack([encode(c, codec) for c in padded.view(self.p, self.chunk)])  # row j: owner j's chunk
+        #: this member's encoded chunks (phase 1's payload) and, after phase 1, its encoded mean (phase 2's)
+        self.rows, self.mine = rows, mine
+        #: what the others read of this member's x: ``x - sent`` is the error feedback's remainder
+        self.sent = torch.cat([decode(r, self.chunk, codec) for r in rows])[:self.n] if rows is not None else x
+        self._received = None if self.p == 1 or mine is not None else strategy.start_all_to_all(rows)
+        self._gathered: Any = None if mine is None else strategy.start_all_gather(mine)
+
+    @property
+    def phase(self) -> int:
+        return 1 if self._gathered is None else 2
+
+    def second(self) -> None:
+        """Wait for phase 1 (the all-to-all), sum this member's chunk and start phase 2 (the all-gather)."""
+        if self._gathered is not None:
+            return
+        if self.p == 1:
+            self.mine = self.rows[0]  # type: ignore[index]
+            self._gathered = _Done(self.mine[None])
+            return
+        received = self._received.wait()  # type: ignore[union-attr]  # row j: member j's copy of my chunk
+        mean = sum(decode(received[j], self.chunk, self.codec) for j in range(self.p)) / self.p
+        self.mine = encode(mean, self.codec)
+        self._gathered = self.strategy.start_all_gather(self.mine)
+
+    def result(self) -> torch.Tensor:
+        """The mean (1-D fp32, ``x``'s length), identical on every member: waits for what is still in flight."""
+        self.second()
+        gathered = self._gathered.wait()  # row j: owner j's mean
+        return torch.cat([decode(gathered[j], self.chunk, self.codec) for j in range(self.p)])[:self.n]
+
+
+class _Done:
+    """A finished collective (one member: nothing to exchange)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
 def compressed_mean(strategy: Any, x: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective over the averaging group (``strategy.averaging_size()`` members, every one passing the same
     ``codec`` and a tensor of the same length): ``(mean, sent)``. ``mean``: the mean of ``x`` (1-D fp32) over the
     group, identical on every member, with :func:`encoded_size` bytes per element on the link instead of 4.
     ``sent``: what the others read of this member's ``x`` (its decoded encoding; ``x - sent`` is the error
     feedback's remainder)."""
-    p, n = strategy.averaging_size(), x.numel()
-    if p == 1:
-        sent = roundtrip(x, codec)  # what crossing the link would have left of it
-        return sent, sent
-    chunk = -(-n // (p * _unit(codec))) * _unit(codec)  # elements per owner, a whole number of units
-    padded = torch.nn.functional.pad(x.float(), (0, p * chunk - n))
-    rows = torch.stack([encode(c, codec) for c in padded.view(p, chunk)])  # row j: owner j's chunk
-    sent = torch.cat([decode(r, chunk, codec) for r in rows])[:n]
-    received = strategy.exchange_all_to_all(rows)  # row j: member j's copy of my chunk
-    mine = sum(decode(received[j], chunk, codec) for j in range(p)) / p
-    gathered = strategy.exchange_all_gather(encode(mine, codec))  # row j: owner j's mean
-    return torch.cat([decode(gathered[j], chunk, codec) for j in range(p)])[:n], sent
+    e = Exchange(strategy, x, codec)
+    return e.result(), e.sent

@@ -212,3 +212,52 @@ def test_error_feedback_carries_what_int8_could_not_send(tmp_path: Path) -> None
     for rank, errors in enumerate(got):
         assert abs(errors[0][0] + 0.001 * (rank + 1)) < 1e-7  # first sync: its whole pseudo-gradient held back
         assert all(abs(e) <= (rank + 1) * 3 / 127 / 2 + 1e-6 for es in errors for e in es)  # at most half a step
+
+
+def _overlapped(rank: int, world: int, outer: bool) -> list[list[float]]:
+    """One tensor, H = 4, tau = 2, 11 steps then the final sync: each step every element of rank r grows by r + 1."""
+    from distkit.averaging import ParamAverager
+
+    s = _strategy(rank, world)
+    p = torch.nn.Parameter(torch.zeros(3))
+    oo = {"class": "nesterov", "lr": 0.7, "momentum": 0.9} if outer else None
+    avg = ParamAverager(s, [p], 4, outer_optimizer=oo, overlap=2)
+    values = []
+    for _ in range(11):
+        with torch.no_grad():
+            p += rank + 1
+        avg.after_step()
+        values.append(p.tolist())
+    avg.final_sync()
+    values.append(p.tolist())
+    return values
+
+
+def test_an_overlapped_exchange_is_applied_tau_steps_later_keeping_local_progress(tmp_path: Path) -> None:
+    # exchanges start at steps 4 and 8 (what the ranks held then) and are applied at 6 and 10: the mean then, plus
+    # each rank's own progress since the start. Closed form: 1.5 * L + (r + 1) * (s - L), L the last start applied.
+    got = run_ranks(_overlapped, 2, tmp_path, False)
+    for s in range(1, 12):
+        last = max([k for k in (4, 8) if k + 2 <= s], default=0)
+        for rank in (0, 1):
+            assert got[rank][s - 1] == [1.5 * last + (rank + 1) * (s - last)] * 3, (s, rank)
+    assert got[0][-1] == got[1][-1] == [1.5 * 11] * 3  # the end: the exchange in flight applied, then all synced
+
+
+def test_an_overlapped_outer_step_is_torchs_sgd_on_the_mean_of_the_start(tmp_path: Path) -> None:
+    got = run_ranks(_overlapped, 2, tmp_path, True)
+    anchor = torch.zeros(1)
+    outer = torch.optim.SGD([anchor], lr=0.7, momentum=0.9, nesterov=True)
+    local = [torch.zeros(1), torch.zeros(1)]
+    started: dict[int, list[torch.Tensor]] = {}
+    for s in range(1, 12):
+        local = [local[r] + r + 1 for r in (0, 1)]
+        if s - 2 in started:  # applied: the anchor's Nesterov step on the mean pseudo-gradient of the start
+            before = started.pop(s - 2)
+            anchor.grad = anchor.detach() - (before[0] + before[1]) / 2
+            outer.step()
+            local = [anchor.detach() + (local[r] - before[r]) for r in (0, 1)]
+        if s % 4 == 0:
+            started[s] = [t.clone() for t in local]
+        for r in (0, 1):
+            assert got[r][s - 1] == [local[r].item()] * 3, (s, r)

@@ -35,6 +35,13 @@ CASES = [
     ("compression_with_fault_tolerance", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'bf16'}\n"
      "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2}\n", [],
      ["param_sync_compression' is not available with fault_tolerance yet"]),
+    ("overlap_not_below_period", "torch_distributed = {'reduce_type': 'param', 'param_sync_step': 8, "
+     "'param_sync_fragments': 4, 'param_sync_overlap': 2}\n", [],
+     ["param_sync_overlap' (2) must be less than param_sync_step / param_sync_fragments (8 / 4)"]),
+    ("overlap_with_time_rule", "torch_distributed = {'reduce_type': 'param', 'param_sync_time_diff': 5.0, "
+     "'param_sync_overlap': 1}\n", [], ["param_sync_overlap' needs the step rule"]),
+    ("overlap_in_grad_mode", "", ["++distributed.param_sync_overlap", "1"],
+     ["param_sync_overlap' only applies to reduce_type 'param'"]),
     ("two_backends", "", ["++torch_distributed", "{}", "++use_horovod", "1"], ["two backends", "torch_distributed", "use_horovod"]),
     ("two_backends_cli", "torch_distributed = {}\n", ["--deepspeed", "++use_horovod", "1"],
      ["two backends", "use_horovod", "deepspeed"]),

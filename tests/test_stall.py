@@ -57,6 +57,10 @@ ENGINES = {
     "mpi": ["++distributed", "{'backend': 'mpi'}"],
     "horovod": ["++use_horovod", "1", "++horovod_require", "True"],
     "deepspeed": ["--deepspeed_config", "DS_JSON"],
+    # param mode whose exchange starts at step 5 (FAULT_STEP) and runs in the background for 2 steps: the rank stops
+    # with its int8 all-to-all in flight, the other waits for it inside that exchange at step 6
+    "ddp-streaming": ["++distributed", "{'reduce_type': 'param', 'param_sync_step': 5, 'param_sync_overlap': 2, "
+                      "'param_sync_compression': 'int8'}"],
 }
 ZERO2 = {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 2}}
 
@@ -236,6 +240,11 @@ def test_ddp_nprocs_rank0_stopped(tmp_path: Path) -> None:
     """Rank 0 hosts the heartbeat store: the others notice that it stops answering."""
     text, _ = _stall("ddp", "nprocs", 0, tmp_path)
     assert "distkit: rank 0 stopped responding (no heartbeat for distributed.timeout_s; noticed by rank 1)" in text
+
+
+def test_a_rank_stopped_during_a_background_exchange_is_named(tmp_path: Path) -> None:
+    text, _ = _stall("ddp-streaming", "nprocs", 1, tmp_path)
+    assert "distkit: rank 1 stopped responding (no heartbeat for distributed.timeout_s; noticed by rank 0)" in text
 
 
 def test_mpi_mpirun_names_stopped_rank(tmp_path: Path) -> None:

@@ -309,11 +309,20 @@ class Strategy(ABC):
         """Collective over the ranks the parameters are averaged over (this rank's cross group with replica
         groups, else every rank; :meth:`averaging_size` of them, in rank order): ``rows`` (p, m) uint8, row j for
         member j; returns (p, m), row j the row member j sent to this rank."""
-        raise NotImplementedError(f"the {self.name} engine has no compressed exchange")
+        return self.start_all_to_all(rows).wait()  # type: ignore[no-any-return]
 
     def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
         """Collective over the same ranks as :meth:`exchange_all_to_all`: ``row`` (m,) uint8 from each; returns
         (p, m), row j member j's."""
+        return self.start_all_gather(row).wait()  # type: ignore[no-any-return]
+
+    def start_all_to_all(self, rows: torch.Tensor) -> Any:
+        """:meth:`exchange_all_to_all` started in the background: returns a handle whose ``wait()`` returns its
+        result (``param_sync_overlap``). Every rank starts and waits for its exchanges in the same order."""
+        raise NotImplementedError(f"the {self.name} engine has no compressed exchange")
+
+    def start_all_gather(self, row: torch.Tensor) -> Any:
+        """:meth:`exchange_all_gather` started in the background (see :meth:`start_all_to_all`)."""
         raise NotImplementedError(f"the {self.name} engine has no compressed exchange")
 
     def cross_group_mean(self, flat: torch.Tensor) -> None:
@@ -411,4 +420,5 @@ def param_averager(strategy: "Strategy", module: nn.Module) -> ParamAverager:
     d = strategy.cfg.distributed
     return ParamAverager(strategy, [t for _, t in named], d.param_sync_step, d.param_sync_time_diff,
                          d.outer_optimizer, names=[n for n, _ in named], fragments=d.param_sync_fragments,
-                         compression=d.param_sync_compression, error_feedback=d.param_sync_error_feedback)
+                         compression=d.param_sync_compression, error_feedback=d.param_sync_error_feedback,
+                         overlap=d.param_sync_overlap)

@@ -50,6 +50,18 @@ def _not_arrived(store: Any, world_size: int) -> list[int]:
     return missing
 
 
+class _Pending:
+    """A torch.distributed collective started with ``async_op``: ``wait()`` returns its output (the process
+    group's timeout, ``distributed.timeout_s``, bounds the wait)."""
+
+    def __init__(self, work: Any, out: torch.Tensor) -> None:
+        self.work, self.out = work, out
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
+
+
 class DDPStrategy(Strategy):
     """torch.distributed + DistributedDataParallel."""
 
@@ -164,17 +176,17 @@ class DDPStrategy(Strategy):
         """The process group the parameters are averaged over (None: every rank)."""
         return self._cross if self.replicas is not None else None
 
-    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+    def start_all_to_all(self, rows: torch.Tensor) -> Any:
         out = torch.empty_like(rows)
         self.comm_bytes += rows.numel() * rows.element_size()
-        dist.all_to_all_single(out, rows.contiguous(), group=self._averaging_group())
-        return out
+        work = dist.all_to_all_single(out, rows.contiguous(), group=self._averaging_group(), async_op=True)
+        return _Pending(work, out)
 
-    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
+    def start_all_gather(self, row: torch.Tensor) -> Any:
         out = torch.empty(self.averaging_size() * row.numel(), dtype=row.dtype, device=row.device)
         self.comm_bytes += row.numel() * row.element_size()
-        dist.all_gather_single(out, row.contiguous(), group=self._averaging_group())
-        return out.view(-1, row.numel())
+        work = dist.all_gather_single(out, row.contiguous(), group=self._averaging_group(), async_op=True)
+        return _Pending(work, out.view(-1, row.numel()))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return bare_module(model.module if isinstance(model, DistributedDataParallel) else model)

@@ -49,6 +49,17 @@ def _import_horovod() -> tuple[Any, Optional[str]]:
     return hvd, None
 
 
+class _Handle:
+    """A Horovod op started with its ``*_async`` function: ``wait()`` returns its output."""
+
+    def __init__(self, hvd: Any, handle: Any) -> None:
+        self.hvd, self.handle = hvd, handle
+
+    def wait(self) -> torch.Tensor:
+        out = self.hvd.synchronize(self.handle)
+        return out[0] if isinstance(out, tuple) else out  # alltoall's received splits are not needed
+
+
 class HorovodEngine(Strategy):
     """The real Horovod. Every rank runs under ``mpirun -np N`` or ``horovodrun -np N``."""
 
@@ -105,6 +116,7 @@ class HorovodEngine(Strategy):
         and every cross group's, in the same order (Horovod's rule: the same list on every rank)."""
         self._group_set: Any = hvd.global_process_set
         self._cross_set: Any = hvd.global_process_set
+        self._exchanges = 0  # compressed exchanges' ops started: their names
         if self.replicas is None:
             return []
         world = list(range(self.world_size))
@@ -218,15 +230,19 @@ class HorovodEngine(Strategy):
         with torch.no_grad():
             flat.copy_(out.div_(self.replicas.count))
 
-    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+    def start_all_to_all(self, rows: torch.Tensor) -> Any:
         self.comm_bytes += rows.numel() * rows.element_size()
-        # named, as cross_group_mean: the ranks of a set match on the name
-        return self.hvd.alltoall(rows.contiguous(), name="distkit.exchange_all_to_all", process_set=self._cross_set)
+        self._exchanges += 1  # named, as cross_group_mean: the ranks of a set match on the name (one per exchange)
+        handle = self.hvd.alltoall_async(rows.contiguous(), name=f"distkit.exchange.{self._exchanges}.a2a",
+                                         process_set=self._cross_set)
+        return _Handle(self.hvd, handle)
 
-    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
+    def start_all_gather(self, row: torch.Tensor) -> Any:
         self.comm_bytes += row.numel() * row.element_size()
-        out = self.hvd.allgather(row.contiguous()[None], name="distkit.exchange_all_gather", process_set=self._cross_set)
-        return out
+        self._exchanges += 1
+        handle = self.hvd.allgather_async(row.contiguous()[None], name=f"distkit.exchange.{self._exchanges}.gather",
+                                          process_set=self._cross_set)
+        return _Handle(self.hvd, handle)
 
     def _group_all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """In place, over the ranks that reduce gradients together (this rank's replica group): the used-mask

@@ -78,6 +78,21 @@ def mpi_impl() -> str:
     return f"mpi4py {mpi4py.__version__} ({lib})"
 
 
+class _Request:
+    """A nonblocking MPI collective of the compressed exchange: ``wait()`` returns its output (watched: a rank
+    that never answers ends the job after ``timeout_s``, named). ``buffers`` (send, receive) stay referenced
+    until then: MPI reads and writes them in the background."""
+
+    def __init__(self, strategy: "MPIStrategy", request: Any, buffers: tuple[torch.Tensor, torch.Tensor],
+                 device: torch.device, what: str) -> None:
+        self.strategy, self.request, self.buffers, self.device, self.what = strategy, request, buffers, device, what
+
+    def wait(self) -> torch.Tensor:
+        with self.strategy.watch(f"{self.what} of the compressed exchange"):
+            self.request.Wait()
+        return self.buffers[1].to(self.device)
+
+
 class MPIStrategy(Strategy):
     """Data parallelism over MPI with mpi4py (``mpirun -np N``)."""
 
@@ -311,23 +326,19 @@ class MPIStrategy(Strategy):
         assert self.replicas is not None
         self._allreduce(self.cross_comm, self.replicas.count, flat, "mean", " over the replica groups")
 
-    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
+    def start_all_to_all(self, rows: torch.Tensor) -> Any:
         comm = self.cross_comm if self.replicas is not None else self.comm
         buf = rows.detach().cpu().contiguous()
         out = torch.empty_like(buf)
         self.comm_bytes += buf.numel()
-        with self.watch("Alltoall of the compressed exchange"):
-            comm.Alltoall(_np(buf), _np(out))
-        return out.to(rows.device)
+        return _Request(self, comm.Ialltoall(_np(buf), _np(out)), (buf, out), rows.device, "Ialltoall")
 
-    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
+    def start_all_gather(self, row: torch.Tensor) -> Any:
         comm = self.cross_comm if self.replicas is not None else self.comm
         buf = row.detach().cpu().contiguous()
         out = torch.empty((self.averaging_size(), buf.numel()), dtype=buf.dtype)
         self.comm_bytes += buf.numel()
-        with self.watch("Allgather of the compressed exchange"):
-            comm.Allgather(_np(buf), _np(out))
-        return out.to(row.device)
+        return _Request(self, comm.Iallgather(_np(buf), _np(out)), (buf, out), row.device, "Iallgather")
 
     def group_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Collective over this rank's replica group (or every rank without replica groups)."""

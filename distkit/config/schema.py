@@ -73,6 +73,10 @@ class DistributedConfig:
     #: param mode with param_sync_compression: add what the codec could not send of a rank's pseudo-gradient to
     #: its next one (error feedback; one fp32 copy of the parameters per rank, in its own checkpoint file)
     param_sync_error_feedback: bool = True
+    #: param mode, every engine: tau steps a sync's exchange runs in the background while training goes on; its
+    #: result is applied tau steps later, and the local progress made meanwhile is kept on top of it (it goes into
+    #: the next exchange). 0 = blocking (the sync waits for its exchange). Step rule only; tau * F < H
+    param_sync_overlap: int = 0
 
 
 @dataclass
@@ -229,6 +233,7 @@ TORCH_DISTRIBUTED_KEYS = {
     "reduce_type": "reduce_type", "param_sync_step": "param_sync_step",
     "param_sync_time_diff": "param_sync_time_diff", "param_sync_fragments": "param_sync_fragments",
     "param_sync_compression": "param_sync_compression", "param_sync_error_feedback": "param_sync_error_feedback",
+    "param_sync_overlap": "param_sync_overlap",
     "options": "options",
     "backend": "pg_backend", "timeout_sec": "timeout_s", "timeout_s": "timeout_s",
     "sync_on_cpu": None,  # accepted (param mode); on CPU it changes nothing

@@ -58,6 +58,21 @@ def _validate(cfg: RunConfig) -> None:
     choice("distributed.param_sync_compression", d.param_sync_compression, CODECS)
     if not isinstance(d.param_sync_error_feedback, bool):
         raise ConfigError(f"'distributed.param_sync_error_feedback' must be True or False, got {d.param_sync_error_feedback!r}")
+    _int("distributed.param_sync_overlap", d.param_sync_overlap, 0)
+    if d.param_sync_overlap > 0:
+        if d.reduce_type != "param":
+            raise ConfigError("'distributed.param_sync_overlap' only applies to reduce_type 'param': remove it or set "
+                              "reduce_type = 'param'")
+        if d.param_sync_time_diff is not None:
+            raise ConfigError("'distributed.param_sync_overlap' needs the step rule (param_sync_step): remove "
+                              "param_sync_time_diff or set param_sync_overlap = 0")
+        if d.param_sync_overlap * d.param_sync_fragments >= d.param_sync_step:
+            raise ConfigError(f"'distributed.param_sync_overlap' ({d.param_sync_overlap}) must be less than "
+                              f"param_sync_step / param_sync_fragments ({d.param_sync_step} / {d.param_sync_fragments}): "
+                              f"a fragment's exchange must end before the next fragment's starts")
+        if cfg.fault_tolerance is not None:
+            raise ConfigError("'distributed.param_sync_overlap' is not available with fault_tolerance yet: set "
+                              "param_sync_overlap = 0")
     if d.param_sync_compression != "none":
         if d.reduce_type != "param":
             raise ConfigError("'distributed.param_sync_compression' only applies to reduce_type 'param' (it encodes the "

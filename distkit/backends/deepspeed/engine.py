@@ -216,7 +216,7 @@ class DeepSpeedStrategy(_DeepSpeedState):
                                             sync_step=d.param_sync_step, sync_time_diff=d.param_sync_time_diff,
                                             outer_optimizer=d.outer_optimizer, fragments=d.param_sync_fragments,
                                             fragment_sizes=sizes, compression=d.param_sync_compression,
-                                            error_feedback=d.param_sync_error_feedback)
+                                            error_feedback=d.param_sync_error_feedback, overlap=d.param_sync_overlap)
         # which trainable parameters got a gradient since the last boundary (see backward)
         self._trainable = [(n, p) for n, p in self.unwrap(engine).named_parameters() if p.requires_grad]
         self._seen: set[int] = set()

@@ -165,12 +165,11 @@ class _MasterAverager(ParamAverager):
     def averaging_size(self) -> int:
         return self._ds.averaging_size()
 
-    def exchange_all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._ds.exchange_all_to_all(rows)
+    def start_all_to_all(self, rows: torch.Tensor) -> Any:
+        return self._ds.start_all_to_all(rows)
 
-    def exchange_all_gather(self, row: torch.Tensor) -> torch.Tensor:
-        return self._ds.exchange_all_gather(row)
+    def start_all_gather(self, row: torch.Tensor) -> Any:
+        return self._ds.start_all_gather(row)
 
-    def sync(self, fragments: Optional[list[int]] = None) -> None:
-        super().sync(fragments)
-        self._refresh()
+    def _updated(self) -> None:
+        self._refresh()  # the model's weights from the averaged masters: the next step starts from them
