@@ -34,11 +34,13 @@ which show how much eval loss moves from seed to seed. Each run
 checkpoints and resumes in ``--work``, and ``--out`` is rewritten after each run: a study cut short
 goes on where it stopped when the same command runs again.
 
-**Step-time model**: ``t(mode, R) = t(mode, unshaped) + E / H * 8 * framing / R``: the unshaped
-step time holds compute and latency; ``E`` is one full exchange (the gradient bytes DDP reduces per
-step, 7.3 MB), ``H`` the steps per exchange (1 in grad mode), ``framing`` the bytes each host's
-interface sent per payload byte on the unshaped grad run (TCP/IP headers, ACKs, start-up's model
-broadcast amortised). A 2-rank ring all-reduce sends ``E`` bytes each way at once, so the link adds
+**Step-time model**: ``t(mode, R) = t(mode, unshaped) + F * max(0, e * 8 * framing / R - tau * t_unshaped) / H``
+with ``e = E / F * b / 4``: the unshaped step time holds compute and latency; ``E`` is one full exchange
+(the gradient bytes DDP reduces per step, 7.3 MB), ``H`` the steps per exchange (1 in grad mode), ``F``
+the fragments (each exchange moves 1/F of the model), ``b`` the codec's bytes per element (4, 2 or 1),
+``tau`` the steps an exchange overlaps (its link time beyond that much compute is waited for), ``framing``
+the bytes each host's interface sent per payload byte on the unshaped grad run (TCP/IP headers, ACKs,
+start-up's model broadcast amortised). Without fragments, codec and overlap it is ``E / H * 8 * framing / R``. A 2-rank ring all-reduce sends ``E`` bytes each way at once, so the link adds
 ``E * 8 / R`` seconds per exchange. Each shaped run's step time is compared with the model's (error in %).
 
 Writes ``benchmarks/results/slow_link.json`` and ``benchmarks/results/slow_link.png`` (samples/s and
@@ -81,21 +83,24 @@ WORKLOAD = ["train", os.path.join(ROOT, "configs", "charlm.json"), "++charlm_siz
 CODEC_BYTES = {"none": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
 
-def mode_options(mode: str) -> tuple[str, int, str]:
-    """``param<H>`` / ``diloco<H>`` with optional ``-f<F>`` (param_sync_fragments) and ``-bf16``/``-fp16``/``-int8``
-    (param_sync_compression) suffixes, e.g. ``diloco100-f4-int8``: (base, F, codec); ValueError otherwise."""
+def mode_options(mode: str) -> tuple[str, int, str, int]:
+    """``param<H>`` / ``diloco<H>`` with optional ``-f<F>`` (param_sync_fragments), ``-bf16``/``-fp16``/``-int8``
+    (param_sync_compression) and ``-o<tau>`` (param_sync_overlap) suffixes, e.g. ``diloco100-f4-int8-o5``:
+    (base, F, codec, tau); ValueError otherwise."""
     base, *options = mode.split("-")
-    fragments, codec = 1, "none"
+    fragments, codec, overlap = 1, "none", 0
     for o in options:
         if o in CODEC_BYTES and o != "none" and codec == "none":
             codec = o
         elif o.startswith("f") and o[1:].isdigit() and int(o[1:]) >= 1 and fragments == 1:
             fragments = int(o[1:])
+        elif o.startswith("o") and o[1:].isdigit() and int(o[1:]) >= 1 and overlap == 0:
+            overlap = int(o[1:])
         else:
             raise ValueError(mode)
     if base == "grad" and options:
         raise ValueError(mode)
-    return base, fragments, codec
+    return base, fragments, codec, overlap
 
 
 def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[str, Any]:
@@ -103,7 +108,7 @@ def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[st
     (engine added by the caller)."""
     if mode == "grad":
         return {"reduce_type": "grad"}
-    _, fragments, codec = mode_options(mode)
+    _, fragments, codec, overlap = mode_options(mode)
     d: dict[str, Any] = {"reduce_type": "param", "param_sync_step": sync_period(mode)}
     if mode.startswith("diloco"):
         lr, momentum = outer or (0.7, 0.9)
@@ -112,6 +117,8 @@ def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[st
         d["param_sync_fragments"] = fragments
     if codec != "none":
         d["param_sync_compression"] = codec
+    if overlap:
+        d["param_sync_overlap"] = overlap
     return d
 
 
@@ -237,12 +244,16 @@ def model(results: dict[str, Any]) -> None:
             base = by_rate.get("0")
             if base is None:
                 continue
-            # bytes per step: one exchange per period (all fragments together), at the codec's size
-            payload = exchange / sync_period(mode) * CODEC_BYTES[mode_options(mode)[2]] / 4
+            # per period H: F exchanges of 1/F of the model each, at the codec's size; with overlap tau, each one's
+            # link time beyond tau steps of compute (the unshaped step) is what the steps wait for
+            _, fragments, codec, tau = mode_options(mode)
+            h = sync_period(mode)
+            event = exchange / fragments * CODEC_BYTES[codec] / 4
             for rate, r in by_rate.items():
                 if rate == "0":
                     continue
-                t = base["step_time_s"] + payload * 8 * framing / (float(rate) * 1e6)
+                link = event * 8 * framing / (float(rate) * 1e6)
+                t = base["step_time_s"] + fragments * max(0.0, link - tau * base["step_time_s"]) / h
                 r["model_step_time_s"] = t
                 r["model_error_pct"] = 100 * (r["step_time_s"] - t) / t
 
@@ -445,8 +456,8 @@ def main() -> int:
         except ValueError:
             bad.append(m)
     if bad:
-        print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>, optionally with -f<F> and "
-              f"-bf16/-fp16/-int8 (e.g. diloco100-f4-int8)", file=sys.stderr)
+        print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>, optionally with -f<F>, "
+              f"-bf16/-fp16/-int8 and -o<tau> (e.g. diloco100-f4-int8-o5)", file=sys.stderr)
         return 2
     try:
         if any(float(r) < 0 for r in rates):

@@ -20,6 +20,7 @@ from torch import nn
 
 from distkit.averaging import flat_mean
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
+from distkit.replicas import ReplicaGroups
 
 from ..base import bare_module, persistent_buffers, unused_parameters
 from .config import RESOLVED_NAME, zero_section
@@ -254,6 +255,11 @@ class DeepSpeedStrategy(_DeepSpeedState):
 
     def averaging_size(self) -> int:
         return self.mpu.cross_size if self.mpu is not None else self.world_size
+
+    def _exchange_ranks(self) -> tuple[list[list[int]], int]:
+        if self.mpu is None:
+            return [list(range(self.world_size))], 0
+        return ReplicaGroups(self.rank, self.world_size, self.mpu.size).crosses(), self.mpu.position
 
     def average_over(self, tensors: list[torch.Tensor], group: Any, size: int) -> None:
         """Collective over ``group`` (None = all ranks): set each tensor to its mean; one flat all-reduce."""
