@@ -217,7 +217,8 @@ def test_a_resumed_run_continues_the_same_tracker_runs_without_duplicate_points(
     out = tmp_path / "run"
     res = _train(out, "ddp", "++checkpoint_every", "5", DISTKIT_FAULT="1:9:kill")
     assert res.returncode != 0 and [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [2, 4, 6, 6, 8]
-    ok(_train(out, "ddp", "++checkpoint_every", "5", "++resume", "auto"))
+    resumed = ok(_train(out, "ddp", "++checkpoint_every", "5", "++resume", "auto"))
+    assert "metrics.jsonl holds steps up to 8 from the earlier run; steps 6-8 are not logged again" in resumed.stdout
     records, s = _jsonl(out / "metrics.jsonl"), summary(out)
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == [2, 4, 6, 8, 10, 12]  # metrics.jsonl itself: no step twice
