@@ -459,7 +459,7 @@ class ParamAverager:
         self._error = None
         self._in_flight = []  # the weights came from elsewhere: an exchange of the old ones would undo them
         with torch.no_grad():
-            for a, t in zip(self._anchor, self.tensors, strict=True):
+            for a, t in zip(self._anchor, self.tensors if self._anchor else [], strict=True):
                 a.copy_(t)
         if self._outer is not None:
             self._outer.state.clear()
