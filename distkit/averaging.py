@@ -307,6 +307,18 @@ class ParamAverager:
         """The averaged tensors changed (a sync, or an overlapped exchange applied): engines whose model weights
         are copies of them (DeepSpeed's masters) rewrite the weights here."""
 
+    def _average_buffers(self, fragments: Optional[list[int]]) -> list[int]:
+        """Collective, for the pseudo-gradient exchanges (compressed, overlapped): average ``fragments``' floating
+        buffers (None: all fragments) and the kept modules plainly, now (small, and no pseudo-gradient); return the
+        indices of the parameter tensors this rank holds a part of, which the exchange then sends."""
+        index = list(range(len(self.tensors))) if fragments is None else \
+            [i for k in fragments for i in self.fragment_tensors[k]]
+        buffers = [i for i in index if not self.is_parameter(i)]
+        if buffers:
+            self.strategy.average_parameters([self.tensors[i] for i in buffers], [False] * len(buffers))
+        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        return [i for i in index if self.is_parameter(i) and self.tensors[i].numel() > 0]
+
     # -- param_sync_overlap: exchanges in the background ----------------------------------------------------
     def _start(self, fragments: Optional[list[int]]) -> None:
         """Collective: start the exchange of ``fragments``' tensors (None: all): floating buffers averaged now
@@ -315,14 +327,8 @@ class ParamAverager:
         remembered, to keep the progress made until the result is applied (:meth:`_apply`)."""
         from distkit.compression import Exchange
 
-        index = list(range(len(self.tensors))) if fragments is None else \
-            [i for k in fragments for i in self.fragment_tensors[k]]
-        params = [i for i in index if self.is_parameter(i) and self.tensors[i].numel() > 0]
-        buffers = [i for i in index if not self.is_parameter(i)]
         t0 = time.perf_counter()
-        if buffers:
-            self.strategy.average_parameters([self.tensors[i] for i in buffers], [False] * len(buffers))
-        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        params = self._average_buffers(fragments)
         with torch.no_grad():
             delta = self._delta(params)
             exchange = Exchange(self.strategy, delta, self.compression if self.compression != "none" else "fp32")
@@ -403,14 +409,8 @@ class ParamAverager:
         pseudo-gradient, and small)."""
         from distkit.compression import compressed_mean
 
-        index = list(range(len(self.tensors))) if fragments is None else \
-            [i for k in fragments for i in self.fragment_tensors[k]]
-        params = [i for i in index if self.is_parameter(i) and self.tensors[i].numel() > 0]
-        buffers = [i for i in index if not self.is_parameter(i)]
         t0 = time.perf_counter()
-        if buffers:
-            self.strategy.average_parameters([self.tensors[i] for i in buffers], [False] * len(buffers))
-        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        params = self._average_buffers(fragments)
         with torch.no_grad():
             delta = self._delta(params)
             mean, sent = compressed_mean(self.strategy, delta, self.compression)
