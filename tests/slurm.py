@@ -69,8 +69,8 @@ SlurmctldHost={self.host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# a requeued job may start again once its first run's credentials expired (default 120 s)
-AuthInfo=cred_expire=10
+# a requeued job may start again once its first run's credentials expired (default 120 s, at least 5)
+AuthInfo=cred_expire=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -79,6 +79,8 @@ MpiDefault=none
 ReturnToService=2
 MinJobAge=600
 SchedulerType=sched/backfill
+# a pending job (a requeued one, held until the credentials expired) is looked at every second, not every 30-60 s
+SchedulerParameters=bf_interval=1,sched_interval=1
 StateSaveLocation={self.dir}/state
 SlurmdSpoolDir={self.dir}/spool
 SlurmctldPidFile={self.dir}/slurmctld.pid

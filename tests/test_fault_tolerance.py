@@ -172,7 +172,9 @@ def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(ligh
     assert ft2["heals"] == 1 and ft2["membership"][0]["healed"] is True, ft2
     assert "healed from a live group" in restarted.stdout
     assert [r["healed"] for r in _syncs(out / "group-2")][0] is True
-    assert any(r["groups"] == 2 for r in _syncs(out / "group-0"))
+    # metrics.jsonl holds the same change as the summary: a sync of fewer groups while group 2 was gone (2, or 1
+    # when group 1 healed at it, as above)
+    assert any(r["groups"] < 3 for r in _syncs(out / "group-0")), _syncs(out / "group-0")
 
 
 @pytest.mark.min_replicas(2)  # groups 0 and 1 sync together from their first step on (and pause together)

@@ -74,7 +74,7 @@ def test_sbatch_requeue_stops_with_a_checkpoint_on_usr1_and_the_requeued_job_con
     ``--signal=B:USR1@90`` sends before the time limit): the run stops after an agreed step with a checkpoint
     (exit 75), the script requeues the job, the requeued job (same id, same directory) continues with
     ``++resume auto`` and ends bit-identical to an uninterrupted run. (SLURM holds a requeued job until the
-    credentials of its first run expire: ``cred_expire``, 120 s by default, 10 s in the test cluster.)"""
+    credentials of its first run expire: ``cred_expire``, 120 s by default, 5 s in the test cluster.)"""
     steps = ["++max_steps", "200", "++log_every", "5", "++progress_bar", "False"]
     ref = tmp_path / "ref"
     ok(distkit("train", CONFIG, "--nprocs", "2", *steps, "++output_dir", str(ref)))
