@@ -2,8 +2,10 @@
 
 ``DISTKIT_FAULT="RANK:STEP:KIND[:POINT]"`` makes rank RANK, at optimizer step STEP, ``kill``
 itself with SIGKILL, ``raise`` RuntimeError, ``hang`` (sleep forever in the main thread, to test
-timeouts: its other threads go on), ``delay`` (sleep 5 s, then go on: a slow rank; ``delay=S`` sleeps S seconds) or ``stop`` itself with SIGSTOP (every thread frozen, as a
-stalled or cut-off process: see :mod:`distkit.watchdog`). POINT is ``step`` (right after the
+timeouts: its other threads go on), ``delay`` (sleep 5 s, then go on: a slow rank; ``delay=S`` sleeps S
+seconds), ``stop`` itself with SIGSTOP (every thread frozen, as a stalled or cut-off process: see
+:mod:`distkit.watchdog`) or send itself ``term`` (SIGTERM: a scheduler's preemption signal that reached
+this rank alone, at a known step; see :mod:`distkit.preemption`). POINT is ``step`` (right after the
 optimizer step, the default) or a point inside the checkpoint save of that step
 (:func:`distkit.checkpoint.write`, in order): ``rank_file`` (this rank's ``.part`` file
 complete, not renamed), ``checkpoint`` (this rank's file in place, before the manifest),
@@ -13,6 +15,9 @@ in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet repla
 (with STEP 0: the mpi engine's start-up, before ``MPI_Init``), or ``close`` (the end of the run:
 ``Session.close`` after its last barrier; STEP = the steps taken). Read once
 at import; unset in normal runs, where it costs one comparison.
+
+``DISTKIT_FAULT_UNTIL=PATH``: a ``delay`` ends as soon as PATH exists (a test's "wait until the other job is
+up", checked every 0.1 s; still at most its S seconds).
 
 ``DISTKIT_FAULT_STAMP=PATH``: just before firing, the rank writes ``PID TIME`` (``time.time()``,
 seconds) to PATH, so a test can time the job's end from the fault and check that the process is gone.
@@ -28,6 +33,7 @@ _PARTS = _SPEC.split(":") if _SPEC else ["-1", "-1", "", "step"]
 _RANK, _STEP, _KIND = int(_PARTS[0]), int(_PARTS[1]), _PARTS[2]
 _POINT = _PARTS[3] if len(_PARTS) > 3 else "step"
 _STAMP = os.environ.get("DISTKIT_FAULT_STAMP", "")
+_UNTIL = os.environ.get("DISTKIT_FAULT_UNTIL", "")
 #: seconds a ``delay`` fault sleeps (unless it says: ``delay=S``)
 DELAY_S = 5.0
 
@@ -47,6 +53,10 @@ def maybe_fire(rank: int, step: int, point: str = "step") -> None:
         while True:
             time.sleep(3600)
     elif _KIND.startswith("delay"):
-        time.sleep(float(_KIND.partition("=")[2] or DELAY_S))
+        end = time.monotonic() + float(_KIND.partition("=")[2] or DELAY_S)
+        while time.monotonic() < end and not (_UNTIL and os.path.exists(_UNTIL)):
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
     elif _KIND == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif _KIND == "term":
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -382,6 +382,8 @@ class TrainingRun:
                 bar.write(f"epoch {epoch + 1}: {n_epoch} steps, train loss {epoch_loss:.4f}, {wall:.2f}s, "
                           f"computing time {(dk.compute_time_s - c_epoch) / max(wall, 1e-9):.1%}")
         bar.close()
+        if self._preemption is not None:
+            self._preemption.settle(dk)  # the checks of the last steps, still in flight
         dk.finish()
         evaluated = self.evaluate()
         self._save(final=True)
@@ -401,6 +403,8 @@ class TrainingRun:
     def _preempted(self, received: str, step: int) -> None:
         """Collective: a rank received ``received`` (SIGTERM, SIGUSR1): save step ``step`` and stop every rank
         with :class:`Preempted` (agreed: reported once, exit status 75)."""
+        assert self._preemption is not None
+        self._preemption.settle(self.dk)
         self._save(final=True)  # synchronous (a pending async one is completed first)
         if self.out is not None:
             self.out.close()

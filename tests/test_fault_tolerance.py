@@ -187,8 +187,10 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
     # leave group 2's model apart from the others after the next local steps.
     out = tmp_path / "ft"
     steps = ["++max_steps", "40", *ADAM]
-    # the pause at step 20 keeps them running while group 2 starts (a quorum waits for a group that is alive)
-    live = [_group(lighthouse, i, 3, out, *steps, engine=engine, distributed=PARAM_NESTEROV, DISTKIT_FAULT="0:20:delay=15")
+    # the pause at step 20 keeps them running while group 2 starts (a quorum waits for a group that is alive): it
+    # ends once group 2's torchft Manager is up (its config.resolved.json is written after that), 15 s at most
+    live = [_group(lighthouse, i, 3, out, *steps, engine=engine, distributed=PARAM_NESTEROV, DISTKIT_FAULT="0:20:delay=15",
+                   DISTKIT_FAULT_UNTIL=str(out / "group-2" / "config.resolved.json"))
             for i in range(2)]
     for i in range(2):
         _until_synced(out / f"group-{i}", live)

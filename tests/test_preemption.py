@@ -123,3 +123,22 @@ def test_without_preemption_the_signal_ends_the_run_at_once(tmp_path: Path) -> N
     assert code == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped by" not in stdout + stderr
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step-*"))
+
+
+ENGINES = {"ddp": [], "mpi": ["++torch_distributed", "None", "++distributed.backend", "mpi"],
+           "horovod": ["++torch_distributed", "None", "++use_horovod", "1"]}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_signal_on_one_rank_stops_every_rank_two_steps_later(engine: str, tmp_path: Path) -> None:
+    """The check after step s runs in the background (each engine's own non-blocking all-reduce) and is read
+    after step s + 2 (``distkit.preemption.LAG``): rank 1 alone gets SIGTERM right after step 10, so every rank
+    stops after step 12, on every engine, with the checkpoint of that step."""
+    out = tmp_path / "run"
+    res = distkit(*ARGS[:2], "++max_steps", "30", "++progress_bar", "False", "--nprocs", "2", "++output_dir", str(out), *ENGINES[engine],
+                  DISTKIT_FAULT="1:10:term")
+    text = res.stdout + res.stderr
+    assert res.returncode == 75, text[-3000:]
+    assert text.count("distkit: stopped by SIGTERM after step 12 of 30; checkpoint step-0000012 written") == 1, \
+        text[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-0000012"

@@ -26,6 +26,16 @@ from distkit import portable
 from distkit.portable import optimizer_state_by_name
 
 
+
+class _Done:
+    """A collective that completed when it was started (:meth:`Strategy.start_all_reduce`'s default)."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def wait(self) -> torch.Tensor:
+        return self.out
+
 class Strategy(ABC):
     """One engine in one mode. Topology attributes are read-only after construction."""
 
@@ -250,6 +260,13 @@ class Strategy(ABC):
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
+
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "max") -> Any:
+        """:meth:`all_reduce` (op sum|max|min) started in the background: a handle whose ``wait()`` returns the
+        reduced tensor (``tensor`` itself or a copy: use what ``wait()`` returns). Every rank starts and waits
+        for these in the same order, between its other collectives. Default: done at once (engines whose
+        small collectives cannot overlap)."""
+        return _Done(self.all_reduce(tensor, op))
 
     @abstractmethod
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

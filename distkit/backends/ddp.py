@@ -236,6 +236,12 @@ class DDPStrategy(Strategy):
             dist.all_reduce(tensor, op=_OPS[op])
         return tensor
 
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "max") -> Any:
+        if self.world_size == 1 or getattr(self, "pg_backend", "gloo") == "nccl":
+            return super().start_all_reduce(tensor, op)  # (NCCL: a CPU tensor goes via the device, blocking)
+        self.comm_bytes += tensor.numel() * tensor.element_size()
+        return _Pending(dist.all_reduce(tensor, op=_OPS[op], async_op=True), tensor)
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.world_size == 1:
             return obj

@@ -117,6 +117,7 @@ class HorovodEngine(Strategy):
         self._group_set: Any = hvd.global_process_set
         self._cross_set: Any = hvd.global_process_set
         self._exchanges = 0  # compressed exchanges' ops started: their names
+        self._reductions = 0  # start_all_reduce's ops started: their names
         if self.replicas is None:
             return []
         world = list(range(self.world_size))
@@ -337,6 +338,15 @@ class HorovodEngine(Strategy):
         with torch.no_grad():
             tensor.copy_(out)
         return tensor
+
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "max") -> Any:
+        if self.world_size == 1:
+            return super().start_all_reduce(tensor, op)
+        hvd = self.hvd
+        self.comm_bytes += tensor.numel() * tensor.element_size()
+        self._reductions += 1  # named: the ranks match their ops by name, one name per op in flight
+        return _Handle(hvd, hvd.allreduce_async(tensor.detach(), op={"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op],
+                                                name=f"distkit.all_reduce.{self._reductions}"))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Collective: every rank must call it, in the same order. Returns ``src``'s object."""

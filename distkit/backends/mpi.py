@@ -79,16 +79,17 @@ def mpi_impl() -> str:
 
 
 class _Request:
-    """A nonblocking MPI collective of the compressed exchange: ``wait()`` returns its output (watched: a rank
-    that never answers ends the job after ``timeout_s``, named). ``buffers`` (send, receive) stay referenced
-    until then: MPI reads and writes them in the background."""
+    """A nonblocking MPI collective (the compressed exchange's, :meth:`MPIStrategy.start_all_reduce`'s):
+    ``wait()`` returns its output (watched: a rank that never answers ends the job after ``timeout_s``, named
+    by ``what``). ``buffers`` (send, receive) stay referenced until then: MPI reads and writes them in the
+    background."""
 
     def __init__(self, strategy: "MPIStrategy", request: Any, buffers: tuple[torch.Tensor, torch.Tensor],
                  device: torch.device, what: str) -> None:
         self.strategy, self.request, self.buffers, self.device, self.what = strategy, request, buffers, device, what
 
     def wait(self) -> torch.Tensor:
-        with self.strategy.watch(f"{self.what} of the compressed exchange"):
+        with self.strategy.watch(self.what):
             self.request.Wait()
         return self.buffers[1].to(self.device)
 
@@ -321,6 +322,14 @@ class MPIStrategy(Strategy):
                 tensor.copy_(buf)
         return tensor
 
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "max") -> Any:
+        if self.world_size == 1:
+            return super().start_all_reduce(tensor, op)
+        buf = tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else tensor.dtype).contiguous()
+        self.comm_bytes += tensor.numel() * tensor.element_size()
+        request = self.comm.Iallreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))
+        return _Request(self, request, (buf, buf), tensor.device, f"Iallreduce({op})")
+
     def cross_group_mean(self, flat: torch.Tensor) -> None:
         """One ``Allreduce`` over this rank's cross group (the ranks at its position in every replica group)."""
         assert self.replicas is not None
@@ -331,14 +340,16 @@ class MPIStrategy(Strategy):
         buf = rows.detach().cpu().contiguous()
         out = torch.empty_like(buf)
         self.comm_bytes += buf.numel()
-        return _Request(self, comm.Ialltoall(_np(buf), _np(out)), (buf, out), rows.device, "Ialltoall")
+        return _Request(self, comm.Ialltoall(_np(buf), _np(out)), (buf, out), rows.device,
+                        "Ialltoall of the compressed exchange")
 
     def start_all_gather(self, row: torch.Tensor) -> Any:
         comm = self.cross_comm if self.replicas is not None else self.comm
         buf = row.detach().cpu().contiguous()
         out = torch.empty((self.averaging_size(), buf.numel()), dtype=buf.dtype)
         self.comm_bytes += buf.numel()
-        return _Request(self, comm.Iallgather(_np(buf), _np(out)), (buf, out), row.device, "Iallgather")
+        return _Request(self, comm.Iallgather(_np(buf), _np(out)), (buf, out), row.device,
+                        "Iallgather of the compressed exchange")
 
     def group_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Collective over this rank's replica group (or every rank without replica groups)."""

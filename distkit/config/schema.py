@@ -192,7 +192,8 @@ class RunConfig:
     #: complete checkpoints kept in output_dir/checkpoints (older ones are deleted once a new one is complete)
     keep_checkpoints: int = 3
     #: SIGTERM or SIGUSR1 (what SLURM and Kubernetes send before they end a job; ``sbatch --signal``) stops every
-    #: rank after the same step (agreed by one small MAX all-reduce per step), writes a checkpoint of that step
+    #: rank after the same step, at most 3 steps after the signal (agreed by one small MAX all-reduce per step,
+    #: in the background, read 2 steps later), writes a checkpoint of that step
     #: and exits with status 75 (``++resume auto`` continues bit-identically; ``distkit sbatch --requeue``
     #: requeues the job on it); a second signal ends the run at once. False: the signals end it at once
     preemption: bool = True
