@@ -234,8 +234,8 @@ def model(results: dict[str, Any]) -> None:
     """Add each shaped run's predicted samples/s (see the module docstring) and the error."""
     speed = results["speed"]
     for engine, by_mode in speed.items():
-        unshaped_grad = by_mode["grad"].get("0")
-        if unshaped_grad is None:
+        unshaped_grad = by_mode.get("grad", {}).get("0")
+        if unshaped_grad is None:  # the model's framing and exchange size come from the unshaped grad run
             continue
         exchange = speed.get("ddp", by_mode)["grad"]["0"]["payload_bytes_per_step"]  # DDP counts gradients only
         framing = unshaped_grad["iface_bytes_per_step"] / exchange

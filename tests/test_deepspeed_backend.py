@@ -222,11 +222,13 @@ dk.save(os.path.join(out, "final"), state)
 """
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [2])
 def test_two_param_groups_save_and_resume_on_zero_1_2(tmp_path: Path, stage: int) -> None:
     # Issue 22.1: ZeRO-1/2 step the groups one at a time and DeepSpeed links the optimizer state to the
     # parameters after the first group's step only, so dk.save failed with "exp_avg not found in optimizer
-    # state fragment" for the no-decay group. Run A: 6 steps, saving after 3; run B resumes there.
+    # state fragment" for the no-decay group. Run A: 6 steps, saving after 3; run B resumes there. (Stage 2
+    # only: stages 1 and 2 are one optimizer class, DeepSpeedZeroOptimizer, whose state linking and checkpoint
+    # code is the same for both; stage 1 ran here too until the suite's time had to come down.)
     from distkit import portable
 
     script = tmp_path / "two_groups.py"
@@ -315,7 +317,7 @@ def test_zero3_forward_on_one_rank_is_a_collective_timeout_naming_the_fix(tmp_pa
     # until distributed.timeout_s and ended with gloo's bare "Timed out waiting 8000ms for send operation".
     script = tmp_path / "rank0_forward.py"
     script.write_text(RANK0_FORWARD)
-    engine = {"backend": "deepspeed", "timeout_s": 8, "deepspeed_config": zero(3)}
+    engine = {"backend": "deepspeed", "timeout_s": 5, "deepspeed_config": zero(3)}
     t0 = time.monotonic()
     res = run([str(BIN / "python"), str(script), "--call", call, "--nprocs", "2", "++output_dir", str(tmp_path / "out"),
                "++distributed", repr(engine)], timeout=150)
@@ -323,14 +325,14 @@ def test_zero3_forward_on_one_rank_is_a_collective_timeout_naming_the_fix(tmp_pa
     assert "rank 0 trained 2 steps" in res.stdout and "rank 1 trained 2 steps" in res.stdout, res.stderr[-3000:]
     assert res.returncode == 1, (res.returncode, res.stderr[-3000:])
     line = next((x for x in res.stderr.splitlines() if x.startswith("distkit: error (rank 0): ")), "")
-    assert line == ("distkit: error (rank 0): a forward pass timed out after distributed.timeout_s = 8 s: under ZeRO-3 "
+    assert line == ("distkit: error (rank 0): a forward pass timed out after distributed.timeout_s = 5 s: under ZeRO-3 "
                     "the forward pass is collective (it gathers the parameters from every rank), so a forward that not "
                     "every rank runs (evaluation under 'if dk.is_main') waits for the others forever; run the "
                     "evaluation forward passes on every rank, the same number on each (dk.forward_is_collective says "
                     "when), or use ZeRO stage 0-2"), res.stderr[-3000:]
     assert "Traceback" not in res.stderr and "Timed out waiting" not in res.stderr, res.stderr[-3000:]
     assert "distkit: rank 0 failed (exit status 1); stopping the other ranks" in res.stderr
-    # the whole job ended at rank 0's timeout (start-up ~6-10 s + 8 s), not after rank 1's 120 s of work
+    # the whole job ended at rank 0's timeout (start-up ~6-10 s + 5 s), not after rank 1's 120 s of work
     assert elapsed < 45, elapsed
 
 

@@ -128,19 +128,21 @@ def test_every_group_killed_then_resumed_ends_where_the_uninterrupted_run_ends(l
 @pytest.mark.min_replicas(2)  # the survivors sync together from their first step on (the quorums need two groups)
 def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(lighthouse: str, tmp_path: Path) -> None:
     # 3 groups of 2 ranks (ddp inside), sync every 5 of 60 steps. Group 2 is SIGKILLed at step 12; the others
-    # pause 12 s at step 20 (DISTKIT_FAULT delay: a slow step), so the same command restarted for group 2 joins
-    # while they train. Its rank 0 heals from one live group, its rank 1 from the other (torchft spreads the
+    # pause at step 20 (DISTKIT_FAULT delay: a slow step) until the same command restarted for group 2 has taken
+    # its first step (its stamp; 12 s at most), so it joins while they train. Its rank 0 heals from one live group, its rank 1 from the other (torchft spreads the
     # sources by rank): the group must still end with identical ranks.
-    out = tmp_path / "ft"
+    out, restarted_up = tmp_path / "ft", tmp_path / "restarted"
     steps = ["++max_steps", "60", "--nprocs", "2", *ADAM]
-    survivors = [_group(lighthouse, i, 3, out, *steps, DISTKIT_FAULT="0:20:delay=12") for i in range(2)]
+    survivors = [_group(lighthouse, i, 3, out, *steps, DISTKIT_FAULT="0:20:delay=12", DISTKIT_FAULT_UNTIL=str(restarted_up))
+                 for i in range(2)]
     victim = _group(lighthouse, 2, 3, out, *steps)
     _until_synced(out / "group-2", [victim, *survivors])  # (its counters may jump at a first heal: no fixed step)
     os.killpg(victim.pid, signal.SIGKILL)  # the launcher and both ranks, as a node failure does
     killed = _wait(victim)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert all(p.poll() is None for p in survivors), "a surviving group exited when group 2 died"
-    restarted = ok(_wait(_group(lighthouse, 2, 3, out, *steps)))
+    restarted = ok(_wait(_group(lighthouse, 2, 3, out, *steps, DISTKIT_FAULT="0:1:delay=0",
+                                DISTKIT_FAULT_STAMP=str(restarted_up))))
     for p in survivors:
         ok(_wait(p))
     sums = [summary(out / f"group-{i}") for i in range(3)]
@@ -211,12 +213,12 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
 def test_a_preempted_group_alone_leaves_with_a_checkpoint_and_rejoins_on_resume(lighthouse: str, tmp_path: Path) -> None:
     # Issue 25 item 7 under fault tolerance: SIGTERM to group 1's launcher (a scheduler preempting its job step):
     # its ranks stop after an agreed step with a checkpoint and exit 75, it leaves the quorum, and group 0 goes on
-    # alone, every sync committed (it pauses 15 s at step 30, so the same command with ++resume auto, the
-    # requeued job step, finds it running). The resumed group continues from its checkpoint, is behind the live
+    # alone, every sync committed (it pauses at step 30 until the same command with ++resume auto, the requeued
+    # job step, has taken its first step (its stamp; 15 s at most), so the resumed group finds it running). The resumed group continues from its checkpoint, is behind the live
     # group at its next sync and heals from it; both end with one model.
-    out, stamp = tmp_path / "ft", tmp_path / "delayed"
+    out, stamp, resumed_up = tmp_path / "ft", tmp_path / "delayed", tmp_path / "resumed"
     steps = ["++max_steps", "60"]
-    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:30:delay=15")
+    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:30:delay=15", DISTKIT_FAULT_UNTIL=str(resumed_up))
     # the signal lands while group 1 is in a 5 s slow step 10 (DISTKIT_FAULT delay): it stops after step 10
     first = _group(lighthouse, 1, 2, out, *steps, DISTKIT_FAULT="0:10:delay", DISTKIT_FAULT_STAMP=str(stamp))
     deadline = time.monotonic() + 120
@@ -232,7 +234,8 @@ def test_a_preempted_group_alone_leaves_with_a_checkpoint_and_rejoins_on_resume(
     while not any(r["groups"] == 1 for r in _syncs(out / "group-0")):  # group 0 syncs alone, then (step 30) pauses
         assert time.monotonic() < deadline and live.poll() is None, "group 0 never synced alone"
         time.sleep(0.05)
-    resumed = ok(_wait(_group(lighthouse, 1, 2, out, *steps, "++resume", "auto")))
+    resumed = ok(_wait(_group(lighthouse, 1, 2, out, *steps, "++resume", "auto", DISTKIT_FAULT="0:11:delay=0",
+                              DISTKIT_FAULT_STAMP=str(resumed_up))))
     assert "resum" in resumed.stdout.lower(), resumed.stdout[-2000:]
     ok(_wait(live))
     sums = [summary(out / f"group-{i}") for i in range(2)]

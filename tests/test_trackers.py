@@ -1,8 +1,8 @@
 """Experiment trackers (issue 27 item 1): ``loggers = ["tensorboard", "mlflow", "wandb", "csv", <object>]``.
 
 What each tracker holds is read back with the library's own reader (TensorBoard's event reader, MLflow's client, the
-W&B offline run file parsed with W&B's own record schema) and must be exactly metrics.jsonl's points, on every
-engine: the same steps, the same values (TensorBoard stores float32), the config's keys as hyperparameters, the
+W&B offline run file parsed with W&B's own record schema) and must be exactly metrics.jsonl's points, on ddp,
+mpi and DeepSpeed: the same steps, the same values (TensorBoard stores float32), the config's keys as hyperparameters, the
 summary at the end. A run killed mid-way and resumed continues the same tracker runs with no duplicate step. A
 tracker that is not installed is one line with the pip command, exit 2, nothing written; one that cannot start
 stops every rank with one line.
@@ -23,7 +23,6 @@ from conftest import base_env, distkit, ok, summary, venv_without
 ENGINES = {
     "ddp": [],
     "mpi": ["++distributed", "{'backend': 'mpi'}"],
-    "horovod": ["++distributed", "{'backend': 'horovod', 'require_horovod': True}"],
     "deepspeed": ["++deepspeed_config", "{'zero_optimization': {'stage': 1}}"],
 }
 ALL = "['tensorboard', 'mlflow', 'wandb', 'csv']"
@@ -162,6 +161,8 @@ def _train(out: Path, engine: str, *extra: str, **env: str) -> Any:
                    MY_LOGGER_FILE=str(out.parent / f"{out.name}-mylogger.jsonl"), **env)
 
 
+# (Horovod is left out here to keep the suite's time: the trackers see only dk.is_main, and under Horovod it
+# comes from mpirun's rank as under the mpi engine; every Horovod test reads rank 0's metrics.jsonl and summary)
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_every_tracker_holds_exactly_the_runs_records(tmp_path: Path, engine: str) -> None:
     out = tmp_path / "run"
