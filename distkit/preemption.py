@@ -6,14 +6,14 @@ resumes from its last periodic checkpoint (up to ``checkpoint_every`` steps of e
 With ``preemption = True`` (the default) the first such signal only sets a flag; after every optimizer
 step the ranks agree on it (:meth:`Preemption.agreed`: one MAX all-reduce of one number, so every rank
 stops after the same step, whichever rank got the signal and when), the Trainer writes a checkpoint of
-that step and every rank exits with :class:`~distkit.errors.Preempted` (status 75).
+that step and every rank exits with :class:`~distkit.errors.Preempted` (status 75). ``++resume auto``
+then continues bit-identically. A second signal restores the default action: a user who sends it again
+means "now".
 
 The all-reduce started after step s is waited for after step s + :data:`LAG`: a signal stops the run at
 most LAG + 1 steps after it came. The lag is what lets a slow link carry a background exchange
 (``param_sync_overlap``): a small collective sent behind its bytes waits in the link's queue, and a check
-waited for at once would hold up every step by that wait. ``++resume auto``
-then continues bit-identically. A second signal restores the default action: a user who sends it again
-means "now".
+waited for at once would hold up every step by that wait.
 
 The launchers pass the signal on: distkit's spawner (``--nprocs``) sends it to every rank and waits for
 them (:func:`distkit.launch.spawn`), ``mpirun`` forwards SIGTERM and SIGUSR1, torchrun SIGTERM (then
