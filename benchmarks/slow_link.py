@@ -4,7 +4,7 @@ shaped link.
     python benchmarks/slow_link.py [--rates 25,100,1000,0] [--speed-steps 40] [--quality-steps 1500]
                                    [--corpus pydoc|stdlib] [--engines ddp,mpi] [--outer 0.7:0.9,...]
                                    [--seed 42] [--repeats 1] [--only speed|quality] [--out results/slow_link.json]
-                                   [--work runs/slow_link_quality]
+                                   [--work runs/slow_link_quality] [--workers 2]
 
 Root is needed (network namespaces; ``tests/hosts.py``). Two parts:
 
@@ -195,8 +195,9 @@ def speed_run(h: nethosts.Hosts, engine: str, mode: str, steps: int, out: str, w
 
 
 def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, float]] = None,
-                corpus: str = "pydoc", seed: int = SEED) -> dict[str, Any]:
-    """One unshaped ``--nprocs 2`` run of ``steps`` steps on charlm's ``corpus`` in ``out``; its eval loss at the end.
+                corpus: str = "pydoc", seed: int = SEED, workers: int = 2) -> dict[str, Any]:
+    """One unshaped ``--nprocs workers`` run of ``steps`` steps on charlm's ``corpus`` in ``out`` (batch 16 per
+    rank: the global batch grows with ``workers``); its eval loss at the end.
 
     ``seed`` sets the model's initial weights and the data order (the same on every rank).
     The run checkpoints every :data:`QUALITY_CHECKPOINT_EVERY` steps and starts with ``++resume auto``, so
@@ -204,7 +205,7 @@ def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, fl
     checkpoint when called again with the same ``out``; resume is bit-identical (tests/test_parity.py).
     """
     dist = {"backend": "ddp", **mode_args(mode, outer)}
-    cmd = [sys.executable, "-m", "distkit", *WORKLOAD, "--nprocs", "2", "++max_steps", str(steps),
+    cmd = [sys.executable, "-m", "distkit", *WORKLOAD, "--nprocs", str(workers), "++max_steps", str(steps),
            "++eval_every", str(steps), "++log_every", str(max(1, steps // 10)), "++distributed", json.dumps(dist),
            "++output_dir", out, "++checkpoint_every", str(QUALITY_CHECKPOINT_EVERY), "++keep_checkpoints", "1",
            "++resume", "auto", "++charlm_corpus", corpus, "++seed", str(seed)]
@@ -214,7 +215,7 @@ def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, fl
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
     return {"eval_loss": s["eval_loss"], "steps": s["steps"], "samples": s["samples"],
-            "syncs": steps // sync_period(mode), "corpus": corpus}
+            "syncs": steps // sync_period(mode), "corpus": corpus, "workers": workers}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -358,7 +359,8 @@ def quality_part(a: argparse.Namespace, modes: list[str], results: dict[str, Any
     ``"<label> seed <N>"``, never in ``quality`` or the sweep, so that the best of the sweep is not
     picked across seeds and every ratio to grad mode stays one of the same seed.
     """
-    same = lambda v: v.get("steps") == a.quality_steps and v.get("corpus", "pydoc") == a.corpus  # noqa: E731
+    same = lambda v: (v.get("steps") == a.quality_steps and v.get("corpus", "pydoc") == a.corpus  # noqa: E731
+                      and v.get("workers", 2) == a.workers)
     keep = lambda d: {k: v for k, v in d.items() if same(v)}  # noqa: E731
     results["quality"], results["diloco_sweep"] = keep(results.get("quality", {})), keep(results.get("diloco_sweep", {}))
     results["repeats"] = keep(results.get("repeats", {}))
@@ -371,9 +373,10 @@ def quality_part(a: argparse.Namespace, modes: list[str], results: dict[str, Any
             if label in (results["repeats"] if repeat else results["quality"] if outer is None else results["diloco_sweep"]):
                 print(f"quality {label:26} kept from {a.out}", flush=True)
                 continue
-            out = os.path.join(a.work, f"q{a.quality_steps}-{a.corpus}-{label.replace(' ', '_')}")
+            workers = "" if a.workers == 2 else f"-w{a.workers}"
+            out = os.path.join(a.work, f"q{a.quality_steps}-{a.corpus}{workers}-{label.replace(' ', '_')}")
             started = time.monotonic()
-            q = quality_run(mode, a.quality_steps, out, outer, a.corpus, a.seed)  # type: ignore[arg-type]
+            q = quality_run(mode, a.quality_steps, out, outer, a.corpus, a.seed, a.workers)  # type: ignore[arg-type]
             shutil.rmtree(out, ignore_errors=True)
             print(f"quality {label:26} eval loss {q['eval_loss']:.4f} after {q['steps']} steps "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
@@ -443,6 +446,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="speed sweeps to run, in rounds; each row keeps the median run, and the ratios' spread is reported")
     p.add_argument("--only", choices=("speed", "quality"), default=None)
+    p.add_argument("--workers", type=int, default=2,
+                   help="quality runs' ranks (--nprocs; batch 16 per rank); speed runs are 2 hosts x 1 rank")
     p.add_argument("--out", default=os.path.join(RESULTS, "slow_link.json"))
     p.add_argument("--work", default=os.path.join(ROOT, "runs", "slow_link_quality"),
                    help="quality runs' directories (kept until a run finishes, so a killed run resumes)")
@@ -464,6 +469,9 @@ def main() -> int:
             raise ValueError
     except ValueError:
         print(f"slow_link: --rates {a.rates!r}: give link speeds in Mbit/s, 0 for unshaped (e.g. 25,100,0)", file=sys.stderr)
+        return 2
+    if a.workers < 1:
+        print(f"slow_link: --workers {a.workers}: give 1 or more ranks for the quality runs", file=sys.stderr)
         return 2
     if a.repeats < 1:
         print(f"slow_link: --repeats {a.repeats}: give 1 or more speed sweeps", file=sys.stderr)
