@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: steps between the start of a check (an all-reduce in the background) and its result
 LAG = 2
+#: what a timeout in a check names
+WHAT = "the preemption check after the step (distkit.preemption)"
 
 
 class Preemption:
@@ -72,7 +74,7 @@ class Preemption:
         mine = float(self.received or 0)
         if dk.world_size == 1:
             return signal.Signals(int(mine)).name if mine else None
-        with dk._collective("the preemption check after the step (distkit.preemption)"):
+        with dk._collective(WHAT):
             self._checks.append(dk._strategy.start_all_reduce(torch.tensor([mine]), op="max"))
             if len(self._checks) <= LAG:
                 return None
@@ -82,6 +84,6 @@ class Preemption:
     def settle(self, dk: "Session") -> None:
         """Collective (every rank, at the same point: the end of the loop, a stop): wait for the checks still
         in flight (their answers no longer matter; an engine must not be torn down under them)."""
-        with dk._collective("the preemption check after the step (distkit.preemption)"):
+        with dk._collective(WHAT):
             while self._checks:
                 self._checks.popleft().wait()

@@ -26,7 +26,6 @@ from distkit import portable
 from distkit.portable import optimizer_state_by_name
 
 
-
 class _Done:
     """A collective that completed when it was started (:meth:`Strategy.start_all_reduce`'s default)."""
 
@@ -35,6 +34,7 @@ class _Done:
 
     def wait(self) -> torch.Tensor:
         return self.out
+
 
 class Strategy(ABC):
     """One engine in one mode. Topology attributes are read-only after construction."""

@@ -332,12 +332,17 @@ class HorovodEngine(Strategy):
         hvd = self.hvd
         self.comm_bytes += tensor.numel() * tensor.element_size()
         # mean = sum, then divide (as the other engines do: the same rounding everywhere)
-        out = hvd.allreduce(tensor.detach(), op={"sum": hvd.Sum, "mean": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op])
+        out = hvd.allreduce(tensor.detach(), op=self._op(op))
         if op == "mean":
             out = out / self.world_size
         with torch.no_grad():
             tensor.copy_(out)
         return tensor
+
+    def _op(self, op: str) -> Any:
+        """Horovod's reduction for ``op`` (mean: a sum, divided by the caller)."""
+        hvd = self.hvd
+        return {"sum": hvd.Sum, "mean": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op]
 
     def start_all_reduce(self, tensor: torch.Tensor, op: str = "max") -> Any:
         if self.world_size == 1:
@@ -345,7 +350,7 @@ class HorovodEngine(Strategy):
         hvd = self.hvd
         self.comm_bytes += tensor.numel() * tensor.element_size()
         self._reductions += 1  # named: the ranks match their ops by name, one name per op in flight
-        return _Handle(hvd, hvd.allreduce_async(tensor.detach(), op={"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op],
+        return _Handle(hvd, hvd.allreduce_async(tensor.detach(), op=self._op(op),
                                                 name=f"distkit.all_reduce.{self._reductions}"))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
