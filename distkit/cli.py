@@ -7,6 +7,7 @@ names the rank.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import traceback
@@ -38,7 +39,23 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: the subcommands beyond ``train`` and ``keys``, each in its own module with ``add_parser(sub)`` and
+#: ``run(args)`` (``sbatch``: ``run(args, overrides)``)
+COMMANDS = {"inspect": "distkit.inspection", "export": "distkit.export", "convert": "distkit.convert",
+            "sbatch": "distkit.sbatch", "lighthouse": "distkit.lighthouse", "env": "distkit.envreport",
+            "plot": "distkit.plot"}
+
+
+def _command(rest: list[str]) -> Optional[str]:
+    """The subcommand ``rest`` names (its first word that is one), None for none."""
+    return next((w for w in rest if w in COMMANDS or w in ("train", "keys")), None)
+
+
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The command line's parser. With ``command`` (one of :data:`COMMANDS`, ``train`` or ``keys``) only that
+    subcommand's module is imported: export, inspect and convert import torch (about 1.5 s here), and a
+    command that needs none of it (``train`` refusing a bad config with exit 2, ``lighthouse``, ``keys``)
+    should not wait for it. None (``distkit --help``, or no known command named): every subcommand."""
     parser = _Parser(prog="distkit", description="Data-parallel PyTorch training on DDP, DeepSpeed, Horovod or MPI.",
                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG, allow_abbrev=False)
     # torch.distributed.launch and the deepspeed launcher put --local-rank=N before the module's
@@ -68,27 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("pattern", nargs="?", default="", help="only keys containing this text")
     k.add_argument("--markdown", action="store_true",
                    help="print a Markdown document (one table of every key, then the seed spellings): docs/config.md")
-    from distkit.export import add_parser as add_export_parser
-    from distkit.inspection import add_parser as add_inspect_parser
-
-    add_inspect_parser(sub)
-
-    add_export_parser(sub)
-    from distkit.convert import add_parser as add_convert_parser
-
-    add_convert_parser(sub)
-    from distkit.sbatch import add_parser as add_sbatch_parser
-
-    add_sbatch_parser(sub)
-    from distkit.lighthouse import add_parser as add_lighthouse_parser
-
-    add_lighthouse_parser(sub)
-    from distkit.envreport import add_parser as add_env_parser
-
-    add_env_parser(sub)
-    from distkit.plot import add_parser as add_plot_parser
-
-    add_plot_parser(sub)
+    for name, module in COMMANDS.items():
+        if command in (None, name):
+            importlib.import_module(module).add_parser(sub)
     return parser
 
 
@@ -251,40 +250,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rest, overrides = split_overrides(argv)
-        args = build_parser().parse_args(rest)
+        args = build_parser(_command(rest)).parse_args(rest)
         if args.command is None:
             build_parser().print_help()
             return 2
         if args.command == "keys":
             return _print_keys(args.pattern, args.markdown)
-        if args.command == "inspect":
-            from distkit.inspection import run as inspect_checkpoint
-
-            return inspect_checkpoint(args)
-        if args.command == "export":
-            from distkit.export import run as export
-
-            return export(args)
-        if args.command == "convert":
-            from distkit.convert import run as convert
-
-            return convert(args)
         if args.command == "sbatch":
             from distkit.sbatch import run as sbatch
 
             return sbatch(args, overrides)
-        if args.command == "lighthouse":
-            from distkit.lighthouse import run as lighthouse
-
-            return lighthouse(args)
-        if args.command == "env":
-            from distkit.envreport import run as env_report
-
-            return env_report(args)
-        if args.command == "plot":
-            from distkit.plot import run as plot
-
-            return plot(args)
+        if args.command in COMMANDS:
+            return importlib.import_module(COMMANDS[args.command]).run(args)  # type: ignore[no-any-return]
         return train(args, overrides, argv)
     except DistkitError as e:
         print(f"distkit: error: {e}", file=sys.stderr, flush=True)

@@ -289,6 +289,6 @@ def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
             assert time.monotonic() < deadline and proc.poll() is None, "the lighthouse did not start"
             time.sleep(0.1)
     yield _Lighthouse(url, proc)
-    with contextlib.suppress(ProcessLookupError):  # distkit lighthouse and torchft_lighthouse, its child
+    with contextlib.suppress(ProcessLookupError):  # distkit lighthouse and the lighthouse, its child
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
