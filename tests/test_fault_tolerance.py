@@ -86,22 +86,32 @@ def test_without_failures_two_groups_equal_one_job_bit_for_bit(lighthouse: str, 
         assert ft["membership"] == [{"step": 5, "groups": 2, "committed": True, "healed": False}]
 
 
+@pytest.fixture(scope="module")
+def replica_groups_on_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One DDP job of 2 replica groups of 2 ranks (4 ranks), 20 steps: what two fault-tolerant groups of 2 ranks
+    must end with on every engine (test_replica_groups.py proves each engine's replica groups equal DDP's step by
+    step, so one reference serves all four rows)."""
+    ref = tmp_path_factory.mktemp("replica_groups_on_ddp")
+    groups = "{'backend': 'ddp', 'reduce_type': 'param', 'param_sync_step': 5, 'param_sync_group_size': 2}"
+    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "4", "++output_dir", str(ref), "++distributed", groups))
+    return ref
+
+
 @pytest.mark.min_replicas(2)
 @pytest.mark.parametrize("engine", ["ddp", "mpi", "deepspeed", "horovod"])
-def test_two_ranks_per_group_equal_one_job_of_replica_groups(lighthouse: str, tmp_path: Path, engine: str) -> None:
+def test_two_ranks_per_group_equal_one_job_of_replica_groups(lighthouse: str, tmp_path: Path, engine: str,
+                                                             replica_groups_on_ddp: Path) -> None:
     # inside each group the engine reduces gradients (2 ranks); across groups torchft averages
     procs = [_group(lighthouse, i, 2, tmp_path / "ft", "++max_steps", "20", "--nprocs", "2", engine=engine)
              for i in range(2)]
     for p in procs:
         ok(_wait(p))
-    ref = tmp_path / "one_job"
-    groups = "{'backend': '%s', 'reduce_type': 'param', 'param_sync_step': 5, 'param_sync_group_size': 2}" % engine
-    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "4", "++output_dir", str(ref), "++distributed", groups))
     for i in range(2):
         s = summary(tmp_path / "ft" / f"group-{i}")
         assert s["world_size"] == 2 and s["param_sync_group_size"] == 2 and s["ranks_in_sync"] is True
         for r in range(2):
-            assert max_abs_diff(final_params(tmp_path / "ft" / f"group-{i}", r), final_params(ref, 2 * i + r)) <= TOL
+            diff = max_abs_diff(final_params(tmp_path / "ft" / f"group-{i}", r), final_params(replica_groups_on_ddp, 2 * i + r))
+            assert diff <= TOL, f"group {i} rank {r}: {diff:g} from one DDP job of replica groups"
 
 
 @pytest.mark.min_replicas(2)
