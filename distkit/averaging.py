@@ -236,8 +236,9 @@ class ParamAverager:
     def sync(self, fragments: Optional[list[int]] = None) -> None:
         """Collective: average now (and apply the outer optimizer if configured); ``fragments``: only those
         fragments' tensors (every rank passes the same), None = the whole model."""
-        if self.compression != "none":
-            self._sync_compressed(fragments if fragments is not None and self.fragments > 1 else None)
+        if self.compression != "none":  # the background exchange, started and applied at once
+            self._start(fragments if fragments is not None and self.fragments > 1 else None, at_once=True)
+            self._apply(self._in_flight.pop())
             return
         if fragments is not None and self.fragments > 1:
             self._sync_fragments(fragments)
@@ -320,11 +321,14 @@ class ParamAverager:
         return [i for i in index if self.is_parameter(i) and self.tensors[i].numel() > 0]
 
     # -- param_sync_overlap: exchanges in the background ----------------------------------------------------
-    def _start(self, fragments: Optional[list[int]]) -> None:
+    def _start(self, fragments: Optional[list[int]], at_once: bool = False) -> None:
         """Collective: start the exchange of ``fragments``' tensors (None: all): floating buffers averaged now
         (small), each rank's pseudo-gradient (``anchor - local``, plus its error feedback) sent in the
-        background (:class:`distkit.compression.Exchange`, fp32 unless compressed); the local tensors are
-        remembered, to keep the progress made until the result is applied (:meth:`_apply`)."""
+        background (:class:`distkit.compression.Exchange`, fp32 unless compressed; with ``compression``, what
+        crosses the link is its encoding, and error feedback keeps what it could not carry); the local tensors
+        are remembered, to keep the progress made until the result is applied (:meth:`_apply`). ``at_once``:
+        the caller applies it before the next step (the blocking compressed sync, the final sync), so there is
+        no progress to keep."""
         from distkit.compression import Exchange
 
         t0 = time.perf_counter()
@@ -333,10 +337,10 @@ class ParamAverager:
             delta = self._delta(params)
             exchange = Exchange(self.strategy, delta, self.compression if self.compression != "none" else "fp32")
             self._keep_error(params, delta, exchange.sent)
-            if self.overlap // 2 == 0:  # tau = 1: the all-to-all now, the all-gather behind the next step
+            if self.overlap // 2 == 0:  # tau = 1 (or blocking): the all-to-all now, the all-gather next
                 exchange.second()
-            snapshot = [self.tensors[i].detach().clone() for i in params]
         self.wait_s += time.perf_counter() - t0
+        snapshot = [] if at_once else [self.tensors[i].detach().clone() for i in params]
         self._in_flight.append(_InFlight(fragments, params, self.steps, snapshot, exchange))
         for k in fragments if fragments is not None else range(self.fragments):
             self.fragment_since[k] = 0
@@ -362,20 +366,21 @@ class ParamAverager:
     def _apply(self, f: "_InFlight") -> None:
         """Collective: the exchange's mean pseudo-gradient moves the anchor (plainly, or as the outer optimizer's
         gradient) and each tensor becomes the new anchor plus the progress this rank made since the exchange
-        started (the merge rule: no local step is lost; it goes into the next exchange's pseudo-gradient)."""
+        started (the merge rule: no local step is lost; it goes into the next exchange's pseudo-gradient).
+        Started ``at_once`` (no snapshot): each tensor becomes the new anchor."""
         t0 = time.perf_counter()
         mean = f.exchange.result()
         self.wait_s += time.perf_counter() - t0
         with torch.no_grad():
             offset = 0
-            for i, before in zip(f.params, f.snapshot, strict=True):
+            for k, i in enumerate(f.params):
                 t, n = self.tensors[i], self.tensors[i].numel()
                 g = mean[offset:offset + n].view_as(t).to(t.dtype)
                 if self._outer is not None:
                     self._outer_update(i, g)
                 else:
                     self._anchor[i].sub_(g)
-                t.copy_(self._anchor[i] + (t - before))
+                t.copy_(self._anchor[i] + (t - f.snapshot[k]) if f.snapshot else self._anchor[i])
                 offset += n
         self._updated()
 
@@ -400,34 +405,6 @@ class ParamAverager:
             self._error[i] = delta[offset:offset + n] - sent[offset:offset + n]  # type: ignore[index]
             offset += n
 
-    def _sync_compressed(self, fragments: Optional[list[int]]) -> None:
-        """Collective: the compressed exchange (``compression``) of ``fragments``' tensors (None: all). What
-        crosses the link is each rank's pseudo-gradient ``anchor - local`` (plus the error it could not send
-        last time), encoded (:func:`distkit.compression.compressed_mean`); every rank receives the same mean
-        and applies it to the anchor: plainly (``anchor - mean``, which is the average without compression) or
-        as the outer optimizer's gradient. Floating buffers are averaged uncompressed (they are no
-        pseudo-gradient, and small)."""
-        from distkit.compression import compressed_mean
-
-        t0 = time.perf_counter()
-        params = self._average_buffers(fragments)
-        with torch.no_grad():
-            delta = self._delta(params)
-            mean, sent = compressed_mean(self.strategy, delta, self.compression)
-            self.wait_s += time.perf_counter() - t0
-            self._keep_error(params, delta, sent)
-            offset = 0
-            for i in params:
-                t, n = self.tensors[i], self.tensors[i].numel()
-                g = mean[offset:offset + n].view_as(t).to(t.dtype)
-                if self._outer is not None:
-                    self._outer_step(i, g)
-                else:
-                    self._anchor[i].sub_(g)
-                    t.copy_(self._anchor[i])
-                offset += n
-        self._synced(fragments)
-
     def final_sync(self) -> None:
         """Collective: sync unless the last step already did, so every rank ends with the same model (with
         fragments: every fragment with steps since its last sync, in one exchange; with overlap, the exchanges
@@ -438,8 +415,8 @@ class ParamAverager:
             self._in_flight = []
             stale = [k for k, n in enumerate(self.fragment_since) if n > 0]
             if stale:
-                self._start(stale if self.fragments > 1 else None)
-                self._apply(self._in_flight.pop())  # at once: no step since its start, nothing to merge
+                self._start(stale if self.fragments > 1 else None, at_once=True)
+                self._apply(self._in_flight.pop())
             return
         if self.fragments > 1:
             stale = [k for k, n in enumerate(self.fragment_since) if n > 0]
