@@ -59,10 +59,19 @@ def _validate(cfg: RunConfig) -> None:
     if not isinstance(d.param_sync_error_feedback, bool):
         raise ConfigError(f"'distributed.param_sync_error_feedback' must be True or False, got {d.param_sync_error_feedback!r}")
     _int("distributed.param_sync_overlap", d.param_sync_overlap, 0)
+    # param mode's exchange (issue 26): the three keys apply to param mode only, and not yet with fault_tolerance
+    # (torchft's Manager syncs the whole model at once, in fp32, blocking); each set -> how to unset it
+    exchange = {"param_sync_overlap": (d.param_sync_overlap > 0, "param_sync_overlap = 0"),
+                "param_sync_compression": (d.param_sync_compression != "none", "param_sync_compression = 'none'"),
+                "param_sync_fragments": (d.param_sync_fragments > 1, "param_sync_fragments = 1")}
+    for key, (is_set, unset) in exchange.items():
+        if is_set and d.reduce_type != "param":
+            raise ConfigError(f"'distributed.{key}' only applies to reduce_type 'param' (it shapes the exchange at a "
+                              f"sync): remove it or set reduce_type = 'param'")
+        if is_set and cfg.fault_tolerance is not None:
+            raise ConfigError(f"'distributed.{key}' is not available with fault_tolerance yet (torchft syncs the whole "
+                              f"model, in fp32, blocking): set {unset}")
     if d.param_sync_overlap > 0:
-        if d.reduce_type != "param":
-            raise ConfigError("'distributed.param_sync_overlap' only applies to reduce_type 'param': remove it or set "
-                              "reduce_type = 'param'")
         if d.param_sync_time_diff is not None:
             raise ConfigError("'distributed.param_sync_overlap' needs the step rule (param_sync_step): remove "
                               "param_sync_time_diff or set param_sync_overlap = 0")
@@ -70,27 +79,10 @@ def _validate(cfg: RunConfig) -> None:
             raise ConfigError(f"'distributed.param_sync_overlap' ({d.param_sync_overlap}) must be less than "
                               f"param_sync_step / param_sync_fragments ({d.param_sync_step} / {d.param_sync_fragments}): "
                               f"a fragment's exchange must end before the next fragment's starts")
-        if cfg.fault_tolerance is not None:
-            raise ConfigError("'distributed.param_sync_overlap' is not available with fault_tolerance yet: set "
-                              "param_sync_overlap = 0")
-    if d.param_sync_compression != "none":
-        if d.reduce_type != "param":
-            raise ConfigError("'distributed.param_sync_compression' only applies to reduce_type 'param' (it encodes the "
-                              "parameters' exchange at a sync): remove it or set reduce_type = 'param'")
-        if cfg.fault_tolerance is not None:
-            raise ConfigError("'distributed.param_sync_compression' is not available with fault_tolerance yet (torchft "
-                              "averages in fp32): set param_sync_compression = 'none'")
-    if d.param_sync_fragments > 1:
-        if d.reduce_type != "param":
-            raise ConfigError("'distributed.param_sync_fragments' only applies to reduce_type 'param': remove it or "
-                              "set reduce_type = 'param'")
-        if d.param_sync_time_diff is None and d.param_sync_fragments > d.param_sync_step:
-            raise ConfigError(f"'distributed.param_sync_fragments' ({d.param_sync_fragments}) must be at most "
-                              f"param_sync_step ({d.param_sync_step}): each fragment syncs every param_sync_step "
-                              f"steps, at its own step in that period")
-        if cfg.fault_tolerance is not None:
-            raise ConfigError("'distributed.param_sync_fragments' is not available with fault_tolerance yet (torchft "
-                              "syncs the whole model): set param_sync_fragments = 1")
+    if d.param_sync_fragments > 1 and d.param_sync_time_diff is None and d.param_sync_fragments > d.param_sync_step:
+        raise ConfigError(f"'distributed.param_sync_fragments' ({d.param_sync_fragments}) must be at most "
+                          f"param_sync_step ({d.param_sync_step}): each fragment syncs every param_sync_step "
+                          f"steps, at its own step in that period")
     for flag in ("scale_lr", "avg_grad", "require_horovod"):
         if not isinstance(getattr(d, flag), (bool, int)):
             raise ConfigError(f"'distributed.{flag}' must be True or False, got {getattr(d, flag)!r}")
