@@ -116,8 +116,7 @@ class HorovodEngine(Strategy):
         and every cross group's, in the same order (Horovod's rule: the same list on every rank)."""
         self._group_set: Any = hvd.global_process_set
         self._cross_set: Any = hvd.global_process_set
-        self._exchanges = 0  # compressed exchanges' ops started: their names
-        self._reductions = 0  # start_all_reduce's ops started: their names
+        self._named = 0  # the background ops started so far (exchanges, start_all_reduce): their names
         if self.replicas is None:
             return []
         world = list(range(self.world_size))
@@ -233,15 +232,13 @@ class HorovodEngine(Strategy):
 
     def start_all_to_all(self, rows: torch.Tensor) -> Any:
         self.comm_bytes += rows.numel() * rows.element_size()
-        self._exchanges += 1  # named, as cross_group_mean: the ranks of a set match on the name (one per exchange)
-        handle = self.hvd.alltoall_async(rows.contiguous(), name=f"distkit.exchange.{self._exchanges}.a2a",
+        handle = self.hvd.alltoall_async(rows.contiguous(), name=self._next_name("exchange.a2a"),
                                          process_set=self._cross_set)
         return _Handle(self.hvd, handle)
 
     def start_all_gather(self, row: torch.Tensor) -> Any:
         self.comm_bytes += row.numel() * row.element_size()
-        self._exchanges += 1
-        handle = self.hvd.allgather_async(row.contiguous()[None], name=f"distkit.exchange.{self._exchanges}.gather",
+        handle = self.hvd.allgather_async(row.contiguous()[None], name=self._next_name("exchange.gather"),
                                           process_set=self._cross_set)
         return _Handle(self.hvd, handle)
 
@@ -349,9 +346,13 @@ class HorovodEngine(Strategy):
             return super().start_all_reduce(tensor, op)
         hvd = self.hvd
         self.comm_bytes += tensor.numel() * tensor.element_size()
-        self._reductions += 1  # named: the ranks match their ops by name, one name per op in flight
-        return _Handle(hvd, hvd.allreduce_async(tensor.detach(), op=self._op(op),
-                                                name=f"distkit.all_reduce.{self._reductions}"))
+        return _Handle(hvd, hvd.allreduce_async(tensor.detach(), op=self._op(op), name=self._next_name("all_reduce")))
+
+    def _next_name(self, kind: str) -> str:
+        """The name of the next op started in the background: Horovod's ranks match ops by name, so every op in
+        flight needs its own; every rank starts the same ops in the same order, so the count agrees."""
+        self._named += 1
+        return f"distkit.{kind}.{self._named}"
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Collective: every rank must call it, in the same order. Returns ``src``'s object."""
