@@ -84,3 +84,28 @@ def test_docs_config_md_is_the_generated_key_table() -> None:
     assert doc.read_text() == expected, (
         "docs/config.md differs from `distkit keys --markdown` (distkit/config/schema.py changed?): regenerate it with "
         "`.venv/bin/python -m distkit keys --markdown > docs/config.md`")
+
+
+def _imports(cmd: list[str], tmp_path: Path, status: int = 0) -> tuple[set[str], str]:
+    """The modules ``cmd`` (a Python command line, which must exit with ``status``) imported (``-X importtime``'s
+    list on stderr), and its stdout (set by its variable: the lighthouse reads the process's argv, where ``-X`` would stand)."""
+    res = run([str(BIN / "python"), *cmd], cwd=tmp_path, PYTHONPROFILEIMPORTTIME="1")
+    assert res.returncode == status, res.stderr[-3000:]
+    return {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}, res.stdout
+
+
+def test_commands_that_do_not_train_do_not_import_torch(tmp_path: Path) -> None:
+    # what the package root, the parser and the lighthouse import lazily (distkit/__init__.py, cli.build_parser,
+    # distkit/ft_lighthouse.py): a refused config, `distkit keys` and the lighthouse start without torch
+    refused, _ = _imports(["-m", "distkit", "train", str(ROOT / "configs" / "demo.py"), "++nosuchkey", "1",
+                        "++output_dir", str(tmp_path / "out")], tmp_path, status=2)
+    assert "distkit.config" in refused and "torch" not in refused
+    assert not (tmp_path / "out").exists()
+    keys, _ = _imports(["-m", "distkit", "keys", "timeout_s"], tmp_path)
+    assert "distkit.config.schema" in keys and "torch" not in keys
+    lighthouse, usage = _imports([str(ROOT / "distkit" / "ft_lighthouse.py"), "--help"], tmp_path)
+    assert "--min_replicas" in usage and "torch" not in lighthouse  # torchft's own lighthouse answered
+    # and the training API is still there, imported on first use
+    res = ok(run([str(BIN / "python"), "-c", "import sys, distkit; assert 'torch' not in sys.modules; "
+                  "from distkit import Session, Trainer, run_on_main; print(Session.__module__, 'torch' in sys.modules)"]))
+    assert res.stdout.split() == ["distkit.session", "True"]
