@@ -78,6 +78,12 @@ def mpi_impl() -> str:
     return f"mpi4py {mpi4py.__version__} ({lib})"
 
 
+def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of ``tensor`` for MPI to reduce: floats as fp64 (numpy and MPI have no bf16, and fp64
+    holds every float dtype's values exactly), other dtypes as they are."""
+    return tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else tensor.dtype).contiguous()
+
+
 class _Request:
     """A nonblocking MPI collective (the compressed exchange's, :meth:`MPIStrategy.start_all_reduce`'s):
     ``wait()`` returns its output (watched: a rank that never answers ends the job after ``timeout_s``, named
@@ -308,7 +314,7 @@ class MPIStrategy(Strategy):
     def _allreduce(self, comm: Any, size: int, tensor: torch.Tensor, op: str, what: str = "") -> torch.Tensor:
         """All-reduce ``tensor`` in place over ``comm`` (``size`` ranks; ``mean`` divides by it)."""
         direct = tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype not in (torch.bfloat16, torch.float16)
-        buf = tensor if direct else tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else tensor.dtype).contiguous()
+        buf = tensor if direct else _host_buffer(tensor)
         self.comm_bytes += tensor.numel() * tensor.element_size()
         with self.watch(f"Allreduce({op}){what}"):
             if buf.numel() * buf.element_size() >= NONBLOCKING_MIN_BYTES:  # libnbc's ring (MCA_DEFAULTS)
@@ -325,7 +331,7 @@ class MPIStrategy(Strategy):
     def start_all_reduce(self, tensor: torch.Tensor, op: str = "max") -> Any:
         if self.world_size == 1:
             return super().start_all_reduce(tensor, op)
-        buf = tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else tensor.dtype).contiguous()
+        buf = _host_buffer(tensor)
         self.comm_bytes += tensor.numel() * tensor.element_size()
         request = self.comm.Iallreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))
         return _Request(self, request, (buf, buf), tensor.device, f"Iallreduce({op})")
