@@ -10,14 +10,14 @@ argv and skips only its first word (the interpreter), so the second must be this
 first on ``sys.path`` and is taken off before any import could find a distkit module there by its short
 name.
 """
+import os  # (distkit/ holds no module named like these three)
 import sys
 
-if __name__ == "__main__":
-    del sys.path[0]  # distkit/ itself: its env.py, data.py, plot.py must not stand in for anything
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # distkit/ itself (not with -P/PYTHONSAFEPATH): its env.py, data.py must not stand in for anything
 
 import importlib.machinery
 import importlib.util
-import os
 from typing import Optional
 
 
