@@ -10,7 +10,7 @@ argv and skips only its first word (the interpreter), so the second must be this
 first on ``sys.path`` and is taken off before any import could find a distkit module there by its short
 name.
 """
-import os  # (distkit/ holds no module named like these three)
+import os  # distkit/ holds no os.py or sys.py: these two are safe before the fix below
 import sys
 
 if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
