@@ -307,7 +307,7 @@ def test_a_group_cut_off_by_the_network_is_left_out_and_ends_with_one_line(tmp_p
         try:
             assert lh.stdout is not None and "distkit: lighthouse at" in lh.stdout.readline()
             url = f"http://{h.addr(0)}:{port}"
-            time.sleep(1)  # torchft_lighthouse binds its port a moment after distkit's line
+            time.sleep(1)  # the lighthouse binds its port a moment after distkit's line
             dist = "{'backend': 'ddp', 'reduce_type': 'param', 'param_sync_step': 5, 'timeout_s': 10}"
             procs = [h.popen(i, [sys.executable, "-m", "distkit", *TRAIN, "++max_steps", "100", "++output_dir", str(out),
                                  "++distributed", dist, "++fault_tolerance",
