@@ -257,6 +257,7 @@ class ParamAverager:
                 for a, t in zip(self._anchor, self.tensors, strict=True):
                     t.copy_(a)
         self._synced(None)
+        self._updated()
 
     def _sync_fragments(self, fragments: list[int]) -> None:
         """Collective: average ``fragments``' tensors in one exchange; with the outer optimizer, its Nesterov step
@@ -272,6 +273,7 @@ class ParamAverager:
                 for i, t in zip(index, tensors, strict=True):
                     self._outer_step(i, self._anchor[i] - t)  # pseudo-gradient: how far the average moved, negated
         self._synced(fragments)
+        self._updated()
 
     def _outer_step(self, i: int, g: torch.Tensor) -> None:
         """The outer optimizer's step on tensor ``i``'s anchor with pseudo-gradient ``g``, then the tensor set to
@@ -294,7 +296,7 @@ class ParamAverager:
         a.add_(g.add(buf, alpha=momentum) if group["nesterov"] else buf, alpha=-lr)
 
     def _synced(self, fragments: Optional[list[int]]) -> None:
-        """The counters after a sync of ``fragments`` (None: the whole model)."""
+        """The counters after a sync of ``fragments`` (None: the whole model), or the start of its exchange."""
         for k in fragments if fragments is not None else range(self.fragments):
             self.fragment_since[k] = 0
         if fragments is not None:
@@ -302,7 +304,6 @@ class ParamAverager:
         self.steps_since_sync = 0
         self.num_syncs += 1
         self._last_sync = time.monotonic()
-        self._updated()
 
     def _updated(self) -> None:
         """The averaged tensors changed (a sync, or an overlapped exchange applied): engines whose model weights
@@ -342,13 +343,7 @@ class ParamAverager:
         self.wait_s += time.perf_counter() - t0
         snapshot = [] if at_once else [self.tensors[i].detach().clone() for i in params]
         self._in_flight.append(_InFlight(fragments, params, self.steps, snapshot, exchange))
-        for k in fragments if fragments is not None else range(self.fragments):
-            self.fragment_since[k] = 0
-        if fragments is not None:
-            self._next_fragment = (max(fragments) + 1) % self.fragments
-        self.steps_since_sync = 0
-        self.num_syncs += 1
-        self._last_sync = time.monotonic()
+        self._synced(fragments)
 
     def _progress(self) -> None:
         """Collective: move the exchanges in flight on: the second phase starts ``tau // 2`` steps after the
