@@ -43,12 +43,12 @@ import torch
 
 from distkit.averaging import unflatten_into
 from distkit.errors import BackendUnavailable, ConfigError, HealMismatch, LighthouseLost
+from distkit.ft_lighthouse import INSTALL_HINT
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
     from distkit.session import Session
 
-INSTALL_HINT = "pip install 'distkit[ft]' (torchft)"
 #: seconds a rank waits for the lighthouse to answer at start before it says it is unreachable
 PROBE_TIMEOUT_S = 5.0
 #: seconds between probes of the lighthouse while a rank waits for a quorum

@@ -20,6 +20,9 @@ import importlib.machinery
 import importlib.util
 from typing import Optional
 
+#: how to get torchft (distkit.fault_tolerance's errors say it too)
+INSTALL_HINT = "pip install 'distkit[ft]' (torchft)"
+
 
 def extension_path() -> Optional[str]:
     """The file of torchft's extension module ``torchft._torchft`` (None: torchft is not installed). Finds
@@ -36,7 +39,7 @@ def extension_path() -> Optional[str]:
 def main() -> int:
     path = extension_path()
     if path is None:
-        print("distkit: error: torchft is not installed: pip install 'distkit[ft]' (torchft)", file=sys.stderr)
+        print(f"distkit: error: torchft is not installed: {INSTALL_HINT}", file=sys.stderr)
         return 2
     loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", path)
     spec = importlib.util.spec_from_file_location("torchft._torchft", path, loader=loader)

@@ -42,9 +42,7 @@ def command(args: argparse.Namespace) -> list[str]:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
     if ft_lighthouse.extension_path() is None:
-        from distkit.fault_tolerance import INSTALL_HINT  # imports torch: only on this error path
-
-        raise BackendUnavailable(f"torchft is not installed: {INSTALL_HINT}")
+        raise BackendUnavailable(f"torchft is not installed: {ft_lighthouse.INSTALL_HINT}")
     return [sys.executable, ft_lighthouse.__file__, "--bind", f"[::]:{args.port}", "--min_replicas", str(args.min_replicas),
             "--join_timeout_ms", str(int(args.join_timeout * 1000)),
             "--heartbeat_timeout_ms", str(int(args.heartbeat_timeout * 1000)), "--quorum_tick_ms", "100"]

@@ -87,8 +87,9 @@ def test_docs_config_md_is_the_generated_key_table() -> None:
 
 
 def _imports(cmd: list[str], tmp_path: Path, status: int = 0) -> tuple[set[str], str]:
-    """The modules ``cmd`` (a Python command line, which must exit with ``status``) imported (``-X importtime``'s
-    list on stderr), and its stdout (set by its variable: the lighthouse reads the process's argv, where ``-X`` would stand)."""
+    """The modules ``cmd`` (a Python command line, which must exit with ``status``) imported, and its stdout. The
+    list is ``-X importtime``'s on stderr, asked for by its variable: the lighthouse reads the process's argv,
+    where ``-X`` would stand."""
     res = run([str(BIN / "python"), *cmd], cwd=tmp_path, PYTHONPROFILEIMPORTTIME="1")
     assert res.returncode == status, res.stderr[-3000:]
     return {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}, res.stdout
