@@ -6,6 +6,7 @@ status is the lighthouse's. Neither this command nor the lighthouse imports torc
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -29,6 +30,9 @@ def add_parser(sub: Any) -> None:
                    help="seconds a quorum waits for groups that are alive but late (default 10)")
     p.add_argument("--heartbeat-timeout", dest="heartbeat_timeout", type=float, default=5.0, metavar="S",
                    help="seconds without a group's heartbeat after which it is left out (default 5)")
+    p.add_argument("--quiet", action="store_true",
+                   help="log warnings and errors only (the lighthouse logs every quorum request: about 1 KB per "
+                        "group per sync)")
 
 
 def command(args: argparse.Namespace) -> list[str]:
@@ -53,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"distkit: lighthouse at http://{socket.gethostname()}:{args.port} (min_replicas {args.min_replicas}): "
           f"give the groups fault_tolerance = {{'lighthouse': 'http://{socket.gethostname()}:{args.port}', ...}}",
           flush=True)
-    proc = subprocess.Popen(cmd)
+    # The lighthouse writes its log to this command's stderr. It blocks once that is a full pipe nobody reads,
+    # and then forms no quorum: the groups would wait. --quiet keeps the log to warnings (torchft's Rust logger
+    # reads RUST_LOG); the docs say to send it to a file.
+    env = {**os.environ, "RUST_LOG": "warn"} if args.quiet else None
+    proc = subprocess.Popen(cmd, env=env)
 
     def stop(signum: int, _frame: Any) -> None:
         proc.send_signal(signum)

@@ -252,12 +252,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def lighthouse_cmd(port: int, min_replicas: int) -> list[str]:
+def lighthouse_cmd(port: int, min_replicas: int, *extra: str) -> list[str]:
     """``distkit lighthouse`` on ``port``. --join-timeout 30: a quorum waits that long for a group that is alive
     (heartbeating) but late, e.g. one paused by a DISTKIT_FAULT delay; a group paused longer would be left out
     and heal at its next sync."""
     return [sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas", str(min_replicas),
-            "--join-timeout", "30"]
+            "--join-timeout", "30", *extra]
 
 
 class _Lighthouse(str):
@@ -270,15 +270,20 @@ class _Lighthouse(str):
 
 
 @pytest.fixture
-def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark."""
+def lighthouse(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark,
+    --quiet with the quiet_lighthouse mark.
+
+    Its output goes to a file (``lighthouse.log`` in the test's tmp_path), not a pipe: the lighthouse logs every
+    quorum request and status (about 1 KB per sync of three groups), and a pipe nobody reads fills at 64 KiB,
+    after which the lighthouse blocks in its logger and answers no quorum: the groups would hang."""
     mark = request.node.get_closest_marker("min_replicas")
     port = free_port()
-    proc = subprocess.Popen(lighthouse_cmd(port, mark.args[0] if mark else 1), env=base_env(), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
-    assert first.startswith("distkit: lighthouse at http://") and f":{port} (min_replicas" in first, first
+    log = tmp_path / "lighthouse.log"
+    with log.open("w") as sink:
+        quiet = ["--quiet"] if request.node.get_closest_marker("quiet_lighthouse") else []
+        proc = subprocess.Popen(lighthouse_cmd(port, mark.args[0] if mark else 1, *quiet), env=base_env(), cwd=ROOT,
+                                stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:  # until it answers
@@ -286,8 +291,10 @@ def lighthouse(request: pytest.FixtureRequest) -> Iterator[str]:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 break
         except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "the lighthouse did not start"
+            assert time.monotonic() < deadline and proc.poll() is None, f"the lighthouse did not start: {log.read_text()}"
             time.sleep(0.1)
+    first = log.read_text().splitlines()[0]
+    assert first.startswith("distkit: lighthouse at http://") and f":{port} (min_replicas" in first, first
     yield _Lighthouse(url, proc)
     with contextlib.suppress(ProcessLookupError):  # distkit lighthouse and the lighthouse, its child
         os.killpg(proc.pid, signal.SIGKILL)
