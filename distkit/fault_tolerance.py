@@ -86,7 +86,13 @@ def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> N
 
 
 def import_torchft() -> Any:
-    """The torchft package, or BackendUnavailable with the install command."""
+    """The torchft package, or BackendUnavailable with the install command.
+
+    torchft's Rust side (each group's Manager server and client) logs every quorum and commit at INFO to stderr,
+    about 1.3 KB per rank per sync; distkit reports the membership itself (summary, metrics.jsonl), so their
+    default level here is warnings: ``RUST_LOG=info`` in the environment brings them back. Its logger reads
+    ``RUST_LOG`` when the extension loads, so this is set before the import."""
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
     except ImportError as e:
