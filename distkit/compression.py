@@ -74,10 +74,13 @@ def roundtrip(x: torch.Tensor, codec: str) -> torch.Tensor:
 
 
 class Exchange:
-    """One compressed mean in flight (the two phases of :func:`compressed_mean`, started in turn by the caller, so
-    that training steps can run between them: ``param_sync_overlap``). Collective: every member of the group
-    creates it, calls :meth:`second` and :meth:`result` at the same points, in the same order as its other
-    exchanges. ``codec`` "fp32" sends the values as they are (4 bytes per element)."""
+    """One compressed mean of ``x`` over the averaging group (``strategy.averaging_size()`` members, each passing
+    the same ``codec`` and a tensor of the same length) in flight, with :func:`encoded_size` bytes per element on
+    the link instead of 4: phase 1 an all-to-all of each member's encoded chunks, phase 2 an all-gather of each
+    owner's encoded mean, started in turn by the caller so that training steps can run between them
+    (``param_sync_overlap``). Collective: every member creates it, calls :meth:`second` and :meth:`result` at
+    the same points, in the same order as its other exchanges. ``codec`` "fp32" sends the values as they are
+    (4 bytes per element)."""
 
     def __init__(self, strategy: Any, x: torch.Tensor, codec: str, rows: Optional[torch.Tensor] = None,
                  mine: Optional[torch.Tensor] = None) -> None:
@@ -127,13 +130,3 @@ class _Done:
 
     def wait(self) -> torch.Tensor:
         return self.value
-
-
-def compressed_mean(strategy: Any, x: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Collective over the averaging group (``strategy.averaging_size()`` members, every one passing the same
-    ``codec`` and a tensor of the same length): ``(mean, sent)``. ``mean``: the mean of ``x`` (1-D fp32) over the
-    group, identical on every member, with :func:`encoded_size` bytes per element on the link instead of 4.
-    ``sent``: what the others read of this member's ``x`` (its decoded encoding; ``x - sent`` is the error
-    feedback's remainder)."""
-    e = Exchange(strategy, x, codec)
-    return e.result(), e.sent

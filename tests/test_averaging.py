@@ -147,7 +147,7 @@ def test_fragments_outer_nesterov_is_torchs_sgd_per_fragment(tmp_path: Path) -> 
 
 
 def _compressed(rank: int, world: int) -> dict[str, dict[str, object]]:
-    from distkit.compression import compressed_mean
+    from distkit.compression import Exchange
 
     s = _strategy(rank, world)
     g = torch.Generator().manual_seed(rank)
@@ -156,7 +156,8 @@ def _compressed(rank: int, world: int) -> dict[str, dict[str, object]]:
     out = {}
     for codec in ("bf16", "fp16", "int8"):
         before = s.comm_bytes
-        mean, sent = compressed_mean(s, x, codec)
+        e = Exchange(s, x, codec)  # both phases at once: the mean, and what the others read of this rank's x
+        mean, sent = e.result(), e.sent
         out[codec] = {"x": x, "mean": mean, "sent": sent, "bytes": s.comm_bytes - before}
     return out
 
