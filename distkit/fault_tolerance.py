@@ -53,11 +53,14 @@ if TYPE_CHECKING:
 PROBE_TIMEOUT_S = 5.0
 #: seconds between probes of the lighthouse while a rank waits for a quorum
 WATCH_INTERVAL_S = 2.0
+#: default ``fault_tolerance.connect_timeout_s``: how long the members of a new quorum wait for each other to
+#: connect (torchft's gloo group is rebuilt at every quorum change)
+CONNECT_TIMEOUT_S = 30.0
 
 
 def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> None:
     """Raise ConfigError (exit 2) for a ``fault_tolerance`` dict that cannot work. Not collective."""
-    known = {"lighthouse", "replica_id", "num_replicas", "min_replicas", "quorum_timeout_s"}
+    known = {"lighthouse", "replica_id", "num_replicas", "min_replicas", "quorum_timeout_s", "connect_timeout_s"}
     unknown = sorted(set(ft) - known)
     if unknown:
         raise ConfigError(f"fault_tolerance: unknown key(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
@@ -80,9 +83,10 @@ def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> N
     if ft.get("min_replicas", 1) > ft["num_replicas"]:
         raise ConfigError(f"fault_tolerance.min_replicas {ft['min_replicas']} is larger than num_replicas "
                           f"{ft['num_replicas']}, the groups that can ever join: no sync could commit")
-    timeout = ft.get("quorum_timeout_s", 600)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ConfigError(f"fault_tolerance.quorum_timeout_s must be a positive number of seconds, got {timeout!r}")
+    for key, default in (("quorum_timeout_s", 600), ("connect_timeout_s", CONNECT_TIMEOUT_S)):
+        timeout = ft.get(key, default)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigError(f"fault_tolerance.{key} must be a positive number of seconds, got {timeout!r}")
 
 
 def import_torchft() -> Any:
@@ -175,8 +179,9 @@ class FaultTolerance:
             self._received = state
 
         os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently
+        connect = datetime.timedelta(seconds=min(float(ft.get("connect_timeout_s", CONNECT_TIMEOUT_S)), float(timeout_s)))
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state_dict,
+            pg=_quorum_gloo(ProcessGroupGloo, timeout, connect), load_state_dict=load, state_dict=state_dict,
             # async quorum: a healing group takes no part in the average of the sync it joins at (its tensors are
             # zeroed and not counted), receives it, and gets the rest of a live group's state at should_commit
             min_replica_size=int(ft.get("min_replicas", 1)), use_async_quorum=True, timeout=timeout,
@@ -271,6 +276,31 @@ class FaultTolerance:
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             pass
         return None
+
+
+def _quorum_gloo(base: type, timeout: datetime.timedelta, connect: datetime.timedelta) -> Any:
+    """torchft's reconfigurable gloo group (``base``: :class:`torchft.process_group.ProcessGroupGloo`) whose
+    rendezvous at a new quorum is bounded by ``connect``, its exchanges by ``timeout``.
+
+    Why: a group that dies after it asked the lighthouse for a quorum is still in the quorum the others receive
+    (its heartbeat has not timed out yet). When that quorum is new, every member rebuilds the gloo group and
+    waits for the dead one to connect: with one timeout for both, ``distributed.timeout_s`` (300 s by default)
+    per such death, the survivors standing still. Connecting takes the members well under a second (all of them
+    start it the moment the lighthouse answers, from torchft's quorum thread), so ``connect`` can be short; an
+    exchange of a large model over a slow link cannot."""
+
+    class QuorumGloo(base):  # type: ignore[misc, valid-type]
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            # torchft connects to the quorum's store and creates the gloo backend (whose constructor is the
+            # rendezvous) with self._timeout: the connect bound for those, the exchange bound from then on
+            self._timeout = connect
+            try:
+                super().configure(*args, **kwargs)
+            finally:
+                self._timeout = timeout
+            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+
+    return QuorumGloo(timeout=timeout)
 
 
 # -- the Session's side (its own code, kept here; it knows the Session only as a type) --------------------------

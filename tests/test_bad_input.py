@@ -28,6 +28,9 @@ CASES = [
     ("fragments_with_fault_tolerance", "torch_distributed = {'reduce_type': 'param', 'param_sync_fragments': 2}\n"
      "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2}\n", [],
      ["not available with fault_tolerance yet", "set param_sync_fragments = 1"]),
+    ("ft_connect_timeout_zero", "torch_distributed = {'reduce_type': 'param'}\n"
+     "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2, 'connect_timeout_s': 0}\n",
+     [], ["fault_tolerance.connect_timeout_s must be a positive number of seconds, got 0"]),
     ("compression_in_grad_mode", "", ["++distributed.param_sync_compression", "int8"],
      ["param_sync_compression' only applies to reduce_type 'param'"]),
     ("compression_unknown_codec", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'int4'}\n", [],

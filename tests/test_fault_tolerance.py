@@ -39,8 +39,8 @@ TOL = 1e-6  # buffers averaged inside a group and then across groups round diffe
 
 
 def _group(url: str, i: int, n: int, out: Path, *extra: str, engine: str = "ddp", distributed: str = PARAM,
-           **env: str) -> "subprocess.Popen[str]":
-    ft = f"{{'lighthouse': '{url}', 'replica_id': {i}, 'num_replicas': {n}}}"
+           ft_extra: str = "", **env: str) -> "subprocess.Popen[str]":
+    ft = f"{{'lighthouse': '{url}', 'replica_id': {i}, 'num_replicas': {n}{ft_extra}}}"
     return subprocess.Popen([sys.executable, "-m", "distkit", *TRAIN, "++output_dir", str(out), "++distributed",
                              distributed % engine, "++fault_tolerance", ft, *extra], env=base_env(**env), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -194,6 +194,40 @@ def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(ligh
     # metrics.jsonl holds the same change as the summary: a sync of fewer groups while group 2 was gone (2, or 1
     # when group 1 healed at it, as above)
     assert any(r["groups"] < 3 for r in _syncs(out / "group-0")), _syncs(out / "group-0")
+
+
+@pytest.mark.min_replicas(2)
+def test_a_group_dead_inside_a_new_quorum_costs_the_others_connect_timeout_not_timeout_s(lighthouse: str,
+                                                                                        tmp_path: Path) -> None:
+    # The worst moment for a group to die: after it asked the lighthouse for a quorum that is new. Groups 0 and 2
+    # sync; group 0 pauses after step 10; group 2 asks for the quorum of step 15 and waits there; group 1, started
+    # late, asks too (its first sync, step 5: the lighthouse's log says when). Then group 2 is SIGKILLed and group 0
+    # released: it asks, and the lighthouse forms a new quorum of all three, group 2 in it (its heartbeat is
+    # fresh). Groups 0 and 1 rebuild torchft's gloo group and wait for group 2 to connect: connect_timeout_s (5 s
+    # here), not distributed.timeout_s (300 s, the default, more than _wait's 120 s). That sync fails, and they
+    # go on together to the end with one model.
+    out, release = tmp_path / "ft", tmp_path / "release"
+    steps, fast = ["++max_steps", "40"], ", 'connect_timeout_s': 5"
+    g0 = _group(lighthouse, 0, 3, out, *steps, ft_extra=fast, DISTKIT_FAULT="0:10:delay=120", DISTKIT_FAULT_UNTIL=str(release))
+    victim = _group(lighthouse, 2, 3, out, *steps, ft_extra=fast)
+    _until_synced(out / "group-2", [g0, victim])
+    g1 = _group(lighthouse, 1, 3, out, *steps, ft_extra=fast)
+    deadline, log = time.monotonic() + 120, tmp_path / "lighthouse.log"
+    while "Received quorum request for replica distkit_group_1" not in log.read_text():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in (g0, victim, g1)), "group 1 never asked"
+        time.sleep(0.01)
+    os.killpg(victim.pid, signal.SIGKILL)
+    release.touch()
+    assert _wait(victim).returncode == -9
+    for p in (g0, g1):
+        ok(_wait(p, timeout=120))
+    sums = [summary(out / f"group-{i}") for i in range(2)]
+    assert all(s["steps"] == 40 for s in sums) and sums[0]["param_checksum"] == sums[1]["param_checksum"]
+    ft0, ft1 = (s["fault_tolerance"] for s in sums)
+    # the sync of the quorum with the dead group failed on both (group 0's step 15, group 1's first), none other
+    assert [m["step"] for m in ft0["membership"] if not m["committed"]] == [15], ft0
+    assert not ft1["membership"][0]["committed"] and ft1["syncs"] - ft1["committed"] == 1, ft1
+    assert [m["groups"] for m in ft0["membership"]][-1] == 2, ft0
 
 
 @pytest.mark.min_replicas(2)  # groups 0 and 1 sync together from their first step on (and pause together)

@@ -202,7 +202,8 @@ class RunConfig:
     #: 0 .. N-1, writing to output_dir/group-<i>); inside a group gradients are reduced every step, across groups
     #: the parameters are averaged every param_sync_step steps by the groups alive then (a quorum from the
     #: lighthouse: ``distkit lighthouse``); a (re)started group heals from a live one. ``quorum_timeout_s``
-    #: (default 600) bounds the wait for a quorum. None = no fault tolerance
+    #: (default 600) bounds the wait for a quorum, ``connect_timeout_s`` (default 30) the wait of a new quorum's
+    #: groups for each other to connect. None = no fault tolerance
     fault_tolerance: Optional[dict[str, Any]] = None
     #: a tqdm bar on rank 0
     progress_bar: bool = True
