@@ -13,6 +13,7 @@ line, exit 2, nothing written.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -38,12 +39,31 @@ ADAM = ["++optimizer", "{'class': 'adam'}", "++learning_rate", "0.01"]
 TOL = 1e-6  # buffers averaged inside a group and then across groups round differently from one average
 
 
+#: every group a test started (each a session of its own): what is still running when the test ends is killed
+_STARTED: list["subprocess.Popen[str]"] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_group_outlives_its_test() -> Iterator[None]:
+    """A failed assertion leaves the other groups of its test running (or waiting in a quorum): they would
+    take CPU from the tests after it."""
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
 def _group(url: str, i: int, n: int, out: Path, *extra: str, engine: str = "ddp", distributed: str = PARAM,
            ft_extra: str = "", **env: str) -> "subprocess.Popen[str]":
     ft = f"{{'lighthouse': '{url}', 'replica_id': {i}, 'num_replicas': {n}{ft_extra}}}"
-    return subprocess.Popen([sys.executable, "-m", "distkit", *TRAIN, "++output_dir", str(out), "++distributed",
-                             distributed % engine, "++fault_tolerance", ft, *extra], env=base_env(**env), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen([sys.executable, "-m", "distkit", *TRAIN, "++output_dir", str(out), "++distributed",
+                          distributed % engine, "++fault_tolerance", ft, *extra], env=base_env(**env), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _STARTED.append(p)
+    return p
 
 
 def _wait(p: "subprocess.Popen[str]", timeout: float = 240) -> subprocess.CompletedProcess[str]:
