@@ -261,12 +261,16 @@ def lighthouse_cmd(port: int, min_replicas: int, *extra: str) -> list[str]:
 
 
 class _Lighthouse(str):
-    """The lighthouse's URL, with its process (for a test that kills it)."""
+    """The lighthouse's URL, with its process (for a test that kills it) and its log file."""
 
-    def __new__(cls, url: str, proc: "subprocess.Popen[str]") -> "_Lighthouse":
+    def __new__(cls, url: str, proc: "subprocess.Popen[str]", log: Path) -> "_Lighthouse":
         self = super().__new__(cls, url)
-        self.proc = proc
+        self.proc, self.log = proc, log
         return self
+
+    def tail(self, lines: int = 12) -> str:
+        """The last ``lines`` lines of its log, each cut to 240 characters (a quorum's line lists every member)."""
+        return "\n".join(line[:240] for line in self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
 @pytest.fixture
@@ -295,7 +299,7 @@ def lighthouse(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
             time.sleep(0.1)
     first = log.read_text().splitlines()[0]
     assert first.startswith("distkit: lighthouse at http://") and f":{port} (min_replicas" in first, first
-    yield _Lighthouse(url, proc)
+    yield _Lighthouse(url, proc, log)
     with contextlib.suppress(ProcessLookupError):  # distkit lighthouse and the lighthouse, its child
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -41,6 +41,8 @@ TOL = 1e-6  # buffers averaged inside a group and then across groups round diffe
 
 #: every group a test started (each a session of its own): what is still running when the test ends is killed
 _STARTED: list["subprocess.Popen[str]"] = []
+#: each group's lighthouse (the fixture's holds its log: a timed-out wait shows its last lines)
+_LIGHTHOUSE_OF: dict[int, str] = {}
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +56,7 @@ def _no_group_outlives_its_test() -> Iterator[None]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
+    _LIGHTHOUSE_OF.clear()
 
 
 def _group(url: str, i: int, n: int, out: Path, *extra: str, engine: str = "ddp", distributed: str = PARAM,
@@ -63,6 +66,7 @@ def _group(url: str, i: int, n: int, out: Path, *extra: str, engine: str = "ddp"
                           distributed % engine, "++fault_tolerance", ft, *extra], env=base_env(**env), cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _STARTED.append(p)
+    _LIGHTHOUSE_OF[p.pid] = url
     return p
 
 
@@ -73,7 +77,9 @@ def _wait(p: "subprocess.Popen[str]", timeout: float = 240) -> subprocess.Comple
         stacks = stacks_of_marked()
         os.killpg(p.pid, signal.SIGKILL)  # the launcher and its ranks (they hold the pipes open)
         out, err = p.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {p.args}\n{err[-3000:]}\n{stacks}")
+        lh = _LIGHTHOUSE_OF.get(p.pid)
+        log = f"the lighthouse's last lines:\n{lh.tail()}\n" if hasattr(lh, "tail") else ""
+        raise AssertionError(f"timed out after {timeout}s: {p.args}\n{err[-3000:]}\n{log}{stacks}")
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
