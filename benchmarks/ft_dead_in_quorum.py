@@ -18,20 +18,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
+from distkit.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_for(what: str, ok: Any, procs: list["subprocess.Popen[bytes]"], timeout: float = 120) -> None:
@@ -58,7 +53,7 @@ def main() -> int:
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="ft_dead_in_quorum_")
     out, release, log = os.path.join(work, "ft"), os.path.join(work, "release"), os.path.join(work, "lighthouse.log")
-    port = _free_port()
+    port = free_port()
     with open(log, "w") as sink:  # a file: the lighthouse blocks on a full pipe (docs/fault_tolerance.md)
         lh = subprocess.Popen([sys.executable, "-m", "distkit", "lighthouse", "--port", str(port), "--min-replicas", "2",
                                "--join-timeout", "30"], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,

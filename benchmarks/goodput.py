@@ -37,17 +37,13 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from distkit.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 #: no failure once a group (or the job) is this far: a group restarted after the others finished would train alone
 #: from the start (there is nobody left to heal from), which measures nothing
 LAST_FAILURE = 0.7
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _common(args: argparse.Namespace) -> list[str]:
@@ -87,7 +83,7 @@ def _summary(out: str) -> dict[str, Any]:
 
 def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) -> dict[str, Any]:
     """One fault-tolerant run; a failure every ``every`` seconds (None: none)."""
-    port = _free_port()
+    port = free_port()
     lh = subprocess.Popen([PY, "-m", "distkit", "lighthouse", "--port", str(port), "--join-timeout", "30",
                            "--heartbeat-timeout", "2"], cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL, start_new_session=True)

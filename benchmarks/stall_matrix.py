@@ -29,7 +29,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from distkit.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -65,12 +66,6 @@ FAULTS = {"stop": (1, "stop"), "stop0": (0, "stop"), "kill": (1, "kill"), "raise
 STEP = 5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def command(engine: str, launcher: str, cfg: Path, ds: Path, timeout_s: float, *extra: str) -> list[str]:
     """The launching command for one case (2 ranks)."""
     flags = [str(ds) if f == "DS_JSON" else f for f in ENGINE_FLAGS[engine]]
@@ -81,7 +76,7 @@ def command(engine: str, launcher: str, cfg: Path, ds: Path, timeout_s: float, *
     if launcher == "torchrun":
         return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "distkit", *train]
     if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", str(_free_port()),
+        return [str(BIN / "deepspeed"), "--num_accelerators", "2", "--master_port", str(free_port()),
                 "--module", "distkit", *train]
     if launcher == "mpirun":
         return [str(BIN / "mpirun"), "--oversubscribe", "--bind-to", "none", "-np", "2", "-x", "DISTKIT_FAULT",

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from distkit import ompi_leftovers
+from distkit.launch import free_port  # noqa: F401  (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -246,12 +247,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
 
 
 # -- a torchft lighthouse (fault_tolerance tests, test_fault_tolerance.py and test_slurm.py) ----------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def lighthouse_cmd(port: int, min_replicas: int, *extra: str) -> list[str]:
     """``distkit lighthouse`` on ``port``. --join-timeout 30: a quorum waits that long for a group that is alive
     (heartbeating) but late, e.g. one paused by a DISTKIT_FAULT delay; a group paused longer would be left out
