@@ -86,6 +86,29 @@ def _syncs(out: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "sync"]
 
 
+def _until_exists(path: Path, procs: list["subprocess.Popen[str]"], timeout: float = 120) -> None:
+    """Wait until ``path`` exists (a DISTKIT_FAULT_STAMP), all ``procs`` alive."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no {path.name} stamp"
+        time.sleep(0.1)
+
+
+def _asked(log: Path, group: int) -> int:
+    """How many quorum requests of group ``group`` (any start of it) the lighthouse has logged so far."""
+    return log.read_text(errors="replace").count(f"Received quorum request for replica distkit_group_{group}:")
+
+
+def _until_asked(log: Path, group: int, procs: list["subprocess.Popen[str]"], more_than: int = 0,
+                 timeout: float = 120) -> None:
+    """Wait until group ``group`` has asked the lighthouse for more than ``more_than`` quorums (its log says),
+    all ``procs`` alive: a group waiting in a quorum is in the next one its peers form."""
+    deadline = time.monotonic() + timeout
+    while _asked(log, group) <= more_than:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"group {group} never asked"
+        time.sleep(0.01)
+
+
 def _until_synced(out: Path, procs: list["subprocess.Popen[str]"], timeout: float = 120) -> None:
     """Wait until the group writing ``out`` logged a sync (its rank 0's metrics.jsonl), all ``procs`` alive."""
     deadline = time.monotonic() + timeout
@@ -169,26 +192,36 @@ def test_every_group_killed_then_resumed_ends_where_the_uninterrupted_run_ends(l
 
 @pytest.mark.min_replicas(2)  # the survivors sync together from their first step on (the quorums need two groups)
 def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(lighthouse: str, tmp_path: Path) -> None:
-    # 3 groups of 2 ranks (ddp inside), sync every 5 of 60 steps. Group 2 is SIGKILLed at step 12; the others
-    # pause at step 20 (DISTKIT_FAULT delay: a slow step) until the same command restarted for group 2 has taken
-    # its first step (its stamp; 25 s at most), so it joins while they train. Its rank 0 heals from one live group, its rank 1 from the other (torchft spreads the
-    # sources by rank): the group must still end with identical ranks. The restart waits out the lighthouse's
-    # heartbeat timeout (5 s): a group restarted sooner is counted beside its dead predecessor (torchft gives each
-    # start its own id), so its first quorum holds a dead member and fails after connect_timeout_s (the
-    # dead-inside-a-new-quorum test below); it would heal one sync later.
-    out, restarted_up = tmp_path / "ft", tmp_path / "restarted"
-    steps = ["++max_steps", "60", "--nprocs", "2", *ADAM]
-    survivors = [_group(lighthouse, i, 3, out, *steps, DISTKIT_FAULT="0:20:delay=25", DISTKIT_FAULT_UNTIL=str(restarted_up))
+    # 3 groups of 2 ranks (ddp inside), sync every 5 of 60 steps. Group 2 (the victim) starts first: the others
+    # start once it has taken its first step (its stamp), so its Manager is heartbeating and the lighthouse's first
+    # quorum waits for it (join timeout). Group 2 is SIGKILLed after its first sync. The others pause at step 20,
+    # after its sync (DISTKIT_FAULT delay: a slow step), until the same command restarted for group 2 has asked the
+    # lighthouse for a quorum (its log says; the test then touches `release`): it is in their next quorum and heals
+    # there. The pause's 120 s cap only a broken restart reaches. (Stop 33's CI failure: the others started with the
+    # victim and paused until the restart's first step, 25 s at most. The victim started slowly, missed their syncs
+    # up to the pause, synced after it, and was killed then; the others ended their 60 steps before the restart was
+    # up, which then waited alone for a quorum.) The restarted group's rank 0 heals from one live group, its rank 1
+    # from the other (torchft spreads the sources by rank): the group must still end with identical ranks. The
+    # restart waits out the lighthouse's heartbeat timeout (5 s): a group restarted sooner is counted beside its
+    # dead predecessor (torchft gives each start its own id), so its first quorum holds a dead member and fails
+    # after connect_timeout_s (the dead-inside-a-new-quorum test below); it would heal one sync later.
+    out, victim_up, release = tmp_path / "ft", tmp_path / "victim", tmp_path / "release"
+    steps, log = ["++max_steps", "60", "--nprocs", "2", *ADAM], tmp_path / "lighthouse.log"
+    victim = _group(lighthouse, 2, 3, out, *steps, DISTKIT_FAULT="0:1:delay=0", DISTKIT_FAULT_STAMP=str(victim_up))
+    _until_exists(victim_up, [victim])
+    survivors = [_group(lighthouse, i, 3, out, *steps, DISTKIT_FAULT="0:20:delay=120", DISTKIT_FAULT_UNTIL=str(release))
                  for i in range(2)]
-    victim = _group(lighthouse, 2, 3, out, *steps)
     _until_synced(out / "group-2", [victim, *survivors])  # (its counters may jump at a first heal: no fixed step)
     os.killpg(victim.pid, signal.SIGKILL)  # the launcher and both ranks, as a node failure does
     killed = _wait(victim)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert all(p.poll() is None for p in survivors), "a surviving group exited when group 2 died"
     time.sleep(HEARTBEAT_TIMEOUT_S + 0.5)  # the dead group 2 is out of the lighthouse's count (see above)
-    restarted = ok(_wait(_group(lighthouse, 2, 3, out, *steps, DISTKIT_FAULT="0:1:delay=0",
-                                DISTKIT_FAULT_STAMP=str(restarted_up))))
+    asked = _asked(log, 2)
+    restart = _group(lighthouse, 2, 3, out, *steps)
+    _until_asked(log, 2, [restart, *survivors], more_than=asked)  # it waits in the quorum of their next sync
+    release.touch()
+    restarted = ok(_wait(restart))
     for p in survivors:
         ok(_wait(p))
     sums = [summary(out / f"group-{i}") for i in range(3)]
@@ -241,10 +274,7 @@ def test_a_group_dead_inside_a_new_quorum_costs_the_others_connect_timeout_not_t
     victim = _group(lighthouse, 2, 3, out, *steps, ft_extra=fast)
     _until_synced(out / "group-2", [g0, victim])
     g1 = _group(lighthouse, 1, 3, out, *steps, ft_extra=fast)
-    deadline, log = time.monotonic() + 120, tmp_path / "lighthouse.log"
-    while "Received quorum request for replica distkit_group_1" not in log.read_text():
-        assert time.monotonic() < deadline and all(p.poll() is None for p in (g0, victim, g1)), "group 1 never asked"
-        time.sleep(0.01)
+    _until_asked(tmp_path / "lighthouse.log", 1, [g0, victim, g1])
     os.killpg(victim.pid, signal.SIGKILL)
     release.touch()
     assert _wait(victim).returncode == -9
@@ -269,14 +299,20 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
     # leave group 2's model apart from the others after the next local steps.
     out = tmp_path / "ft"
     steps = ["++max_steps", "40", *ADAM]
-    # the pause at step 20 keeps them running while group 2 starts (a quorum waits for a group that is alive): it
-    # ends once group 2's torchft Manager is up (its config.resolved.json is written after that), 15 s at most
-    live = [_group(lighthouse, i, 3, out, *steps, engine=engine, distributed=PARAM_NESTEROV, DISTKIT_FAULT="0:20:delay=15",
-                   DISTKIT_FAULT_UNTIL=str(out / "group-2" / "config.resolved.json"))
+    # the pause at step 20 (after its sync) keeps them running while group 2 starts: it ends once group 2 has asked
+    # the lighthouse for its first quorum (the lighthouse's log says; the test then touches `release`), so group 2
+    # is in their next one. Its 120 s cap only a broken start reaches: a cap a slow machine could reach (it was
+    # 15 s, until group 2's Manager was up) lets the live groups run past their last sync first.
+    release, log = tmp_path / "release", tmp_path / "lighthouse.log"
+    live = [_group(lighthouse, i, 3, out, *steps, engine=engine, distributed=PARAM_NESTEROV, DISTKIT_FAULT="0:20:delay=120",
+                   DISTKIT_FAULT_UNTIL=str(release))
             for i in range(2)]
     for i in range(2):
         _until_synced(out / f"group-{i}", live)
-    late = ok(_wait(_group(lighthouse, 2, 3, out, *steps, engine=engine, distributed=PARAM_NESTEROV)))
+    late = _group(lighthouse, 2, 3, out, *steps, engine=engine, distributed=PARAM_NESTEROV)
+    _until_asked(log, 2, [late, *live])
+    release.touch()
+    late = ok(_wait(late))
     for p in live:
         ok(_wait(p))
     sums = [summary(out / f"group-{i}") for i in range(3)]
@@ -294,11 +330,13 @@ def test_a_preempted_group_alone_leaves_with_a_checkpoint_and_rejoins_on_resume(
     # Issue 25 item 7 under fault tolerance: SIGTERM to group 1's launcher (a scheduler preempting its job step):
     # its ranks stop after an agreed step with a checkpoint and exit 75, it leaves the quorum, and group 0 goes on
     # alone, every sync committed (it pauses at step 30 until the same command with ++resume auto, the requeued
-    # job step, has taken its first step (its stamp; 15 s at most), so the resumed group finds it running). The resumed group continues from its checkpoint, is behind the live
+    # job step, has taken its first step (its stamp; 120 s at most, which only a broken resume reaches: a cap a slow
+    # machine could reach would let group 0 end its run first and leave the resumed group alone), so the resumed
+    # group finds it running). The resumed group continues from its checkpoint, is behind the live
     # group at its next sync and heals from it; both end with one model.
     out, stamp, resumed_up = tmp_path / "ft", tmp_path / "delayed", tmp_path / "resumed"
     steps = ["++max_steps", "60"]
-    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:30:delay=15", DISTKIT_FAULT_UNTIL=str(resumed_up))
+    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:30:delay=120", DISTKIT_FAULT_UNTIL=str(resumed_up))
     # the signal lands while group 1 is in a 5 s slow step 10 (DISTKIT_FAULT delay): it stops after step 10
     first = _group(lighthouse, 1, 2, out, *steps, DISTKIT_FAULT="0:10:delay", DISTKIT_FAULT_STAMP=str(stamp))
     deadline = time.monotonic() + 120
