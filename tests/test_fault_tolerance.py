@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -86,12 +86,18 @@ def _syncs(out: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "sync"]
 
 
-def _until_exists(path: Path, procs: list["subprocess.Popen[str]"], timeout: float = 120) -> None:
-    """Wait until ``path`` exists (a DISTKIT_FAULT_STAMP), all ``procs`` alive."""
+def _until(done: Callable[[], bool], procs: list["subprocess.Popen[str]"], what: str, timeout: float = 120,
+           poll: float = 0.1) -> None:
+    """Wait until ``done()``, every one of ``procs`` alive all along; else fail with ``what``."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no {path.name} stamp"
-        time.sleep(0.1)
+    while not done():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), what
+        time.sleep(poll)
+
+
+def _until_exists(path: Path, procs: list["subprocess.Popen[str]"]) -> None:
+    """Wait until ``path`` exists (a DISTKIT_FAULT_STAMP), all ``procs`` alive."""
+    _until(path.exists, procs, f"no {path.name} stamp")
 
 
 def _asked(log: Path, group: int) -> int:
@@ -99,22 +105,15 @@ def _asked(log: Path, group: int) -> int:
     return log.read_text(errors="replace").count(f"Received quorum request for replica distkit_group_{group}:")
 
 
-def _until_asked(log: Path, group: int, procs: list["subprocess.Popen[str]"], more_than: int = 0,
-                 timeout: float = 120) -> None:
+def _until_asked(log: Path, group: int, procs: list["subprocess.Popen[str]"], more_than: int = 0) -> None:
     """Wait until group ``group`` has asked the lighthouse for more than ``more_than`` quorums (its log says),
     all ``procs`` alive: a group waiting in a quorum is in the next one its peers form."""
-    deadline = time.monotonic() + timeout
-    while _asked(log, group) <= more_than:
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"group {group} never asked"
-        time.sleep(0.01)
+    _until(lambda: _asked(log, group) > more_than, procs, f"group {group} never asked", poll=0.01)
 
 
-def _until_synced(out: Path, procs: list["subprocess.Popen[str]"], timeout: float = 120) -> None:
+def _until_synced(out: Path, procs: list["subprocess.Popen[str]"]) -> None:
     """Wait until the group writing ``out`` logged a sync (its rank 0's metrics.jsonl), all ``procs`` alive."""
-    deadline = time.monotonic() + timeout
-    while not ((out / "metrics.jsonl").exists() and _syncs(out)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no sync in {out}"
-        time.sleep(0.1)
+    _until(lambda: (out / "metrics.jsonl").exists() and bool(_syncs(out)), procs, f"no sync in {out}")
 
 
 @pytest.mark.quiet_lighthouse
