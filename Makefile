@@ -8,7 +8,7 @@ STAMP := $(VENV)/.distkit-installed
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: demo test bench install horovod slurm pdsh
+.PHONY: demo test check bench install horovod slurm pdsh
 
 install: $(STAMP)
 
@@ -43,6 +43,13 @@ pdsh:
 test: $(STAMP) horovod slurm pdsh
 	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
+
+# The fast tier for the edit-test loop (tests/tiers.py): every test that starts no process, one real 2-rank parity
+# run of every engine x mode, the conformance suite's core rows, config, bad-input, checkpoint and CLI tests. It leaves
+# out what starts network-namespace hosts, SLURM daemons, a torchft lighthouse, kill trials or stall and fault runs.
+check: $(STAMP) horovod
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -m "not full" tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make check: no tests ran" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

@@ -26,9 +26,45 @@ import torch
 from distkit import ompi_leftovers
 from distkit.launch import free_port  # noqa: F401  (the tests import it from here)
 
+import tiers
+from tiers import full_tier, starts_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MARK = f"distkit-test-{uuid.uuid4().hex[:8]}"
+
+
+# -- the two tiers (tests/tiers.py): `make check` runs `-m "not full"`, `make test` everything -------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tier-report", metavar="PATH", default=None,
+                     help="write every collected test's tier, reasons and parity marks as JSON to PATH")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "full(reason): full tier only (set by tests/tiers.py from what the test "
+                                       "starts; by hand only where no helper carries the cost)")
+    config.addinivalue_line("markers", "parity(engine, mode): a real 2-rank run of that engine and mode compared "
+                                       "with DDP (tests/test_tiers.py keeps one of each in the fast tier)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each full-tier test ``full`` (what it starts decides: tests/tiers.py), before ``-m`` deselects."""
+    report = []
+    for item in items:
+        tier, why = tiers.tier_of(item)
+        if tier == "full" and not any(m.args for m in item.iter_markers("full")):
+            item.add_marker(pytest.mark.full(why[0]))
+        item.user_properties.append(("tier", tier))
+        report.append({"nodeid": item.nodeid, "tier": tier, "reasons": why,
+                       "parity": [list(m.args) for m in item.iter_markers("parity")]})
+    path = config.getoption("--tier-report")
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1))
+
+
+def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, items: list[pytest.Item]) -> str:
+    fast = sum(1 for i in items if dict(i.user_properties).get("tier") == "fast")
+    return f"tiers: {fast} fast, {len(items) - fast} full-only (tests/tiers.py)"
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -42,6 +78,7 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@starts_processes
 def run(cmd: list[str], timeout: float = 180, cwd: Optional[Path] = None, **env: str) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` to completion (killing its whole process group on timeout)."""
     p = subprocess.Popen(cmd, cwd=cwd or ROOT, env=base_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -203,12 +240,23 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, store: str, q: Any
         q.put((rank, "error", traceback.format_exc()))
 
 
+def _rank_context() -> Any:
+    """Ranks fork from one server process that imported torch and torch.distributed once per test session
+    ("forkserver", preloaded): a spawned rank imports torch again, about 1.5 s of CPU each, which was most of
+    the cost of every run_ranks test. The server is a fresh single-threaded interpreter, not pytest's process
+    (whose threads a fork would not carry)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "distkit"])
+    return ctx
+
+
+@starts_processes
 def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any, timeout: float = 60) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with a gloo group.
 
     Returns each rank's result; raises with every failed rank's traceback; kills hung ranks.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     q = ctx.Queue()
     store = str(tmp_path / f"store-{uuid.uuid4().hex[:6]}")
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store, q, args)) for r in range(world_size)]
@@ -247,6 +295,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
 
 
 # -- a torchft lighthouse (fault_tolerance tests, test_fault_tolerance.py and test_slurm.py) ----------------------
+@full_tier("a torchft lighthouse")
 def lighthouse_cmd(port: int, min_replicas: int, *extra: str) -> list[str]:
     """``distkit lighthouse`` on ``port``. --join-timeout 30: a quorum waits that long for a group that is alive
     (heartbeating) but late, e.g. one paused by a DISTKIT_FAULT delay; a group paused longer would be left out
@@ -269,6 +318,7 @@ class _Lighthouse(str):
 
 
 @pytest.fixture
+@full_tier("a torchft lighthouse")
 def lighthouse(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark,
     --quiet with the quiet_lighthouse mark.

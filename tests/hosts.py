@@ -25,6 +25,8 @@ import socket
 import subprocess
 from typing import Any, Optional, Sequence
 
+from tiers import full_tier
+
 PREFIX = "dkt"
 
 
@@ -69,6 +71,7 @@ def _kill_inside(ns: str) -> None:
             pass
 
 
+@full_tier("network-namespace hosts")
 class Hosts:
     """``n`` hosts on one bridge, addresses ``10.231.<net>.<i+1>``; hostnames ``<tag>h<i>``."""
 

@@ -21,6 +21,8 @@ import subprocess
 import time
 from typing import Optional
 
+from tiers import full_tier
+
 DAEMONS = ("slurmctld", "slurmd", "munged", "srun", "sbatch", "scontrol")
 
 
@@ -38,6 +40,7 @@ def _exe(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
+@full_tier("SLURM daemons")
 class Slurm:
     """A one-node SLURM cluster in ``directory``; use as a context manager."""
 

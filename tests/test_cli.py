@@ -102,7 +102,7 @@ def test_commands_that_do_not_train_do_not_import_torch(tmp_path: Path) -> None:
                         "++output_dir", str(tmp_path / "out")], tmp_path, status=2)
     assert "distkit.config" in refused and "torch" not in refused
     assert not (tmp_path / "out").exists()
-    keys, _ = _imports(["-m", "distkit", "keys", "timeout_s"], tmp_path)
+    keys, _ = _imports(["-m", "distkit", "keys", "param_sync_step"], tmp_path)
     assert "distkit.config.schema" in keys and "torch" not in keys
     lighthouse, usage = _imports([str(ROOT / "distkit" / "ft_lighthouse.py"), "--help"], tmp_path)
     assert "--min_replicas" in usage and "torch" not in lighthouse  # torchft's own lighthouse answered

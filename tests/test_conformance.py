@@ -138,7 +138,17 @@ CASES = [(idiom, engine, mode) for idiom in EXPECTED for engine in ENGINES for m
          and EXPECTED[idiom][engine] != "(torch)"]
 
 
-@pytest.mark.parametrize("idiom,engine,mode", CASES, ids=[f"{e}-{m}-{WHERE[i][1]}-{WHERE[i][0]}" for i, e, m in CASES])
+#: the core rows (the "main" run: nine idioms in one start per engine and mode) are the fast tier's parity case of
+#: every engine and mode (tests/tiers.py); the other runs of other engines than DDP are in the full tier
+PARITY = {"zero2": "deepspeed", "zero3": "deepspeed"}
+
+
+def _case(idiom: str, engine: str, mode: str) -> Any:
+    marks = [pytest.mark.parity(PARITY.get(engine, engine), mode)] if WHERE[idiom][0] == "main" else []
+    return pytest.param(idiom, engine, mode, marks=marks, id=f"{engine}-{mode}-{WHERE[idiom][1]}-{WHERE[idiom][0]}")
+
+
+@pytest.mark.parametrize("idiom,engine,mode", [_case(*c) for c in CASES])
 def test_idiom_gives_ddp_result_or_the_documented_error(runs: Any, idiom: str, engine: str, mode: str) -> None:
     kind, phase = WHERE[idiom]
     expected = EXPECTED[idiom][engine]

@@ -1,0 +1,76 @@
+"""The test tiers (tests/tiers.py, issue 34): a test's tier follows from what it starts, and the fast tier
+(``make check``) keeps a real 2-rank parity case of every engine and mode, the conformance suite's core rows,
+and the config, bad-input, checkpoint-format and CLI tests."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import hosts as nethosts
+import slurm as testslurm
+import tiers
+from conftest import ROOT, base_env, lighthouse_cmd
+
+#: what the fast tier must keep a parity case of (tests/test_conformance.py's engines, by family)
+ENGINES = ("ddp", "mpi", "horovod", "deepspeed")
+MODES = ("grad", "param")
+#: modules whose every test stays in the fast tier (config, bad input, checkpoint format, CLI)
+ALWAYS_FAST = ("test_config.py", "test_bad_input.py", "test_cli.py", "test_checkpoint_integrity.py", "test_env.py",
+               "test_tiers.py")
+
+
+def _builds_hosts() -> None:
+    with nethosts.Hosts(2) as h:
+        h.addr(0)
+
+
+def _helper_with_slurm(d: str) -> Any:
+    return testslurm.Slurm(d)
+
+
+def _through_a_helper() -> None:
+    _helper_with_slurm("x")
+
+
+def _kill_trials() -> list[str]:
+    return [sys.executable, str(ROOT / "benchmarks" / "kill_trials.py")]
+
+
+def _plain() -> float:
+    return sum([1.0, 2.0])
+
+
+def test_the_tier_follows_from_what_the_code_starts() -> None:
+    assert tiers.reasons([_builds_hosts]) == {"network-namespace hosts"}
+    assert tiers.reasons([_through_a_helper]) == {"SLURM daemons"}  # transitively, through a helper of tests/
+    assert tiers.reasons([lambda: lighthouse_cmd(1, 1)]) == {"a torchft lighthouse"}
+    assert tiers.reasons([_kill_trials]) == {"kill trials (benchmarks/kill_trials.py)"}
+    assert tiers.reasons([_plain]) == set()
+
+
+def _collected(tmp_path: Path) -> list[dict[str, Any]]:
+    """Every test of the suite with its tier, as a real `pytest --collect-only` sees it (whatever this run selected)."""
+    report = tmp_path / "tiers.json"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                          "--tier-report", str(report), str(ROOT / "tests")], cwd=ROOT, env=base_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+def test_the_fast_tier_keeps_every_engine_and_mode_and_the_input_tests(tmp_path: Path) -> None:
+    items = _collected(tmp_path)
+    fast = [i for i in items if i["tier"] == "fast"]
+    covered = {tuple(p) for i in fast for p in i["parity"]}
+    lost = [f"{e} {m}" for e in ENGINES for m in MODES if (e, m) not in covered]
+    assert not lost, f"no fast-tier parity case (pytest.mark.parity) left for: {', '.join(lost)}"
+    moved = [f"{i['nodeid']} ({'; '.join(i['reasons'])})" for i in items
+             if i["tier"] == "full" and i["nodeid"].split("::")[0].rsplit("/", 1)[-1] in ALWAYS_FAST]
+    assert not moved, "config, bad-input, checkpoint-format and CLI tests belong to the fast tier: " + ", ".join(moved)
+    core = [i for i in fast if "test_conformance.py::test_idiom" in i["nodeid"]]
+    assert core, "the conformance suite has no row in the fast tier"
+    full = [i for i in items if i["tier"] == "full"]
+    assert full and all(i["reasons"] for i in full)  # every full-tier test says why

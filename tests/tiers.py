@@ -1,0 +1,258 @@
+"""The two test tiers (issue 34): ``make check`` runs the fast one, ``make test`` both.
+
+A test's tier follows from what it starts, found in its code and in the code of every fixture it
+uses, not from a list of test names:
+
+- **full**: it starts, directly or through a helper or fixture, something marked with
+  :func:`full_tier` (network-namespace hosts, SLURM daemons, a torchft lighthouse, sshd, kill
+  trials, a launch across hosts...), or it is marked ``pytest.mark.full("why")`` by hand where a
+  cost has no helper to carry it (the reason is required, and shown).
+- **fast**: everything else: every test that starts no process, and the single launches of real
+  2-rank runs (every engine x mode parity case, the conformance rows, bad input, CLI).
+
+"What it starts" is read from the code objects: every global name a test function (and each
+fixture function it requests, and each function or class of ``tests/`` those call, transitively)
+refers to, and every string constant (a script path such as ``kill_trials.py``). A helper declares
+its tier once, where it is defined::
+
+    @full_tier("network-namespace hosts")
+    class Hosts: ...
+
+so a new test that builds hosts lands in the full tier without anyone deciding. The fast tier's
+coverage is checked by ``tests/test_tiers.py``: every engine x mode keeps a parity case
+(``pytest.mark.parity(engine, mode)``) in the fast tier, and the test names the one that lost it.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+import re
+import types
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
+
+TESTS = Path(__file__).resolve().parent
+ATTR = "__distkit_tier__"
+STARTS = "__distkit_starts__"
+# Below: what makes a test that starts processes (through a launch helper marked :func:`starts_processes`, or
+# ``Popen``/``run_ranks`` in its own code) a full-tier test. Its code, its module's helpers and the module's
+# string globals they use (script texts, argument lists) are read for:
+#: fragments of a string constant -> why
+FULL_FRAGMENTS: dict[str, str] = {
+    "kill_trials.py": "kill trials (benchmarks/kill_trials.py)",
+    "DISTKIT_FAULT": "a fault injected into a run (DISTKIT_FAULT)",
+    "++resume": "a second run that resumes the first",
+    "++distributed.timeout_s": "a run that waits for a timeout (timeout_s)",
+    "timeout_s':": "a run that waits for a timeout (timeout_s)",
+    'timeout_s":': "a run that waits for a timeout (timeout_s)",
+}
+#: a whole string constant (also a test's parameter) -> why
+SIGNAL = "a signal sent to a running job"
+LAUNCHER = "a launcher other than --nprocs (torchrun, mpirun, horovodrun, deepspeed's, srun)"
+FULL_EXACT: dict[str, str] = {
+    "timeout_s": "a run that waits for a timeout (timeout_s)",
+    **dict.fromkeys(("SIGKILL", "SIGSTOP", "SIGTERM", "SIGUSR1", "SIGINT", "SIGCONT"), SIGNAL),
+    # the launcher matrix: every row runs in the full tier (a path ending in /NAME counts too)
+    **dict.fromkeys(("torchrun", "mpirun", "mpiexec", "horovodrun", "srun", "sbatch", "torch.distributed.launch",
+                     "--num_gpus", "--num_accelerators", "--hostfile", "--no_ssh"), LAUNCHER),
+}
+#: an option followed by a rank count above 2 (the fast tier's runs have 2 ranks) -> why
+RANK_OPTIONS = ("--nprocs", "--nproc_per_node", "--nproc-per-node", "-np", "-n", "--num_gpus", "--num_accelerators")
+MORE_RANKS = "a run of more than 2 ranks"
+RANK_KEYWORDS = ("nprocs", "world_size", "nproc_per_node")
+#: names used by that code -> why
+FULL_NAMES: dict[str, str] = dict.fromkeys(("SIGKILL", "SIGSTOP", "SIGTERM", "SIGUSR1", "SIGINT", "SIGCONT"), SIGNAL)
+#: names that start processes when a test's own code uses them
+STARTS_NAMES = ("Popen", "run_ranks", "check_output", "check_call")
+#: a parametrized case whose id starts with another engine than DDP (the reference: ``[mpi-grad]``, ``[zero2]``),
+#: unless it is a parity case (``pytest.mark.parity``): an engine sweep, whose DDP case stays in the fast tier
+SWEEP = "an engine sweep beyond DDP (its DDP case is in the fast tier)"
+OTHER_ENGINES = re.compile(r"mpi|horovod|hvd|deepspeed|zero\d?|z\d")
+#: infrastructure whose code is followed only for :func:`full_tier` and :func:`starts_processes` marks (its
+#: cleanup kills, its environment drops DISTKIT_FAULT: what every test uses says nothing of one test's cost)
+INFRASTRUCTURE = ("conftest.py", "tiers.py")
+
+T = TypeVar("T")
+
+
+def full_tier(reason: str) -> Callable[[T], T]:
+    """Declare that using the decorated helper (function, class, fixture function) puts a test in the full
+    tier, with ``reason`` (what it starts, in a few words). Apply it under ``@pytest.fixture``."""
+    def mark(obj: T) -> T:
+        setattr(obj, ATTR, reason)
+        return obj
+    return mark
+
+
+def starts_processes(fn: T) -> T:
+    """Declare a launch helper: a test that calls it starts processes (the rules above then apply)."""
+    setattr(fn, STARTS, True)
+    return fn
+
+
+def _strings(value: Any, depth: int = 0) -> Iterable[str]:
+    """The strings in a parameter or constant (lists, tuples, dicts of them, two levels deep)."""
+    if isinstance(value, str):
+        yield value
+    elif depth < 3 and isinstance(value, (list, tuple, set, frozenset)):
+        for v in value:
+            yield from _strings(v, depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k, depth + 1)
+            yield from _strings(v, depth + 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _keyword_ranks(fn: Any) -> int:
+    """The largest rank count a call in ``fn``'s source passes as a keyword (``nprocs=4``), 0 if none."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return 0
+    counts = [k.value.value for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg in RANK_KEYWORDS
+              and isinstance(k.value, ast.Constant) and isinstance(k.value.value, int)]
+    return max(counts, default=0)
+
+
+def _code_objects(code: types.CodeType) -> Iterable[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _ours(obj: Any) -> bool:
+    """A function or class defined in ``tests/`` (followed further; torch's and distkit's are not)."""
+    try:
+        path = inspect.getsourcefile(inspect.unwrap(obj) if callable(obj) else obj)
+    except TypeError:
+        return False
+    return path is not None and Path(path).resolve().parent == TESTS
+
+
+def _functions_of(obj: Any) -> list[Callable[..., Any]]:
+    if isinstance(obj, type):
+        out = []
+        for f in vars(obj).values():
+            if isinstance(f, property):
+                f = f.fget
+            elif isinstance(f, (staticmethod, classmethod)):
+                f = f.__func__
+            if isinstance(f, types.FunctionType):
+                out.append(f)
+        return out
+    raw = inspect.unwrap(obj) if callable(obj) else obj
+    return [raw] if isinstance(raw, types.FunctionType) else []
+
+
+class _Scan:
+    """What the code reached from some functions starts: full-tier marks, whether it starts processes, and what
+    its strings and names say (only counted for code that starts processes)."""
+
+    def __init__(self) -> None:
+        self.marked: set[str] = set()
+        self.hints: set[str] = set()
+        self.starts = False
+
+    def strings(self, values: Iterable[str], fragments: bool = True) -> None:
+        for text in values:
+            if fragments:
+                self.hints.update(why for frag, why in FULL_FRAGMENTS.items() if frag in text)
+            why = FULL_EXACT.get(text) or FULL_EXACT.get(text.rsplit("/", 1)[-1])
+            if why is not None and (fragments or why in (LAUNCHER, SIGNAL)):
+                self.hints.add(why)
+
+    def sequence(self, values: Any) -> None:
+        """An argument list: an option of :data:`RANK_OPTIONS` followed by a count above 2."""
+        if isinstance(values, (tuple, list)):
+            for opt, count in zip(values, values[1:]):
+                if opt in RANK_OPTIONS and isinstance(count, str) and count.isdigit() and int(count) > 2:
+                    self.hints.add(MORE_RANKS)
+            for v in values:
+                self.sequence(v)
+
+    def reasons(self) -> set[str]:
+        return self.marked | (self.hints if self.starts else set())
+
+
+def _scan(functions: Iterable[Any], scan: _Scan) -> _Scan:
+    """Follow the global names each function uses into other functions and classes of ``tests/`` (attribute
+    names are looked up on the test modules it uses: ``nethosts.Hosts``), collecting into ``scan``."""
+    seen: set[int] = set()
+    todo = list(functions)
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(getattr(obj, ATTR, None), str):
+            scan.marked.add(getattr(obj, ATTR))
+        scan.starts |= getattr(obj, STARTS, False) is True
+        for fn in _functions_of(obj):
+            if isinstance(getattr(fn, ATTR, None), str):
+                scan.marked.add(getattr(fn, ATTR))
+            scan.starts |= getattr(fn, STARTS, False) is True
+            g = fn.__globals__
+            # conftest's own code is followed for marks only: its cleanup kills, its environment drops
+            # DISTKIT_FAULT; what every test uses says nothing of one test's cost
+            ours = Path(fn.__code__.co_filename).name not in INFRASTRUCTURE
+            modules = [m for m in g.values() if isinstance(m, types.ModuleType) and _ours(m)]
+            if ours and _keyword_ranks(fn) > 2:
+                scan.hints.add(MORE_RANKS)
+            for code in _code_objects(fn.__code__):
+                consts = code.co_consts[1:] if code is fn.__code__ and fn.__doc__ else code.co_consts  # not the docstring
+                for name in code.co_names:
+                    if ours and name in FULL_NAMES:
+                        scan.hints.add(FULL_NAMES[name])
+                    if ours and name in STARTS_NAMES:
+                        scan.starts = True
+                    targets = [g[name]] if name in g else []
+                    targets += [getattr(m, name) for m in modules if hasattr(m, name)]
+                    for target in targets:
+                        if ours and isinstance(target, (str, list, tuple, dict)):
+                            scan.strings(_strings(target))  # a script text or argument list of the module
+                            scan.sequence(target)
+                        elif (isinstance(target, (types.FunctionType, type)) or hasattr(target, "__wrapped__")) \
+                                and _ours(target):
+                            todo.append(target)
+                        elif isinstance(getattr(target, ATTR, None), str) or getattr(target, STARTS, False) is True:
+                            todo.append(target)
+                if ours:
+                    scan.strings(_strings(tuple(c for c in consts if isinstance(c, (str, tuple, frozenset)))))
+                    scan.sequence(tuple(consts))  # ("--nprocs", "4") in a call's arguments are neighbours here
+    return scan
+
+
+def reasons(functions: Iterable[Any], params: Any = None) -> set[str]:
+    """Why code reached from ``functions`` (and a test's ``params``) is full-tier; empty: fast."""
+    scan = _scan(functions, _Scan())
+    if params is not None:
+        scan.strings(_strings(params))
+    return scan.reasons()
+
+
+def fixture_functions(item: Any) -> list[Any]:
+    """The functions of every fixture ``item`` requests (transitively: pytest's closure)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [d.func for defs in info.name2fixturedefs.values() for d in defs]
+
+
+def tier_of(item: Any) -> tuple[str, list[str]]:
+    """``("full", reasons)`` or ``("fast", [])`` for a collected test item."""
+    why = set()
+    for mark in item.iter_markers("full"):
+        assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: pytest.mark.full needs a reason"
+        why.add(mark.args[0])
+    scan = _scan([getattr(item, "function", None), *fixture_functions(item)], _Scan())
+    spec = getattr(item, "callspec", None)
+    if spec is not None:  # a parameter names a launcher or a signal (not a config text's words)
+        scan.strings(_strings(list(spec.params.values())), fragments=False)
+        if scan.starts and OTHER_ENGINES.fullmatch(spec.id.split("-")[0]) and not any(item.iter_markers("parity")):
+            why.add(SWEEP)
+    why |= scan.reasons()
+    return ("full", sorted(why)) if why else ("fast", [])
