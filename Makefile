@@ -47,8 +47,10 @@ test: $(STAMP) horovod slurm pdsh
 # The fast tier for the edit-test loop (tests/tiers.py): every test that starts no process, one real 2-rank parity
 # run of every engine x mode, the conformance suite's core rows, config, bad-input, checkpoint and CLI tests. It leaves
 # out what starts network-namespace hosts, SLURM daemons, a torchft lighthouse, kill trials or stall and fault runs.
+# Two workers (pytest-xdist), one test file each at a time: its 2-rank runs leave a core idle while they start and
+# wait; the full tier, with the timing-sensitive fault tests, stays serial in `make test`.
 check: $(STAMP) horovod
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -m "not full" tests; rc=$$?; \
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile -m "not full" tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make check: no tests ran" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sysconfig
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -40,13 +41,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="write every collected test's tier, reasons and parity marks as JSON to PATH")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "full(reason): full tier only (set by tests/tiers.py from what the test "
-                                       "starts; by hand only where no helper carries the cost)")
-    config.addinivalue_line("markers", "parity(engine, mode): a real 2-rank run of that engine and mode compared "
-                                       "with DDP (tests/test_tiers.py keeps one of each in the fast tier)")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each full-tier test ``full`` (what it starts decides: tests/tiers.py), before ``-m`` deselects."""
     report = []
@@ -60,6 +54,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     path = config.getoption("--tier-report")
     if path:
         Path(path).write_text(json.dumps(report, indent=1))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Optional[bool]:
+    """pytest-timeout's per-test limit (setup.cfg), with what its own handler leaves out: the stacks of every
+    process the test started that is still alive (py-spy), then those processes killed, so that a hang is
+    diagnosed from its first occurrence and costs the limit, not the rest of the suite."""
+    if settings.timeout <= 0 or settings.method != "signal" or threading.current_thread() is not threading.main_thread():
+        return None  # pytest-timeout's own
+
+    def handler(signum: int, frame: Any) -> None:
+        __tracebackhide__ = True
+        stacks = stacks_of_marked()
+        kill(marked_pids())
+        here = "".join(traceback.format_stack(frame)[-8:])
+        pytest.fail(f"Timeout: the test ran past the per-test limit of {settings.timeout:.0f} s (setup.cfg).\n"
+                    f"The test's own stack:\n{here}\n{stacks}", pytrace=False)
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+    item.cancel_timeout = lambda: (signal.setitimer(signal.ITIMER_REAL, 0),  # type: ignore[attr-defined]
+                                   signal.signal(signal.SIGALRM, signal.SIG_DFL))
+    return True
 
 
 def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, items: list[pytest.Item]) -> str:

@@ -222,6 +222,7 @@ dk.save(os.path.join(out, "final"), state)
 """
 
 
+@pytest.mark.full("a save and a second run resuming it")
 @pytest.mark.parametrize("stage", [2])
 def test_two_param_groups_save_and_resume_on_zero_1_2(tmp_path: Path, stage: int) -> None:
     # Issue 22.1: ZeRO-1/2 step the groups one at a time and DeepSpeed links the optimizer state to the

@@ -12,14 +12,16 @@ from typing import Any
 import hosts as nethosts
 import slurm as testslurm
 import tiers
-from conftest import ROOT, base_env, lighthouse_cmd
+from conftest import ROOT, base_env, lighthouse_cmd, run
 
 #: what the fast tier must keep a parity case of (tests/test_conformance.py's engines, by family)
 ENGINES = ("ddp", "mpi", "horovod", "deepspeed")
 MODES = ("grad", "param")
-#: modules whose every test stays in the fast tier (config, bad input, checkpoint format, CLI)
-ALWAYS_FAST = ("test_config.py", "test_bad_input.py", "test_cli.py", "test_checkpoint_integrity.py", "test_env.py",
-               "test_tiers.py")
+#: modules whose every test stays in the fast tier (config, bad input, CLI), but for engine sweeps whose other
+#: cases are fast
+ALWAYS_FAST = ("test_config.py", "test_bad_input.py", "test_cli.py", "test_env.py", "test_tiers.py")
+#: modules that keep tests in the fast tier (checkpoint format: what is written, and what a damaged file gives)
+SOME_FAST = ("test_checkpoint_integrity.py", "test_portable.py")
 
 
 def _builds_hosts() -> None:
@@ -35,8 +37,20 @@ def _through_a_helper() -> None:
     _helper_with_slurm("x")
 
 
-def _kill_trials() -> list[str]:
-    return [sys.executable, str(ROOT / "benchmarks" / "kill_trials.py")]
+def _kill_trials() -> Any:
+    return run([sys.executable, str(ROOT / "benchmarks" / "kill_trials.py")])
+
+
+def _with_a_lighthouse() -> list[str]:
+    return lighthouse_cmd(1, 1)
+
+
+def _four_ranks() -> Any:
+    return run(["distkit", "train", "--nprocs", "4"])
+
+
+def _four_ranks_not_started() -> list[str]:
+    return ["distkit", "train", "--nprocs", "4"]
 
 
 def _plain() -> float:
@@ -44,11 +58,15 @@ def _plain() -> float:
 
 
 def test_the_tier_follows_from_what_the_code_starts() -> None:
-    assert tiers.reasons([_builds_hosts]) == {"network-namespace hosts"}
-    assert tiers.reasons([_through_a_helper]) == {"SLURM daemons"}  # transitively, through a helper of tests/
-    assert tiers.reasons([lambda: lighthouse_cmd(1, 1)]) == {"a torchft lighthouse"}
-    assert tiers.reasons([_kill_trials]) == {"kill trials (benchmarks/kill_trials.py)"}
-    assert tiers.reasons([_plain]) == set()
+    # the samples are looked up by name: a test that named them would itself start what they start
+    sample = globals()
+    assert tiers.reasons([sample["_builds_hosts"]]) == {"network-namespace hosts"}
+    assert tiers.reasons([sample["_through_a_helper"]]) == {"SLURM daemons"}  # through a helper of tests/
+    assert tiers.reasons([sample["_with_a_lighthouse"]]) == {"a torchft lighthouse"}
+    assert tiers.reasons([sample["_kill_trials"]]) == {"kill trials (benchmarks/kill_trials.py)"}
+    assert tiers.reasons([sample["_four_ranks"]]) == {"a run of more than 2 ranks"}
+    assert tiers.reasons([sample["_plain"]]) == set()
+    assert tiers.reasons([sample["_four_ranks_not_started"]]) == set()  # strings only count for code that starts
 
 
 def _collected(tmp_path: Path) -> list[dict[str, Any]]:
@@ -67,9 +85,18 @@ def test_the_fast_tier_keeps_every_engine_and_mode_and_the_input_tests(tmp_path:
     covered = {tuple(p) for i in fast for p in i["parity"]}
     lost = [f"{e} {m}" for e in ENGINES for m in MODES if (e, m) not in covered]
     assert not lost, f"no fast-tier parity case (pytest.mark.parity) left for: {', '.join(lost)}"
+    def module(i: dict[str, Any]) -> str:
+        return i["nodeid"].split("::")[0].rsplit("/", 1)[-1]
+
+    def function(i: dict[str, Any]) -> str:
+        return i["nodeid"].split("[")[0]
+
+    fast_functions = {function(i) for i in fast}
     moved = [f"{i['nodeid']} ({'; '.join(i['reasons'])})" for i in items
-             if i["tier"] == "full" and i["nodeid"].split("::")[0].rsplit("/", 1)[-1] in ALWAYS_FAST]
-    assert not moved, "config, bad-input, checkpoint-format and CLI tests belong to the fast tier: " + ", ".join(moved)
+             if i["tier"] == "full" and module(i) in ALWAYS_FAST
+             and not (i["reasons"] == [tiers.SWEEP] and function(i) in fast_functions)]
+    assert not moved, "config, bad-input and CLI tests belong to the fast tier: " + ", ".join(moved)
+    assert {module(i) for i in fast} >= set(SOME_FAST), "checkpoint-format tests left the fast tier"
     core = [i for i in fast if "test_conformance.py::test_idiom" in i["nodeid"]]
     assert core, "the conformance suite has no row in the fast tier"
     full = [i for i in items if i["tier"] == "full"]

@@ -97,6 +97,7 @@ def test_schedule_optimizer_and_bf16_on_every_engine(runs: dict[str, Path], engi
         assert ds["bf16"] == {"enabled": True}
 
 
+@pytest.mark.full("an engine sweep in one test (mpi and horovod against DDP)")
 def test_grad_engines_agree_under_bf16(runs: dict[str, Path]) -> None:
     ref = final_params(runs["ddp"])
     for engine in ("mpi", "horovod"):

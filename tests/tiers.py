@@ -70,6 +70,9 @@ STARTS_NAMES = ("Popen", "run_ranks", "check_output", "check_call")
 #: unless it is a parity case (``pytest.mark.parity``): an engine sweep, whose DDP case stays in the fast tier
 SWEEP = "an engine sweep beyond DDP (its DDP case is in the fast tier)"
 OTHER_ENGINES = re.compile(r"mpi|horovod|hvd|deepspeed|zero\d?|z\d")
+#: a case of a test parametrized over one of these whose value is not the first one listed (the first is the
+#: reference: DDP, ZeRO stage 0...): a sweep too
+SWEPT = ("engine", "stage")
 #: infrastructure whose code is followed only for :func:`full_tier` and :func:`starts_processes` marks (its
 #: cleanup kills, its environment drops DISTKIT_FAULT: what every test uses says nothing of one test's cost)
 INFRASTRUCTURE = ("conftest.py", "tiers.py")
@@ -242,6 +245,22 @@ def fixture_functions(item: Any) -> list[Any]:
     return [d.func for defs in info.name2fixturedefs.values() for d in defs]
 
 
+def _first_of_sweep(item: Any, params: dict[str, Any]) -> bool:
+    """False where a parameter of :data:`SWEPT` has another value than the first its ``parametrize`` lists."""
+    for mark in item.iter_markers("parametrize"):
+        names = [n.strip() for n in mark.args[0].split(",")] if isinstance(mark.args[0], str) else list(mark.args[0])
+        values = list(mark.args[1]) if len(mark.args) > 1 else []
+        for k, name in enumerate(names):
+            if name in SWEPT and name in params and values:
+                first = values[0].values if hasattr(values[0], "values") else values[0]
+                first = first[k] if len(names) > 1 else first
+                if name == "engine" and not OTHER_ENGINES.search(str(params[name])):
+                    continue  # DDP's case: the reference, wherever it is listed
+                if params[name] != first:
+                    return False
+    return True
+
+
 def tier_of(item: Any) -> tuple[str, list[str]]:
     """``("full", reasons)`` or ``("fast", [])`` for a collected test item."""
     why = set()
@@ -252,7 +271,8 @@ def tier_of(item: Any) -> tuple[str, list[str]]:
     spec = getattr(item, "callspec", None)
     if spec is not None:  # a parameter names a launcher or a signal (not a config text's words)
         scan.strings(_strings(list(spec.params.values())), fragments=False)
-        if scan.starts and OTHER_ENGINES.fullmatch(spec.id.split("-")[0]) and not any(item.iter_markers("parity")):
+        if scan.starts and not any(item.iter_markers("parity")) and (
+                OTHER_ENGINES.fullmatch(spec.id.split("-")[0]) or not _first_of_sweep(item, spec.params)):
             why.add(SWEEP)
     why |= scan.reasons()
     return ("full", sorted(why)) if why else ("fast", [])
