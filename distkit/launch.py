@@ -310,6 +310,9 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
     from distkit import forkrank
 
     in_place = target if target is not None and forkrank.can_fork() else None
+    if in_place is not None and nprocs > 1:
+        forkrank.preimport()
+        in_place = in_place if forkrank.can_fork() else None
     port, spawn_id = free_port(), uuid.uuid4().hex[:12]
     threads = _threads(nprocs)
     failures = tempfile.mkdtemp(prefix="distkit-failures-")

@@ -179,3 +179,13 @@ def test_local_rank_flag_real_single_process(tmp_path: Path) -> None:
     s = summary(out)
     assert (s["world_size"], s["launcher"], s["steps"]) == (1, "single", 3), s
 
+
+
+def test_what_the_launcher_imports_for_its_forked_ranks_leaves_it_able_to_fork() -> None:
+    """torch.optim imports torch._dynamo at every rank's first step: the spawner imports it once before forking
+    its ranks (distkit.forkrank.preimport). Doing so must start no thread (a fork would copy only the calling
+    one, and can_fork would send every rank to a new interpreter instead)."""
+    probe = ("import sys, threading; from distkit import forkrank; assert 'torch._dynamo' not in sys.modules; "
+             "forkrank.preimport(); print('torch._dynamo' in sys.modules, threading.active_count(), forkrank.can_fork())")
+    res = ok(run([str(BIN / "python"), "-c", probe]))
+    assert res.stdout.split() == ["True", "1", "True"], res.stdout
