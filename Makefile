@@ -40,13 +40,14 @@ pdsh:
 	scripts/install_pdsh.sh
 
 # pytest exit 5 (no tests collected) is a failure here, never a silent pass.
-# Everything: the fast tier as `make check` runs it (two workers), then the full tier's own tests serially (its
-# fault, stall and multi-host tests time what they observe). Both must pass; each must run tests.
+# Everything, in two runs: on two workers what may share the machine (the fast tier, engine sweeps, other launchers,
+# 4-rank runs), then one at a time the tests marked serial (hosts, SLURM, a lighthouse, kills, faults, stalls and
+# timeouts: they time what they observe). Both must pass; each must run tests.
 test: $(STAMP) horovod slurm pdsh
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile -m "not full" tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: no tests ran (fast tier)" >&2; exit 1; fi; \
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 -m full tests; rc2=$$?; \
-	if [ $$rc2 -eq 5 ]; then echo "make test: no tests ran (full tier)" >&2; exit 1; fi; \
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile -m "not serial" tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: no tests ran (shared run)" >&2; exit 1; fi; \
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 -m serial tests; rc2=$$?; \
+	if [ $$rc2 -eq 5 ]; then echo "make test: no tests ran (serial run)" >&2; exit 1; fi; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$rc2
 
 # The fast tier for the edit-test loop (tests/tiers.py): every test that starts no process, one real 2-rank parity

@@ -42,12 +42,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each full-tier test ``full`` (what it starts decides: tests/tiers.py), before ``-m`` deselects."""
+    """Mark each full-tier test ``full`` (what it starts decides: tests/tiers.py), and ``serial`` where it must run
+    alone (tiers.serial), before ``-m`` deselects."""
     report = []
     for item in items:
         tier, why = tiers.tier_of(item)
         if tier == "full" and not any(m.args for m in item.iter_markers("full")):
             item.add_marker(pytest.mark.full(why[0]))
+        if tier == "full" and tiers.serial(why):
+            item.add_marker(pytest.mark.serial)
         item.user_properties.append(("tier", tier))
         report.append({"nodeid": item.nodeid, "tier": tier, "reasons": why,
                        "parity": [list(m.args) for m in item.iter_markers("parity")]})

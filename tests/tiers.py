@@ -245,6 +245,17 @@ def fixture_functions(item: Any) -> list[Any]:
     return [d.func for defs in info.name2fixturedefs.values() for d in defs]
 
 
+#: full-tier reasons that a test can share the machine with another test for (make test runs those tests on two
+#: workers); any other reason (hosts, daemons, a lighthouse, kills, faults, signals, timeouts: tests that time
+#: what they observe or use machine-wide names) makes a test ``serial``: make test runs those one at a time
+PARALLEL_SAFE = frozenset({LAUNCHER, MORE_RANKS, SWEEP, FULL_FRAGMENTS["++resume"]})
+
+
+def serial(why: Iterable[str]) -> bool:
+    """Whether a full-tier test with these reasons runs alone (see :data:`PARALLEL_SAFE`)."""
+    return any(r not in PARALLEL_SAFE for r in why)
+
+
 def _first_of_sweep(item: Any, params: dict[str, Any]) -> bool:
     """False where a parameter of :data:`SWEPT` has another value than the first its ``parametrize`` lists."""
     for mark in item.iter_markers("parametrize"):
