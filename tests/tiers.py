@@ -1,34 +1,30 @@
-"""The two test tiers (issue 34): ``make check`` runs the fast one, ``make test`` both.
+"""The two test tiers (issue 34): ``make check`` runs the fast one (``-m "not full"``), ``make test`` both.
 
-A test's tier follows from what it starts, found in its code and in the code of every fixture it
-uses, not from a list of test names:
+A test's tier follows from what it starts, read from its code and the code of every fixture it requests
+(following the functions and classes of ``tests/`` they use, transitively), not from a list of test names.
+It is **full** when that code
 
-- **full**: it starts, directly or through a helper or fixture, something marked with
-  :func:`full_tier` (network-namespace hosts, SLURM daemons, a torchft lighthouse, sshd, kill
-  trials, a launch across hosts...), or it is marked ``pytest.mark.full("why")`` by hand where a
-  cost has no helper to carry it (the reason is required, and shown).
-- **fast**: everything else: every test that starts no process, and the single launches of real
-  2-rank runs (every engine x mode parity case, the conformance rows, bad input, CLI).
+- reaches a helper declared with :func:`full_tier` where it is defined (``tests/hosts.py``'s ``Hosts``:
+  network-namespace hosts; ``tests/slurm.py``'s ``Slurm``: SLURM daemons; the ``lighthouse`` fixture and
+  ``lighthouse_cmd``: a torchft lighthouse), so a new test that builds hosts lands there without anyone deciding;
+- or starts processes (a helper declared with :func:`starts_processes`, or ``Popen``/``run_ranks``) and names
+  kill trials, an injected fault, a signal, a wait for a timeout, a resume, a launcher other than ``--nprocs``
+  or more than 2 ranks (:data:`FULL_FRAGMENTS`, :data:`FULL_EXACT`, :data:`FULL_NAMES`, :data:`RANK_OPTIONS`);
+- or is a case of an engine sweep beyond DDP that is no parity case (:data:`SWEEP`);
+- or carries ``pytest.mark.full("why")``, by hand, where no name carries the cost (the reason is required).
 
-"What it starts" is read from the code objects: every global name a test function (and each
-fixture function it requests, and each function or class of ``tests/`` those call, transitively)
-refers to, and every string constant (a script path such as ``kill_trials.py``). A helper declares
-its tier once, where it is defined::
-
-    @full_tier("network-namespace hosts")
-    class Hosts: ...
-
-so a new test that builds hosts lands in the full tier without anyone deciding. The fast tier's
-coverage is checked by ``tests/test_tiers.py``: every engine x mode keeps a parity case
-(``pytest.mark.parity(engine, mode)``) in the fast tier, and the test names the one that lost it.
+Everything else is **fast**: every test that starts no process, and single 2-rank runs. ``tests/test_tiers.py``
+checks the rules on samples, and that the fast tier keeps a parity case of every engine and mode
+(``pytest.mark.parity(engine, mode)``: the conformance suite's core rows), naming the one that lost it.
+Full-tier tests with a reason outside :data:`PARALLEL_SAFE` are also ``serial``: ``make test`` runs them alone.
 """
 from __future__ import annotations
 
 import ast
 import functools
 import inspect
-import textwrap
 import re
+import textwrap
 import types
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
@@ -50,10 +46,11 @@ FULL_FRAGMENTS: dict[str, str] = {
 }
 #: a whole string constant (also a test's parameter) -> why
 SIGNAL = "a signal sent to a running job"
+SIGNALS = ("SIGKILL", "SIGSTOP", "SIGTERM", "SIGUSR1", "SIGINT", "SIGCONT")
 LAUNCHER = "a launcher other than --nprocs (torchrun, mpirun, horovodrun, deepspeed's, srun)"
 FULL_EXACT: dict[str, str] = {
     "timeout_s": "a run that waits for a timeout (timeout_s)",
-    **dict.fromkeys(("SIGKILL", "SIGSTOP", "SIGTERM", "SIGUSR1", "SIGINT", "SIGCONT"), SIGNAL),
+    **dict.fromkeys(SIGNALS, SIGNAL),
     # the launcher matrix: every row runs in the full tier (a path ending in /NAME counts too)
     **dict.fromkeys(("torchrun", "mpirun", "mpiexec", "horovodrun", "srun", "sbatch", "torch.distributed.launch",
                      "--num_gpus", "--num_accelerators", "--hostfile", "--no_ssh"), LAUNCHER),
@@ -63,7 +60,7 @@ RANK_OPTIONS = ("--nprocs", "--nproc_per_node", "--nproc-per-node", "-np", "-n",
 MORE_RANKS = "a run of more than 2 ranks"
 RANK_KEYWORDS = ("nprocs", "world_size", "nproc_per_node")
 #: names used by that code -> why
-FULL_NAMES: dict[str, str] = dict.fromkeys(("SIGKILL", "SIGSTOP", "SIGTERM", "SIGUSR1", "SIGINT", "SIGCONT"), SIGNAL)
+FULL_NAMES: dict[str, str] = dict.fromkeys(SIGNALS, SIGNAL)
 #: names that start processes when a test's own code uses them
 STARTS_NAMES = ("Popen", "run_ranks", "check_output", "check_call")
 #: a parametrized case whose id starts with another engine than DDP (the reference: ``[mpi-grad]``, ``[zero2]``),
@@ -96,7 +93,7 @@ def starts_processes(fn: T) -> T:
 
 
 def _strings(value: Any, depth: int = 0) -> Iterable[str]:
-    """The strings in a parameter or constant (lists, tuples, dicts of them, two levels deep)."""
+    """The strings in a parameter or constant (lists, tuples, sets, dicts of them, three levels deep)."""
     if isinstance(value, str):
         yield value
     elif depth < 3 and isinstance(value, (list, tuple, set, frozenset)):
@@ -229,12 +226,9 @@ def _scan(functions: Iterable[Any], scan: _Scan) -> _Scan:
     return scan
 
 
-def reasons(functions: Iterable[Any], params: Any = None) -> set[str]:
-    """Why code reached from ``functions`` (and a test's ``params``) is full-tier; empty: fast."""
-    scan = _scan(functions, _Scan())
-    if params is not None:
-        scan.strings(_strings(params))
-    return scan.reasons()
+def reasons(functions: Iterable[Any]) -> set[str]:
+    """Why code reached from ``functions`` is full-tier; empty: fast."""
+    return _scan(functions, _Scan()).reasons()
 
 
 def fixture_functions(item: Any) -> list[Any]:
