@@ -39,25 +39,26 @@ slurm:
 pdsh:
 	scripts/install_pdsh.sh
 
-# pytest exit 5 (no tests collected) is a failure here, never a silent pass.
+# $(call pytest,WHAT,ARGS): pytest on tests/ with ARGS; its exit 5 (no tests collected) is a failure here, never a
+# silent pass. Leaves the status in rc.
+pytest = $(VENV)/bin/pytest -q -p no:cacheprovider $(2) tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "$(1): no tests ran" >&2; exit 1; fi
+
 # Everything, in two runs: on two workers what may share the machine (the fast tier, engine sweeps, other launchers,
 # 4-rank runs), then one at a time the tests marked serial (hosts, SLURM, a lighthouse, kills, faults, stalls and
 # timeouts: they time what they observe). Both must pass; each must run tests.
 test: $(STAMP) horovod slurm pdsh
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile -m "not serial" tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: no tests ran (shared run)" >&2; exit 1; fi; \
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=15 -m serial tests; rc2=$$?; \
-	if [ $$rc2 -eq 5 ]; then echo "make test: no tests ran (serial run)" >&2; exit 1; fi; \
-	if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$rc2
+	$(call pytest,make test (shared run),--durations=10 -n 2 --dist loadfile -m "not serial"); shared=$$rc; \
+	$(call pytest,make test (serial run),--durations=15 -m serial); \
+	if [ $$shared -ne 0 ]; then exit $$shared; fi; exit $$rc
 
 # The fast tier for the edit-test loop (tests/tiers.py): every test that starts no process, one real 2-rank parity
 # run of every engine x mode, the conformance suite's core rows, config, bad-input, checkpoint and CLI tests. It leaves
 # out what starts network-namespace hosts, SLURM daemons, a torchft lighthouse, kill trials or stall and fault runs.
 # Two workers (pytest-xdist), one test file each at a time: its 2-rank runs leave a core idle while they start and
-# wait; the full tier, with the timing-sensitive fault tests, stays serial in `make test`.
+# wait (none of its tests times what it observes; those are serial in `make test`).
 check: $(STAMP) horovod
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile -m "not full" tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make check: no tests ran" >&2; exit 1; fi; exit $$rc
+	$(call pytest,make check,--durations=10 -n 2 --dist loadfile -m "not full"); exit $$rc
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

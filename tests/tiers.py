@@ -191,10 +191,7 @@ def _scan(functions: Iterable[Any], scan: _Scan) -> _Scan:
         if isinstance(getattr(obj, ATTR, None), str):
             scan.marked.add(getattr(obj, ATTR))
         scan.starts |= getattr(obj, STARTS, False) is True
-        for fn in _functions_of(obj):
-            if isinstance(getattr(fn, ATTR, None), str):
-                scan.marked.add(getattr(fn, ATTR))
-            scan.starts |= getattr(fn, STARTS, False) is True
+        for fn in _functions_of(obj):  # (its marks, where it is a function, were read above)
             g = fn.__globals__
             # conftest's own code is followed for marks only: its cleanup kills, its environment drops
             # DISTKIT_FAULT; what every test uses says nothing of one test's cost
