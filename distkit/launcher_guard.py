@@ -57,8 +57,8 @@ while time.monotonic() < deadline:
     if not alive():
         sys.exit(0)
     time.sleep(0.1)
-try:
-    with open(f"/proc/{pid}/fd/2", "w") as err:
+try:  # append: "w" would truncate a launcher's stderr that is a file (the job's log, every distkit line in it)
+    with open(f"/proc/{pid}/fd/2", "a") as err:
         err.write(f"distkit: {name} (pid {pid}) still running {grace:g} s after its ranks ended ({why}); "
                   f"distkit ends it (it waits for the lost host forever)\n")
 except OSError:
