@@ -45,8 +45,9 @@ pytest = $(VENV)/bin/pytest -q -p no:cacheprovider $(2) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "$(1): no tests ran" >&2; exit 1; fi
 
 # Everything, in two runs: on two workers what may share the machine (the fast tier, engine sweeps, other launchers,
-# 4-rank runs), then one at a time the tests marked serial (hosts, SLURM, a lighthouse, kills, faults, stalls and
-# timeouts: they time what they observe). Both must pass; each must run tests.
+# 4-rank runs, resumes, injected faults, signals), then one at a time the tests marked serial (hosts, SLURM, a
+# lighthouse, kill trials, timeouts, asserted durations: they time what they observe or use machine-wide names).
+# Both must pass; each must run tests.
 test: $(STAMP) horovod slurm pdsh
 	$(call pytest,make test (shared run),--durations=10 -n 2 --dist loadfile -m "not serial"); shared=$$rc; \
 	$(call pytest,make test (serial run),--durations=15 -m serial); \

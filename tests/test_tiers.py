@@ -53,6 +53,21 @@ def _four_ranks_not_started() -> list[str]:
     return ["distkit", "train", "--nprocs", "4"]
 
 
+def _timed() -> None:
+    import time
+    t0 = time.monotonic()
+    res = run(["distkit", "train"])
+    took, ended = time.monotonic() - t0, time.time()
+    assert res.returncode and took < 30 and ended
+
+
+def _deadline_only() -> None:
+    import time
+    deadline = time.monotonic() + 120  # a bound on a wait, not a timing
+    while time.monotonic() < deadline:
+        assert run(["distkit", "train"]).returncode == 0
+
+
 def _plain() -> float:
     return sum([1.0, 2.0])
 
@@ -66,6 +81,11 @@ def test_the_tier_follows_from_what_the_code_starts() -> None:
     assert tiers.reasons([sample["_kill_trials"]]) == {"kill trials (benchmarks/kill_trials.py)"}
     assert tiers.reasons([sample["_four_ranks"]]) == {"a run of more than 2 ranks"}
     assert tiers.reasons([sample["_plain"]]) == set()
+    assert tiers.reasons([sample["_timed"]]) == {tiers.TIMED}
+    assert tiers.reasons([sample["_deadline_only"]]) == set()
+    # make test runs alone what times what it observes or uses machine-wide names; a result check shares
+    assert tiers.serial({tiers.TIMED}) and tiers.serial({"network-namespace hosts"})
+    assert not tiers.serial({tiers.SIGNAL, tiers.FULL_FRAGMENTS["DISTKIT_FAULT"], tiers.MORE_RANKS})
     assert tiers.reasons([sample["_four_ranks_not_started"]]) == set()  # strings only count for code that starts
 
 

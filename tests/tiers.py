@@ -16,7 +16,8 @@ It is **full** when that code
 Everything else is **fast**: every test that starts no process, and single 2-rank runs. ``tests/test_tiers.py``
 checks the rules on samples, and that the fast tier keeps a parity case of every engine and mode
 (``pytest.mark.parity(engine, mode)``: the conformance suite's core rows), naming the one that lost it.
-Full-tier tests with a reason outside :data:`PARALLEL_SAFE` are also ``serial``: ``make test`` runs them alone.
+Full-tier tests with a reason outside :data:`PARALLEL_SAFE` are also ``serial``: ``make test`` runs them alone. Among
+those reasons: an assertion on how long a started run took (:data:`TIMED`: an ``assert`` on ``clock() - t0``).
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ FULL_EXACT: dict[str, str] = {
 RANK_OPTIONS = ("--nprocs", "--nproc_per_node", "--nproc-per-node", "-np", "-n", "--num_gpus", "--num_accelerators")
 MORE_RANKS = "a run of more than 2 ranks"
 RANK_KEYWORDS = ("nprocs", "world_size", "nproc_per_node")
+#: a clock read by that code, subtracted from another and asserted on: it times what it observes -> why
+TIMED = "an assertion on how long a started run takes"
+CLOCKS = ("monotonic", "perf_counter", "time")
 #: names used by that code -> why
 FULL_NAMES: dict[str, str] = dict.fromkeys(SIGNALS, SIGNAL)
 #: names that start processes when a test's own code uses them
@@ -103,6 +107,45 @@ def _strings(value: Any, depth: int = 0) -> Iterable[str]:
         for k, v in value.items():
             yield from _strings(k, depth + 1)
             yield from _strings(v, depth + 1)
+
+
+def _is_clock(node: ast.AST) -> bool:
+    """``time.monotonic()``, ``time.perf_counter()``, ``time.time()`` (or the bare names imported)."""
+    if not isinstance(node, ast.Call) or node.args:
+        return False
+    f = node.func
+    return (isinstance(f, ast.Attribute) and f.attr in CLOCKS and isinstance(f.value, ast.Name)
+            and f.value.id == "time") or (isinstance(f, ast.Name) and f.id in CLOCKS[:2])
+
+
+@functools.lru_cache(maxsize=None)
+def _asserts_elapsed(fn: Any) -> bool:
+    """Whether ``fn`` asserts on a time difference: an ``assert`` whose expression holds ``clock() - x`` or a
+    name assigned from one (``took = time.monotonic() - t0``). A deadline (``clock() + 120``) is no timing."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+
+    def pairs() -> Iterable[tuple[str, ast.AST]]:
+        """(name, value) of every assignment, tuples unpacked (``elapsed, ended = clock() - t0, clock()``)."""
+        for n in ast.walk(tree):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                n, (ast.AugAssign, ast.AnnAssign)) and n.value is not None else []
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    yield t.id, n.value  # type: ignore[misc]
+                elif isinstance(t, ast.Tuple) and isinstance(n.value, ast.Tuple) and len(t.elts) == len(n.value.elts):
+                    yield from ((e.id, v) for e, v in zip(t.elts, n.value.elts) if isinstance(e, ast.Name))
+
+    clocks = {name for name, value in pairs() if _is_clock(value)}  # ended = time.time()
+
+    def elapsed(node: ast.AST) -> bool:
+        return any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) and (
+            _is_clock(n.left) or isinstance(n.left, ast.Name) and n.left.id in clocks) for n in ast.walk(node))
+    timed = {name for name, value in pairs() if elapsed(value)}
+    return any(isinstance(n, ast.Assert) and (elapsed(n.test) or any(
+        isinstance(m, ast.Name) and m.id in timed for m in ast.walk(n.test))) for n in ast.walk(tree))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,6 +242,8 @@ def _scan(functions: Iterable[Any], scan: _Scan) -> _Scan:
             modules = [m for m in g.values() if isinstance(m, types.ModuleType) and _ours(m)]
             if ours and _keyword_ranks(fn) > 2:
                 scan.hints.add(MORE_RANKS)
+            if ours and _asserts_elapsed(fn):
+                scan.hints.add(TIMED)
             for code in _code_objects(fn.__code__):
                 consts = code.co_consts[1:] if code is fn.__code__ and fn.__doc__ else code.co_consts  # not the docstring
                 for name in code.co_names:
@@ -237,9 +282,12 @@ def fixture_functions(item: Any) -> list[Any]:
 
 
 #: full-tier reasons that a test can share the machine with another test for (make test runs those tests on two
-#: workers); any other reason (hosts, daemons, a lighthouse, kills, faults, signals, timeouts: tests that time
-#: what they observe or use machine-wide names) makes a test ``serial``: make test runs those one at a time
-PARALLEL_SAFE = frozenset({LAUNCHER, MORE_RANKS, SWEEP, FULL_FRAGMENTS["++resume"]})
+#: workers): what they check is a result (parameters, a checkpoint, a message), not how long it took. Any other
+#: reason (hosts, SLURM daemons, a lighthouse, kill trials, a wait for a timeout, an assertion on elapsed time,
+#: a reason given by hand: tests that time what they observe or use machine-wide names) makes a test ``serial``:
+#: make test runs those one at a time
+PARALLEL_SAFE = frozenset({LAUNCHER, MORE_RANKS, SWEEP, FULL_FRAGMENTS["++resume"], FULL_FRAGMENTS["DISTKIT_FAULT"],
+                           SIGNAL})
 
 
 def serial(why: Iterable[str]) -> bool:
