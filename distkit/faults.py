@@ -13,7 +13,8 @@ complete, not renamed), ``checkpoint`` (this rank's file in place, before the ma
 ``swap`` (rank 0, re-saving an existing step: the old directory moved aside, the new one not yet
 in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced), or ``init``
 (with STEP 0: the mpi engine's start-up, before ``MPI_Init``), or ``close`` (the end of the run:
-``Session.close`` after its last barrier; STEP = the steps taken). Read once
+``Session.close`` after its last barrier; STEP = the steps taken), or ``left`` (later in ``Session.close``: the
+rank has marked itself as leaving, the engine torn down, its exit next). Read once
 at import; unset in normal runs, where it costs one comparison.
 
 ``DISTKIT_FAULT_UNTIL=PATH``: a ``delay`` ends as soon as PATH exists (a test's "wait until the other job is

@@ -106,7 +106,10 @@ class Job:
             self._watchdog.stop()
         self._strategy.teardown()
         if together and self._watchdog is not None:
-            self._watchdog.see_local_peers_out(float(self.cfg.distributed.timeout_s))
+            # (distkit's spawner ends a rank stopped on its way out itself, naming it: no exit watcher there)
+            self._watchdog.see_local_peers_out(float(self.cfg.distributed.timeout_s),
+                                               watch_exit=self.env.launcher != "spawn")
+        faults.maybe_fire(self.rank, getattr(self, "num_steps", 0), "left")
 
     # -- collectives ----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -147,14 +147,18 @@ class Watchdog:
         a reaper that waits for its mark or its exit."""
         procfs.mark_left()
 
+    def _local_ranks(self) -> list[int]:
+        """The ranks on this host (as far as this rank has learned where the ranks run), in order."""
+        here = host_identity()
+        return sorted(r for r, (host, _) in self._where.items() if host == here)
+
     def reap_local_peers(self, timeout_s: float) -> list[int]:
         """The end of a run, on the lowest rank of this host only: wait until every other rank on this host
         has left (marked by :meth:`leave`) or exited. A peer that is stopped (SIGSTOP, state T) for a
         second, or still there after ``timeout_s``, would keep the launcher (mpirun, torchrun, the
         spawner) waiting forever once the others have gone: it is SIGKILLed and returned. Not collective;
         the other ranks return [] at once (only one rank per host waits, so none waits for a waiter)."""
-        here = host_identity()
-        local = sorted(r for r, (host, _) in self._where.items() if host == here)
+        local = self._local_ranks()
         if not local or local[0] != self.rank:
             return []
         peers = {r: self._where[r][1] for r in local if r != self.rank}
@@ -180,14 +184,22 @@ class Watchdog:
                 time.sleep(0.05)
         return killed
 
-    def see_local_peers_out(self, timeout_s: float) -> None:
+    def see_local_peers_out(self, timeout_s: float, watch_exit: bool = True) -> None:
         """The end of a normal run, after the engine's teardown: the run is over, but the job is not until
         every rank has left; a rank stopped now would keep the launcher waiting forever once the others are
         gone. Marks this rank as leaving; the lowest rank of each host then waits for its host's ranks
         (:meth:`reap_local_peers`) and, if it had to end any, says so in one line and exits with status 1
-        (the run's outputs are complete). Not collective."""
+        (the run's outputs are complete). The lowest rank then hands the watch over the host's ranks, itself
+        included, to a watcher process until they have exited (:mod:`distkit.exit_watch`: a rank stopped
+        between its mark and its exit kept ``MPI_Finalize`` and the launcher waiting forever); not with
+        ``watch_exit`` False (a launcher that does it itself). Not collective."""
         self.leave()
         killed = self.reap_local_peers(timeout_s)
+        local = self._local_ranks()
+        if watch_exit and not killed and len(local) > 1 and local[0] == self.rank:
+            from distkit import exit_watch
+
+            exit_watch.watch_until_exit({r: self._where[r][1] for r in local})
         if killed:
             names = ", ".join(str(r) for r in killed)
             print(f"distkit: rank{'s' * (len(killed) > 1)} {names} stopped responding while the job ended (after "

@@ -300,27 +300,35 @@ def test_a_rank_with_its_own_error_is_named_failed_even_when_a_peer_saw_it_go(tm
     assert (rank, code) == (0, 1) and what.startswith("stopped responding") and "noticed by rank 1" in what
 
 
-END_CASES = [  # (id, command prefix, the stopped rank, extra config)
-    ("spawn-rank1", [sys.executable, "-m", "distkit"], 1, ["--nprocs", "2"]),
-    ("spawn-rank0", [sys.executable, "-m", "distkit"], 0, ["--nprocs", "2"]),
-    ("mpirun-mpi-rank1", [str(BIN / "mpirun"), "-np", "2", "--bind-to", "none", sys.executable, "-m", "distkit"], 1,
-     ["++distributed.backend", "mpi"]),
-    ("torchrun-rank1", [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                        "localhost:0", "-m", "distkit"], 1, []),
+MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--bind-to", "none", sys.executable, "-m", "distkit"]
+TORCHRUN = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+            "-m", "distkit"]
+END_CASES = [  # (id, command prefix, the stopped rank, extra config, where: after the last barrier, or after the
+    # rank marked itself as leaving: on its way out, where MPI_Finalize waits for every rank)
+    ("spawn-rank1", [sys.executable, "-m", "distkit"], 1, ["--nprocs", "2"], "close"),
+    ("spawn-rank0", [sys.executable, "-m", "distkit"], 0, ["--nprocs", "2"], "close"),
+    ("mpirun-mpi-rank1", MPIRUN, 1, ["++distributed.backend", "mpi"], "close"),
+    ("torchrun-rank1", TORCHRUN, 1, [], "close"),
+    ("mpirun-mpi-rank1-left", MPIRUN, 1, ["++distributed.backend", "mpi"], "left"),
+    ("torchrun-rank1-left", TORCHRUN, 1, [], "left"),
 ]
 
 
 @pytest.mark.parametrize("case", END_CASES, ids=[c[0] for c in END_CASES])
-def test_a_rank_stopped_while_the_job_ends_does_not_hang_it(tmp_path: Path, case: tuple[str, list[str], int, list[str]]) -> None:
+def test_a_rank_stopped_while_the_job_ends_does_not_hang_it(tmp_path: Path,
+                                                            case: tuple[str, list[str], int, list[str], str]) -> None:
     """SIGSTOP on one rank after the run's last collective (summary.json written): the job hung forever (5 of
     8 runs). Now the lowest rank of the host sees its host's ranks out (a stopped one is SIGKILLed), and the
-    spawner ends a stopped rank 0 once the others have finished: the job ends non-zero, naming the rank."""
-    name, prefix, rank, extra = case
+    spawner ends a stopped rank 0 once the others have finished: the job ends non-zero, naming the rank.
+    Stopped later, once it has marked itself as leaving (``left``), the rank hung mpirun (the other rank inside
+    MPI_Finalize: every time; an operator's stop on summary.json, 1 run in 6) and torchrun (still there at
+    60 s): the lowest rank's exit watcher (distkit.exit_watch) ends it."""
+    name, prefix, rank, extra, point = case
     out = tmp_path / "out"
     t0 = time.monotonic()
     res = run([*prefix, "train", "configs/returnn_ddp.py", "++output_dir", str(out), "++max_steps", "6",
                "++progress_bar", "False", "++log_every", "3", "++distributed.timeout_s", str(T), *extra],
-              timeout=STARTUP_S + 30, DISTKIT_FAULT=f"{rank}:6:stop:close")
+              timeout=STARTUP_S + 30, DISTKIT_FAULT=f"{rank}:6:stop:{point}")
     wall = time.monotonic() - t0
     text = res.stdout + res.stderr
     assert res.returncode != 0, text[-3000:]
