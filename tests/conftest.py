@@ -41,9 +41,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="write every collected test's tier, reasons and parity marks as JSON to PATH")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each full-tier test ``full`` (what it starts decides: tests/tiers.py), and ``serial`` where it must run
-    alone (tiers.serial), before ``-m`` deselects."""
+    alone (tiers.serial), before ``-m`` deselects. Under ``--dist loadgroup`` (make test) the serial tests form one
+    xdist group, listed first, which one worker runs one test at a time from the start, while the other workers run
+    the rest file by file (a group per file, so that a module's fixtures start once)."""
     report = []
     for item in items:
         tier, why = tiers.tier_of(item)
@@ -57,6 +60,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     path = config.getoption("--tier-report")
     if path:
         Path(path).write_text(json.dumps(report, indent=1))
+    # (an xdist worker sees dist "no" and its own loadgroup flag)
+    if getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup":
+        for item in items:
+            serial = item.get_closest_marker("serial") is not None
+            item.add_marker(pytest.mark.xdist_group("serial" if serial else item.nodeid.split("::")[0]))
+        # xdist hands out groups in the order of their first test: the serial group (the longest) first
+        items.sort(key=lambda it: it.get_closest_marker("serial") is None)
 
 
 @pytest.hookimpl(tryfirst=True)
