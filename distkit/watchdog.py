@@ -277,8 +277,11 @@ class Watchdog:
                     f"distributed.timeout_s = {self.timeout_s:g}); ending all {self.world_size} ranks")
             print(f"distkit: {text}", file=sys.__stderr__ or sys.stderr, flush=True)
             record_stall(self.rank, RankStalled(text, ranks))
-            end_launcher_after(f"{which} stopped responding")
             here = host_identity()  # (not the host name: hosts may share one)
+            if any(self._where.get(r, ("", 0))[0] != here for r in ranks):
+                # a rank on another host (or where unknown): its launcher may wait for that host forever. One on
+                # this host is SIGKILLed below, and the launcher sees it end: it ends by itself, with its own line
+                end_launcher_after(f"{which} stopped responding")
             for r in ranks:
                 host, pid = self._where.get(r, ("", 0))
                 if host == here and pid > 0 and pid != os.getpid():
@@ -401,7 +404,8 @@ def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
         hosts = sorted({host.split("|")[0] for host, _ in where if host})
         which = ranks_text(ranks)
         on = f" (host {', '.join(hosts)})" if hosts else ""
-        end_launcher_after(f"{which}{on} gone")
+        if any(host != host_identity() for host, _ in where):  # (one of this host: its launcher saw it end)
+            end_launcher_after(f"{which}{on} gone")
         _LOST = RankLost(
             f"{which}{on} is gone: the connection to it closed and its heartbeat stopped (noticed by rank "
             f"{watchdog.rank}): it died, was killed, or its host went down; its own output, if any, has "

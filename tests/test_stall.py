@@ -32,7 +32,7 @@ import pytest
 import torch.distributed as dist
 from conftest import BIN, base_env, run
 
-from distkit import launch
+from distkit import launch, launcher_guard
 from distkit.netif import host_identity
 from distkit.procfs import is_stopped
 from distkit.watchdog import Watchdog
@@ -234,6 +234,42 @@ def test_ddp_nprocs_names_stopped_rank(tmp_path: Path) -> None:
     # distkit's spawner names the stopped rank too, not rank 0 that noticed and exited first.
     assert "distkit: rank 1 stopped responding (no heartbeat for distributed.timeout_s; noticed by rank 0)" in text
     assert "timed out" not in text, text[-4000:]
+
+
+def test_ddp_torchrun_on_one_host_ends_by_itself(tmp_path: Path) -> None:
+    """The launcher watcher (distkit.launcher_guard: for a launcher left waiting on a lost host) ended healthy
+    single-host torchrun jobs with SIGTERM whenever torchrun took longer than the watcher's grace to end (5 of 6
+    stall runs under load: exit -15, its line speaking of the lost host). Here torchrun is made that slow every
+    time: held stopped for longer than the grace once distkit has named the stopped rank (the hold is the
+    scenario, a slow launcher, not a wait for an event). The stopped rank runs on this host and the rank that
+    noticed SIGKILLs it, so no watcher is armed: torchrun, continued, sees its workers end and exits 1 by itself
+    with its own report, and the log has no watcher line."""
+    cmd, out = _command("ddp", "nprocs", tmp_path)
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+           *cmd[1:cmd.index("--nprocs")]]
+    log = tmp_path / "job.log"
+    with open(log, "w") as f:
+        agent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env=base_env(DISTKIT_FAULT=f"1:{FAULT_STEP}:stop"))
+    try:
+        deadline = time.monotonic() + STARTUP_S + LIMIT_S
+        while "stopped responding" not in log.read_text() and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "distkit: rank 1 stopped responding: no heartbeat for " in log.read_text(), log.read_text()[-4000:]
+        agent.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(launcher_guard.GRACE_S + 2)
+        finally:
+            agent.send_signal(signal.SIGCONT)
+        code = agent.wait(timeout=60)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    text = log.read_text()
+    assert code == 1, f"exit {code}:\n{text[-4000:]}"  # torchrun's own failure; the watcher's SIGKILL gave -9
+    assert "still running" not in text and "distkit ends it" not in text, text[-4000:]
+    assert "ChildFailedError" in text, text[-4000:]
 
 
 def test_ddp_nprocs_rank0_stopped(tmp_path: Path) -> None:
