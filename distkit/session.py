@@ -126,9 +126,6 @@ class Session(Job):
         if self.is_main:
             for note in cfg.notes:
                 print(f"distkit: {note}", flush=True)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
         self._model: Optional[nn.Module] = None
         self._optimizer: Any = None
         self._scheduler: Any = None
@@ -152,6 +149,10 @@ class Session(Job):
         self._ft: Any = None  # fault_tolerance: this rank's torchft Manager and its syncs
         self._given_optimizer: Any = None  # the optimizer the user passed to setup (the engine may return another)
         self._clip_restore: Optional[Callable[[], None]] = None
+        # seeded once close() (registered above, also run at exit) finds every attribute it uses
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
         # fp16 autocast needs loss scaling; bf16 does not; DeepSpeed does its own (its bf16/fp16 blocks)
         self._scaler: Optional[torch.amp.GradScaler] = None
         if cfg.precision == "16-mixed" and not self._strategy.handles_precision:

@@ -56,6 +56,13 @@ CASES = [
     ("unknown_task", "task = 'mnist'\n", [], ["'task'", "digits", "charlm"]),
     ("unknown_corpus", "task = 'charlm'\ncharlm_corpus = 'wiki'\n", [], ["'charlm_corpus'", "pydoc, stdlib"]),
     ("batch_size_zero", "batch_size = 0\n", [], ["batch_size", ">= 1"]),
+    # a timeout no rank can connect within (was: a traceback from the store), one timedelta cannot hold
+    ("timeout_s_tiny", "", ["++distributed.timeout_s", "1e-9"], ["'distributed.timeout_s' must be a number of "
+                                                                "seconds from 1 to 1e+07", "got 1e-09"]),
+    ("timeout_s_huge", "", ["++distributed.timeout_s", "1e300"], ["'distributed.timeout_s'", "got 1e+300"]),
+    # a seed numpy's generator cannot take (was: a traceback, then AttributeError at exit)
+    ("seed_over_32_bits", "seed = 2**70\n", [], ["'seed' must be an integer from 0 to 4294967295",
+                                                  "got 1180591620717411303424"]),
     ("nprocs_zero", "", ["--nprocs", "0"], ["nprocs", ">= 1"]),
     ("nprocs_not_int", "", ["--nprocs", "two"], ["--nprocs", "invalid int value"]),
     ("model_no_import", "model = 'no_such_module_xyz:build'\ndataset = 'no_such_module_xyz:data'\n", [], ["cannot import module 'no_such_module_xyz'"]),

@@ -33,8 +33,8 @@ class DistributedConfig:
     #: param mode: average when this many seconds (float) passed since the last sync, decided
     #: on the maximum elapsed time over ranks so every rank takes the same decision.
     param_sync_time_diff: Optional[float] = None
-    #: process-group / collective timeout in seconds (gloo's own default is 30 minutes); a rank silent this
-    #: long is named, and the job ends.
+    #: process-group / collective timeout in seconds, 1 to 1e7 (gloo's own default is 30 minutes); a rank
+    #: silent this long is named, and the job ends.
     timeout_s: float = 300.0
     #: keyword arguments for DistributedDataParallel (grad mode), e.g. bucket_cap_mb.
     options: dict[str, Any] = field(default_factory=dict)
@@ -157,7 +157,7 @@ class RunConfig:
     #: the run length in optimizer steps; when set, the data repeats over as many epochs as it takes (as in HF's
     #: Trainer); None = num_epochs epochs
     max_steps: Optional[int] = None
-    #: seed of the model's initialisation and the data order (the same on every rank)
+    #: seed of the model's initialisation and the data order (the same on every rank), 0 to 2**32 - 1
     seed: int = 42
     #: "auto" (CUDA if visible), "cpu" or "cuda"
     device: str = "auto"

@@ -14,11 +14,20 @@ from .loader import nearest_key
 from .schema import DATA_DISTRIBUTIONS, DEVICES, KNOWN_BACKENDS, PG_BACKENDS, PRECISIONS, REDUCE_TYPES, RunConfig
 
 
-def _int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+#: ``distributed.timeout_s`` bounds, seconds: below 1 s no rank can even connect (the watchdog beats every
+#: timeout_s / 4, at most once a second); above 1e7 s (115 days) torch's timedelta-based timeouts overflow
+TIMEOUT_S_RANGE = (1.0, 1e7)
+#: the largest ``seed``: numpy's global generator (seeded with it, as torch's and Python's) takes 32 bits
+SEED_MAX = 2**32 - 1
+
+
+def _int(name: str, value: Any, minimum: int, optional: bool = False, maximum: Optional[int] = None) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"'{name}' must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"'{name}' must be an integer from {minimum} to {maximum}, got {value!r}")
 
 
 def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -38,8 +47,11 @@ def _validate(cfg: RunConfig) -> None:
         or d.param_sync_time_diff <= 0
     ):
         raise ConfigError(f"'param_sync_time_diff' must be a positive number of seconds, got {d.param_sync_time_diff!r}")
-    if not isinstance(d.timeout_s, (int, float)) or isinstance(d.timeout_s, bool) or d.timeout_s <= 0:
-        raise ConfigError(f"'distributed.timeout_s' must be a positive number of seconds, got {d.timeout_s!r}")
+    if not isinstance(d.timeout_s, (int, float)) or isinstance(d.timeout_s, bool) or not (
+            TIMEOUT_S_RANGE[0] <= d.timeout_s <= TIMEOUT_S_RANGE[1]):
+        raise ConfigError(f"'distributed.timeout_s' must be a number of seconds from {TIMEOUT_S_RANGE[0]:g} to "
+                          f"{TIMEOUT_S_RANGE[1]:g} (how long a rank waits for the others before the job ends), got "
+                          f"{d.timeout_s!r}")
     if not isinstance(d.options, dict):
         raise ConfigError(f"'distributed.options' must be a dict of DistributedDataParallel kwargs, got {d.options!r}")
     if d.pg_backend is not None:
@@ -95,7 +107,7 @@ def _validate(cfg: RunConfig) -> None:
     _int("batch_size", cfg.batch_size, 1)
     _int("num_epochs", cfg.num_epochs, 1)
     _int("max_steps", cfg.max_steps, 1, optional=True)
-    _int("seed", cfg.seed, 0)
+    _int("seed", cfg.seed, 0, maximum=SEED_MAX)
     _int("accum_grad_multiple_step", cfg.accum_grad_multiple_step, 1)
     _int("eval_every", cfg.eval_every, 1, optional=True)
     _int("log_every", cfg.log_every, 1)
