@@ -14,7 +14,7 @@ import traceback
 from typing import Any, NoReturn, Optional
 
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
-from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, Preempted
+from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, Preempted, describe
 from distkit.launch import record_failure, settle_if_peer
 from distkit.watchdog import lost_peer_error
 
@@ -228,7 +228,7 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
                 # a preemption is no error: the run stopped as asked, its checkpoint written
                 print(f"distkit: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr, flush=True)
             return e.exit_code
-        print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"distkit: rank {env.rank} failed: {describe(e)}", file=sys.stderr, flush=True)
         settle_if_peer(e, env.world_size)
         return e.exit_code
     except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
@@ -238,7 +238,7 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
         if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
             e = CollectiveTimeout(f"a collective timed out after distributed.timeout_s={cfg.distributed.timeout_s:g} s: "
                                   f"another rank hung or died (see its output)")
-        print(f"distkit: rank {env.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"distkit: rank {env.rank} failed: {describe(e)}", file=sys.stderr, flush=True)
         settle_if_peer(e, env.world_size)
         return 1
     if env.rank == 0:

@@ -111,3 +111,20 @@ class Preempted(DistkitError):
     names the step, the checkpoint and how to continue."""
 
     exit_code = 75
+
+
+#: what an exception raised without a message means, for the line that names a failed rank
+_NO_MESSAGE: tuple[tuple[type[BaseException], str], ...] = (
+    (MemoryError, "out of memory (the allocation failed; reduce batch_size or the model, or free memory)"),
+    (RecursionError, "maximum recursion depth exceeded"),
+    (KeyboardInterrupt, "interrupted"),
+)
+
+
+def describe(exc: BaseException) -> str:
+    """``"Type: message"`` for a line naming a failed rank; an exception raised without a message (``MemoryError()``
+    gave "rank 1 failed: MemoryError: ") says what it means instead."""
+    text = str(exc).strip()
+    if not text:
+        text = next((why for kind, why in _NO_MESSAGE if isinstance(exc, kind)), "(raised without a message)")
+    return f"{type(exc).__name__}: {text}"

@@ -51,7 +51,9 @@ def record_failure(rank: int, exc: BaseException) -> None:
     directory = os.environ.get(FAILURE_DIR_VAR)
     if not directory:
         return
-    text, peer = f"{type(exc).__name__}: {exc}", lost_a_peer(exc)
+    from distkit.errors import describe
+
+    text, peer = describe(exc), lost_a_peer(exc)
     try:
         with open(os.path.join(directory, f"rank-{rank}.json"), "w") as f:
             json.dump({"rank": rank, "time": time.time(), "peer": peer, "error": text[:300],

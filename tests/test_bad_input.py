@@ -2,6 +2,7 @@
 no traceback, nothing written under output_dir."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -60,6 +61,10 @@ CASES = [
     ("timeout_s_tiny", "", ["++distributed.timeout_s", "1e-9"], ["'distributed.timeout_s' must be a number of "
                                                                 "seconds from 1 to 1e+07", "got 1e-09"]),
     ("timeout_s_huge", "", ["++distributed.timeout_s", "1e300"], ["'distributed.timeout_s'", "got 1e+300"]),
+    # a callback named by a string was kept as a string and never called
+    ("callback_module_missing", "callbacks = ['no_such_mod:Cb']\n", [],
+     ["'callbacks' = 'no_such_mod:Cb': cannot import module 'no_such_mod'"]),
+    ("callback_without_hooks", "callbacks = [3]\n", [], ["'callbacks': 3 has none of the hooks on_train_start"]),
     # a seed numpy's generator cannot take (was: a traceback, then AttributeError at exit)
     ("seed_over_32_bits", "seed = 2**70\n", [], ["'seed' must be an integer from 0 to 4294967295",
                                                   "got 1180591620717411303424"]),
@@ -366,3 +371,88 @@ def test_param_sync_group_size_in_grad_mode_is_refused_before_start(tmp_path: Pa
     assert res.stderr.strip().splitlines() == ["distkit: error: 'distributed.param_sync_group_size' only applies to "
                                                "reduce_type 'param': remove it"], res.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def _special(tmp_path: Path, kind: str) -> str:
+    """A path that is no regular file: what it is says the one line."""
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "loop":
+        (tmp_path / "loop-b").symlink_to(path)
+        path.symlink_to(tmp_path / "loop-b")
+    elif kind == "dangling":
+        path.symlink_to(tmp_path / "nothing")
+    else:
+        return "/dev/null"
+    return str(path)
+
+
+SPECIAL = {"fifo": "is a FIFO (named pipe), not a file", "device": "is a character device, not a file",
+           "loop": "is a symlink loop", "directory": "is a directory, not a file", "dangling": "is a symlink to nothing"}
+
+
+@pytest.mark.parametrize("kind", list(SPECIAL))
+def test_a_config_path_that_is_no_file_says_what_it_is(tmp_path: Path, kind: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO, /dev/null, a symlink loop, a directory were all reported as "does not exist" (and a FIFO is never
+    opened: reading it would block)."""
+    path = _special(tmp_path, kind)
+    assert main(["train", path]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"distkit: error: config file '{path}' {SPECIAL[kind]}: check the path"]
+    cfg, out = _write(tmp_path, "")
+    assert main(["train", str(cfg), "--deepspeed_config", path]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"distkit: error: DeepSpeed config file '{path}' {SPECIAL[kind]}: check the --deepspeed_config path"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["loop", "loop-parent", "dangling", "long-name"])
+def test_an_output_dir_that_cannot_be_created_is_one_line(tmp_path: Path, kind: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A symlink loop or a dangling link on the way, a name over the filesystem's 255 bytes: tracebacks from
+    os.makedirs before (FileExistsError, ENAMETOOLONG); now one line, exit 2, nothing written."""
+    if kind == "long-name":
+        out, words = str(tmp_path / ("x" * 300)), "has a name of 300 bytes, longer than this filesystem allows (255)"
+    else:
+        link = _special(tmp_path, kind.split("-")[0])
+        out = link + "/sub" if kind == "loop-parent" else link
+        words = f"'{link}' is {'a symlink loop' if kind.startswith('loop') else 'a symlink to nothing'}"
+    cfg, _ = _write(tmp_path, "")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["train", str(cfg), "++output_dir", out]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distkit: error: output_dir ") and words in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+BOOM = '''
+import torch
+task = "digits"
+max_steps = 3
+progress_bar = False
+
+
+class _Boom(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        raise MemoryError()
+
+
+model = _Boom
+'''
+
+
+def test_an_error_without_a_message_still_says_what_failed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``MemoryError()`` (what an allocation that fails raises) gave "rank 0 failed: MemoryError: " with nothing
+    after it."""
+    cfg, _ = _write(tmp_path, BOOM)
+    assert main(["train", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert "distkit: rank 0 failed: MemoryError: out of memory (the allocation failed; reduce batch_size" in err, err

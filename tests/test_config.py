@@ -52,6 +52,20 @@ def test_module_function_strings_are_imported(tmp_path: Path) -> None:
     assert cfg.model is make_model and cfg.loss is cross_entropy
 
 
+def test_a_callback_named_by_a_string_is_imported_and_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``callbacks = ['module:Class']``: the class imported and instantiated before start (it was kept as a string,
+    and the trainer never called it); an instance in the list is kept as it is."""
+    (tmp_path / "my_callbacks.py").write_text("class Printer:\n    def on_step_end(self, trainer, metrics):\n"
+                                              "        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config([], [("callbacks", ["my_callbacks:Printer"])])
+    import my_callbacks
+
+    assert len(cfg.callbacks) == 1 and isinstance(cfg.callbacks[0], my_callbacks.Printer)
+    instance = my_callbacks.Printer()
+    assert load_config([], [("callbacks", [instance])]).callbacks == [instance]
+
+
 def test_seed_spellings(tmp_path: Path) -> None:
     # perceptrain: nprocs, backend (torch.distributed), compute_setup
     cfg = load_config([_py(tmp_path, "nprocs = 2\nbackend = 'gloo'\ncompute_setup = 'cpu'\n")])

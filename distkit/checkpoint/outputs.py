@@ -28,6 +28,7 @@ def check_output_dir(output_dir: str) -> None:
     too. Writes nothing that stays."""
     target = os.path.abspath(output_dir)
     d = _nearest_existing(target)
+    _check_new_path(output_dir, target, d)
     probe_dirs = [d]
     if d == target and os.path.isdir(os.path.join(target, "checkpoints")):
         probe_dirs.append(os.path.join(target, "checkpoints"))
@@ -42,6 +43,37 @@ def check_output_dir(output_dir: str) -> None:
         except OSError as e:
             raise ConfigError(f"output_dir '{output_dir}' is not writable ({e.strerror or e}: '{d}'): choose a "
                               "writable output_dir or fix its permissions") from None
+
+
+def _check_new_path(output_dir: str, target: str, existing: str) -> None:
+    """ConfigError for the part of ``target`` below its nearest existing parent ``existing`` that cannot be
+    created: a symlink that resolves to nothing or loops (os.makedirs raised FileExistsError), a name longer
+    than the filesystem allows (OSError ENAMETOOLONG)."""
+    import errno as _errno
+
+    p = target
+    while p != existing:
+        if os.path.islink(p):
+            try:
+                os.stat(p)
+                loop = False
+            except OSError as e:
+                loop = e.errno == _errno.ELOOP
+            raise ConfigError(f"output_dir '{output_dir}': '{p}' is {'a symlink loop' if loop else 'a symlink to nothing'}"
+                              ": fix the link or choose another output_dir")
+        p = os.path.dirname(p)
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    rest = os.path.relpath(target, existing)
+    for part in ([] if rest == os.curdir else rest.split(os.sep)):
+        if len(os.fsencode(part)) > name_max:
+            raise ConfigError(f"output_dir '{output_dir[:80]}...' has a name of {len(os.fsencode(part))} bytes, longer "
+                              f"than this filesystem allows ({name_max}): choose a shorter output_dir")
+    if len(os.fsencode(target)) >= 4096:  # PATH_MAX: every file under it would fail to open
+        raise ConfigError(f"output_dir '{output_dir[:80]}...' is {len(os.fsencode(target))} bytes long, more than paths "
+                          "may be (4095): choose a shorter output_dir")
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -49,10 +49,32 @@ def python_unknown_key_error(name: str, path: str) -> ConfigError:
     return ConfigError(f"unknown config key '{name}' in {path}: {helper} (`distkit keys` lists the keys)")
 
 
+def not_a_file(path: str) -> str | None:
+    """Why ``path`` is no regular file to read ("does not exist", "is a directory", "is a symlink loop", ...), or
+    None when it is one."""
+    import errno
+    import stat
+
+    if os.path.isfile(path):
+        return None
+    if not os.path.lexists(path):
+        return "does not exist"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:  # ELOOP, a dangling link, no permission on a directory above
+        return ("is a symlink loop" if e.errno == errno.ELOOP else "is a symlink to nothing" if os.path.islink(path)
+                else f"cannot be read ({e.strerror})")
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    return "is " + next((what for test, what in kinds if test(mode)), "not a regular file") + ", not a file"
+
+
 def load_file(path: str) -> dict[str, Any]:
     """Load one config file into a dict of raw (unvalidated) top-level keys."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file '{path}' does not exist: check the path (relative to {os.getcwd()})")
+    why = not_a_file(path)
+    if why is not None:
+        where = f" (relative to {os.getcwd()})" if why == "does not exist" else ""
+        raise ConfigError(f"config file '{path}' {why}: check the path{where}")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".py" or ext == ".config":
         return _load_python(path)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from distkit.errors import ConfigError
 
-from .loader import read_text, unknown_key_error
+from .loader import not_a_file, read_text, unknown_key_error
 from .schema import ALL_KEYS, DISTRIBUTED_KEYS, HOROVOD_KEYS, TORCH_DISTRIBUTED_KEYS, DistributedConfig, RunConfig
 from .validate import _validate, choice  # noqa: F401  (choice: distkit.tasks imports it from here)
 
@@ -25,8 +25,9 @@ def _load_deepspeed_config(value: Any) -> dict[str, Any]:
         return dict(value)
     if not isinstance(value, str):
         raise ConfigError(f"'deepspeed_config' must be a JSON file path or a dict, got {value!r}")
-    if not os.path.isfile(value):
-        raise ConfigError(f"DeepSpeed config file '{value}' does not exist: check the --deepspeed_config path")
+    why = not_a_file(value)
+    if why is not None:
+        raise ConfigError(f"DeepSpeed config file '{value}' {why}: check the --deepspeed_config path")
     import json
 
     text = read_text(value)  # not UTF-8: one line naming the file, not a UnicodeDecodeError

@@ -142,7 +142,7 @@ def _validate(cfg: RunConfig) -> None:
     choice("precision", cfg.precision, PRECISIONS)
     if not isinstance(cfg.callbacks, (list, tuple)):
         raise ConfigError(f"'callbacks' must be a list of callback objects, got {type(cfg.callbacks).__name__}")
-    cfg.callbacks = list(cfg.callbacks)
+    cfg.callbacks = [_callback(c) for c in cfg.callbacks]
     from distkit import trackers  # no tracker library is imported here, only looked for
 
     cfg.loggers = trackers.check(cfg.loggers)
@@ -183,6 +183,26 @@ def _validate(cfg: RunConfig) -> None:
         cfg.metrics = [m if m == "accuracy" else _callable("metrics", m) for m in cfg.metrics]
     # Whether the task and the engine can run is checked where they are built (distkit.tasks.check_task,
     # distkit.backends.check_backend): config is data and imports neither (DESIGN.md 2a).
+
+
+#: the hooks distkit.trainer.Trainer calls on each callback
+CALLBACK_HOOKS = ("on_train_start", "on_step_end", "on_eval_end", "on_checkpoint", "on_train_end")
+
+
+def _callback(value: Any) -> Any:
+    """A callback object; a "module:Name" string is imported now (a class is instantiated without arguments), and
+    an object with none of :data:`CALLBACK_HOOKS` is refused (a string was kept as it was and never called)."""
+    obj = _import("callbacks", value) if isinstance(value, str) else value
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as e:  # noqa: BLE001 - the user's constructor
+            raise ConfigError(f"'callbacks': {value!r} could not be made without arguments ({type(e).__name__}: {e}): "
+                              "put an instance in the list") from None
+    if not any(callable(getattr(obj, hook, None)) for hook in CALLBACK_HOOKS):
+        raise ConfigError(f"'callbacks': {value!r} has none of the hooks {', '.join(CALLBACK_HOOKS)}: pass an object "
+                          "that defines at least one (or 'module:Name' of its class)")
+    return obj
 
 
 def _callable(key: str, value: Any) -> Optional[Callable[..., Any]]:
