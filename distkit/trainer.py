@@ -182,11 +182,11 @@ class TrainingRun:
         choice: tuple[Optional[str], list[str], Optional[BaseException], str] = (None, [], None, "")
         if self.dk.is_main:
             try:
-                path, notes = checkpoint.checkpoint_for(self.cfg)
+                path, notes = checkpoint.fitting_checkpoint(self.cfg, self.dk.world_size,
+                                                            lambda: checkpoint.model_shapes(self.dk.unwrap()))
                 # the run id: the output_dir's run's when it continues, a new one when it starts (over)
                 run_id = (checkpoint.recorded_run_id(self.cfg.output_dir) if path else None) or checkpoint.new_run_id()
                 if path is not None:
-                    checkpoint.check_fits(path, self.dk.world_size, lambda: checkpoint.model_shapes(self.dk.unwrap()))
                     foreign = checkpoint.run_id_note(path, run_id)
                     notes = [*notes, foreign] if foreign else notes
                 # the run's lock on output_dir, held by rank 0 to its end (a no-op where `distkit train` or

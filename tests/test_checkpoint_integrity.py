@@ -18,6 +18,7 @@ import torch
 from conftest import ROOT, distkit, final_params, ok
 from distkit import checkpoint, portable
 from distkit.cli import main
+from distkit.errors import ConfigError
 
 ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", "10", "++checkpoint_every", "5", "++log_every", "5",
         "++progress_bar", "False"]
@@ -393,3 +394,84 @@ def test_resume_prefers_a_newer_complete_checkpoint_over_a_stale_latest(base: Pa
             "step-0000010, the newest complete checkpoint\n") in resumed.stdout
     assert "at step 10" in resumed.stdout and (root / "latest").read_text() == "step-0000010"
     assert same(final_params(out), final_params(base)) and same(final_params(out, 1), final_params(base, 1))
+
+
+def _config(out: Path) -> "RunConfig":  # type: ignore[name-defined]  # noqa: F821
+    from distkit.config import load_config
+
+    return load_config([str(ROOT / "configs" / "returnn_ddp.py")], [("output_dir", str(out)), ("resume", "auto")])
+
+
+def test_a_stray_newer_checkpoint_of_another_model_gives_way_to_latest(base: Path, tmp_path: Path) -> None:
+    """Issue 35 item 10: a complete checkpoint of another model, newer than the one `latest` names, stopped
+    ``++resume auto`` (exit 2, "does not fit"); the intact checkpoint `latest` names is used, and the note says
+    what was skipped and why. Without a `latest` to fall back on, the first error stands."""
+    out = copy(base, tmp_path)
+    root = out / "checkpoints"
+    stray = root / "step-0000099"
+    shutil.copytree(root / "step-0000010", stray)
+    manifest = json.loads((stray / "manifest.json").read_text())
+    name = next(iter(manifest["shapes"]))
+    manifest["shapes"][name] = [3, 3]
+    (stray / "manifest.json").write_text(json.dumps(manifest))
+    assert checkpoint.verify(str(stray)) is None  # complete: only its model differs
+    shapes = checkpoint.read_manifest(str(root / "step-0000010"))["shapes"]
+    path, notes = checkpoint.fitting_checkpoint(_config(out), 2, lambda: shapes)
+    assert path is not None and Path(path) == root / "step-0000010"
+    assert notes == [f"skipped step-0000099, a newer checkpoint than checkpoints/latest that does not fit this run "
+                     f"(parameter '{name}' has shape [3, 3] in the checkpoint and {shapes[name]} in the model; resume "
+                     "with the model that wrote it, or start over with ++resume none); resuming from step-0000010, "
+                     "which latest names"]
+    (root / "latest").unlink()
+    with pytest.raises(ConfigError, match="step-0000099' does not fit the model"):
+        checkpoint.fitting_checkpoint(_config(out), 2, lambda: shapes)
+
+
+def test_latest_as_a_symlink_to_a_checkpoint_directory_is_what_it_names(base: Path, tmp_path: Path) -> None:
+    """Issue 35 item 10: a `latest` that is a symlink to a step directory was refused at start ("is a directory")
+    though `distkit inspect` called it intact."""
+    out = copy(base, tmp_path)
+    root = out / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("step-0000005")
+    checkpoint.check_layout(str(out))  # no ConfigError
+    assert checkpoint.read_latest(str(root)) == ("step-0000005", None)
+    path, notes = checkpoint.fitting_checkpoint(_config(out), 2)
+    assert Path(path or "") == root / "step-0000010" and "names step-0000005, but step-0000010 is newer" in notes[0]
+
+
+@pytest.mark.parametrize("edit", ["world_size", "file_entry", "shapes"])
+def test_an_edited_manifest_is_one_line(base: Path, tmp_path: Path, edit: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35 item 10: a manifest edited by hand (a value of the wrong type) gave a traceback where the value was
+    used; it is a damaged checkpoint, named in one line, and a resume falls back to the other checkpoint."""
+    out = copy(base, tmp_path)
+    step = out / "checkpoints" / "step-0000010"
+    manifest = json.loads((step / "manifest.json").read_text())
+    if edit == "world_size":
+        manifest["world_size"] = "two"
+    elif edit == "file_entry":
+        manifest["files"][next(iter(manifest["files"]))] = "abc"
+    else:
+        manifest["shapes"] = {"w": "3x3"}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    problem = checkpoint.verify(str(step))
+    assert problem is not None and "\n" not in problem and f"'{step}' is damaged: {step / 'manifest.json'} has" in problem
+    path, notes = checkpoint.find_resumable(str(out / "checkpoints"))
+    assert Path(path or "") == out / "checkpoints" / "step-0000005" and "which is unusable" in notes[0]
+    (out / "checkpoints" / "step-0000005").rename(out / "checkpoints" / "gone")
+    assert main(["inspect", str(step)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is damaged" in err[0], err
+
+
+def test_a_refused_run_leaves_no_lock_file_in_an_output_dir_that_had_none(base: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35 item 10: bad input writes nothing, but a refused run left `.distkit.lock` in an existing
+    output_dir (here: checkpoints of an earlier run and no ``resume``)."""
+    out = copy(base, tmp_path)
+    (out / checkpoint.LOCK_NAME).unlink()
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert main([*ARGS, "--nprocs", "2", "++output_dir", str(out)]) == 2
+    assert "holds checkpoints of an earlier run" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before

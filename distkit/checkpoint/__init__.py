@@ -46,8 +46,8 @@ from __future__ import annotations
 
 from .load import load_state, read_portable
 from .manifest import (
-    TRUSTED_ENV, check_fits, check_layout, checkpoint_for, find_resumable, latest, model_shapes, new_run_id,
-    read_latest, read_manifest, read_rank_file, recorded_run_id, resolve, run_id_note, verify,
+    TRUSTED_ENV, check_fits, check_layout, checkpoint_for, find_resumable, fitting_checkpoint, latest, model_shapes,
+    new_run_id, read_latest, read_manifest, read_rank_file, recorded_run_id, resolve, run_id_note, verify,
 )
 from .outputs import (
     LOCK_ENV, LOCK_NAME, check_output_dir, holds_lock, lock_output_dir, preflight, unlock_output_dir, write_json,
@@ -58,8 +58,8 @@ from .write import PendingCheckpoint, file_entries, mark_latest, start, write
 
 __all__ = [
     "KEEP", "LOCK_ENV", "LOCK_NAME", "STEP_RE", "TRUSTED_ENV", "PendingCheckpoint", "check_fits", "check_layout",
-    "check_output_dir", "checkpoint_for", "file_entries", "find_resumable", "holds_lock", "latest", "load_state",
-    "lock_output_dir", "mark_latest", "model_shapes", "new_run_id", "preflight", "read_latest",
+    "check_output_dir", "checkpoint_for", "file_entries", "find_resumable", "fitting_checkpoint", "holds_lock", "latest",
+    "load_state", "lock_output_dir", "mark_latest", "model_shapes", "new_run_id", "preflight", "read_latest",
     "read_manifest", "read_portable", "read_rank_file", "recorded_run_id", "resolve", "run_id_note", "save_state",
     "sha256_file", "start", "step_name", "unlock_output_dir", "verify", "write", "write_json",
 ]

@@ -35,6 +35,9 @@ def read_latest(root: str) -> tuple[Optional[str], Optional[str]]:
     pointer = os.path.join(root, "latest")
     if not os.path.lexists(pointer):
         return None, "is missing"
+    linked = _linked_step(root)
+    if linked is not None:  # a symlink to a checkpoint directory (made by hand, or by a tool): what it names
+        return linked, None
     if not os.path.isfile(pointer):
         return None, "is damaged (it is not a file)"
     try:
@@ -50,6 +53,16 @@ def read_latest(root: str) -> tuple[Optional[str], Optional[str]]:
     if not STEP_RE.match(name):  # also keeps a NUL byte or a path out of os.path calls
         return None, f"is damaged (it holds {name[:40]!r}, not a checkpoint name)"
     return name, None
+
+
+def _linked_step(root: str) -> Optional[str]:
+    """The checkpoint name ``root/latest`` links to when it is a symlink to a checkpoint directory in ``root``."""
+    pointer = os.path.join(root, "latest")
+    if not (os.path.islink(pointer) and os.path.isdir(pointer)):
+        return None
+    target = os.path.realpath(pointer)
+    name = os.path.basename(target)
+    return name if STEP_RE.match(name) and os.path.dirname(target) == os.path.realpath(root) else None
 
 
 def latest(root: str) -> Optional[str]:
@@ -70,7 +83,33 @@ def read_manifest(path: str) -> dict[str, Any]:
         manifest["world_size"], manifest["files"]  # noqa: B018 (the keys every version has)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint '{path}' is damaged: {manifest_path} cannot be read ({e})") from e
+    wrong = _manifest_problem(manifest)
+    if wrong:  # an edited or damaged manifest: one line here, not a TypeError wherever a value is used
+        raise CheckpointError(f"checkpoint '{path}' is damaged: {manifest_path} {wrong}: restore it, or resume from "
+                              "another checkpoint")
     return manifest
+
+
+def _manifest_problem(m: Any) -> Optional[str]:
+    """What is wrong with the structure of a manifest's values (None: every value has the type distkit writes)."""
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not isinstance(m, dict):
+        return "is not a JSON object"
+    if not count(m["world_size"]) or m["world_size"] < 1:
+        return f"has world_size {m['world_size']!r}, not a number of ranks"
+    if not isinstance(m["files"], dict):
+        return "has 'files' that is not an object of file entries"
+    for rel, want in m["files"].items():
+        ok = count(want) or (isinstance(want, dict) and count(want.get("size"))
+                             and isinstance(want.get("sha256", ""), str))
+        if not ok or os.path.isabs(rel) or ".." in rel.split("/"):
+            return f"has a file entry {rel[:60]!r}: {str(want)[:60]!r} that is not a size and sha256 under the checkpoint"
+    shapes = m.get("shapes")
+    if shapes is not None and not (isinstance(shapes, dict) and all(
+            isinstance(v, list) and all(count(d) for d in v) for v in shapes.values())):
+        return "has 'shapes' that are not lists of tensor sizes"
+    return None
 
 
 def _check_file(path: str, rel: str, want: Any) -> Optional[str]:
@@ -167,7 +206,7 @@ def check_layout(output_dir: str) -> None:
         raise ConfigError(f"'{root}' is a file, where distkit keeps the run's checkpoint directory: move or delete it, "
                           "or choose another output_dir")
     pointer = os.path.join(root, "latest")
-    if os.path.isdir(pointer):
+    if os.path.isdir(pointer) and _linked_step(root) is None:
         raise ConfigError(f"'{pointer}' is a directory, where distkit keeps the file naming the newest checkpoint: "
                           "move or delete it (++resume auto then finds the newest complete checkpoint), or choose "
                           "another output_dir")
@@ -195,6 +234,34 @@ def checkpoint_for(cfg: "RunConfig") -> tuple[Optional[str], list[str]]:
     if problem:
         raise CheckpointError(f"cannot resume from '{cfg.resume}': {problem}")
     return path, []
+
+
+def fitting_checkpoint(cfg: "RunConfig", world_size: int,
+                       shapes: Optional[Callable[[], Optional[dict[str, list[int]]]]] = None) -> tuple[Optional[str], list[str]]:
+    """:func:`checkpoint_for`, then :func:`check_fits`. Under ``++resume auto``, a newest complete checkpoint that
+    does not fit (a stray one of another model or layout, newer than what ``latest`` names) gives way to the
+    verified checkpoint ``latest`` names, if that one fits; the note says what was skipped and why. Raises the
+    first checkpoint's error when neither fits."""
+    path, notes = checkpoint_for(cfg)
+    if path is None:
+        return path, notes
+    try:
+        check_fits(path, world_size, shapes)
+        return path, notes
+    except ConfigError as e:
+        if cfg.resume != "auto":
+            raise
+        root = os.path.join(cfg.output_dir, "checkpoints")
+        named, _ = read_latest(root)
+        other = resolve(root, named) if named else None
+        if other is None or os.path.abspath(other) == os.path.abspath(path) or verify(other) is not None:
+            raise
+        try:
+            check_fits(other, world_size, shapes)
+        except ConfigError:
+            raise e from None
+        return other, [f"skipped {os.path.basename(path)}, a newer checkpoint than checkpoints/latest that does not "
+                       f"fit this run ({str(e).split(': ', 1)[-1]}); resuming from {named}, which latest names"]
 
 
 def new_run_id() -> str:

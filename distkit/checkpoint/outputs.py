@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from distkit.errors import ConfigError, OutputError
 
-from .manifest import check_fits, checkpoint_for
+from .manifest import fitting_checkpoint
 from .paths import _is_no_space, _nearest_existing
 
 if TYPE_CHECKING:
@@ -109,6 +109,8 @@ LOCK_ENV = "DISTKIT_OUTPUT_DIR_LOCKED"
 _LOCKS: dict[str, int] = {}
 #: output_dirs this process created for its lock (removed again if nothing else was written in them)
 _CREATED: set[str] = set()
+#: output_dirs whose lock file this process created (it was not there)
+_NEW_LOCK_FILES: set[str] = set()
 
 
 def holds_lock(output_dir: str) -> bool:
@@ -116,14 +118,20 @@ def holds_lock(output_dir: str) -> bool:
     return os.path.abspath(output_dir) in _LOCKS
 
 
-def unlock_output_dir(output_dir: str) -> None:
+def unlock_output_dir(output_dir: str, refused: bool = False) -> None:
     """Release the lock this process holds on ``output_dir`` (if any): a ``Trainer.fit()`` in a process that
-    goes on (a notebook) lets the next run there start. The file stays: deleting it could let two runs lock
-    two different files of the same name."""
+    goes on (a notebook) lets the next run there start. After a run the file stays (the next run reuses it).
+    ``refused`` (bad input: nothing may be left behind): a lock file this process created is deleted, while
+    still locked; a run that opened it just before then finds the name gone or another file under it, and
+    takes the lock again on the file that is there (:func:`lock_output_dir`)."""
     target = os.path.abspath(output_dir)
     fd = _LOCKS.pop(target, None)
     if fd is not None:
+        if refused and target in _NEW_LOCK_FILES:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(target, LOCK_NAME))
         os.close(fd)  # closing the only descriptor releases the flock
+    _NEW_LOCK_FILES.discard(target)
     if target in _CREATED:
         # A run that failed before writing anything (e.g. its engine did not start) leaves nothing behind:
         # the directory it created holds only the lock file.
@@ -150,11 +158,29 @@ def lock_output_dir(output_dir: str) -> None:
     created = not os.path.isdir(target)
     os.makedirs(target, exist_ok=True)
     path = os.path.join(target, LOCK_NAME)
-    # not inheritable across exec (PEP 446): a spawned rank gets LOCK_ENV instead; a forked rank shares it
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
+    for _ in range(100):  # (another run's refusal deleting the file we opened: open the one there now)
+        new_file = not os.path.lexists(path)
+        # not inheritable across exec (PEP 446): a spawned rank gets LOCK_ENV instead; a forked rank shares it
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            error: Optional[OSError] = e
+        else:
+            error = None
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except OSError:
+                same = False
+            if not same:  # locked a file that is no longer under the name: no lock at all
+                os.close(fd)
+                continue
+        break
+    else:
+        raise ConfigError(f"output_dir '{output_dir}': its lock file '{path}' keeps being replaced (runs starting and "
+                          "being refused there all the time): try again, or choose another output_dir")
+    if error is not None:
+        e = error
         try:
             holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
         except OSError:
@@ -172,6 +198,8 @@ def lock_output_dir(output_dir: str) -> None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n".encode(), 0)
     _LOCKS[target] = fd
+    if new_file:
+        _NEW_LOCK_FILES.add(target)
     if created:
         _CREATED.add(target)
         atexit.register(unlock_output_dir, target)  # (an exit through os._exit leaves the lock file)
@@ -193,12 +221,10 @@ def preflight(cfg: "RunConfig", world_size: int,
     if lock and os.path.isdir(cfg.output_dir):
         lock_output_dir(cfg.output_dir)
     try:
-        path, _ = checkpoint_for(cfg)
-        if path is not None:
-            check_fits(path, world_size, shapes)
+        path, _ = fitting_checkpoint(cfg, world_size, shapes)
     except BaseException:
         if not held:  # refused: no run follows, the lock must not outlive this call (main() in a longer process)
-            unlock_output_dir(cfg.output_dir)
+            unlock_output_dir(cfg.output_dir, refused=True)
         raise
     if lock:
         lock_output_dir(cfg.output_dir)
