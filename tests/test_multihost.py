@@ -170,9 +170,9 @@ def test_a_rank_that_leaves_after_rank_0_is_gone_does_not_deadlock_its_hosts_rea
                "++distributed.timeout_s", "30"]
         p = h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
                     env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", DISTKIT_FAULT="3:20:delay:close"))
-        t0 = time.monotonic()
+        # (the reaper's timeout ends the job with exit 1 and its "stopped responding" line: both observed here. A
+        # bound on the job's wall time instead failed under make test with two CPU hogs, 28.2 s for the whole run)
         res = ok(_finish(p, 120))
-        assert time.monotonic() - t0 < 28, "the job waited for the reaper's timeout"
         assert "stopped responding" not in res.stderr
         check_two_hosts(tmp_path / "out", h)
 
