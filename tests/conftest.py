@@ -6,9 +6,11 @@ still alive with that mark is killed and the test fails (no leftover ranks).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -264,10 +266,19 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, store: str, q: Any
         import torch.distributed as dist
 
         dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-        q.put((rank, "ok", fn(rank, world, *args)))
+        q.put((rank, "ok", _as_bytes(fn(rank, world, *args))))
         dist.destroy_process_group()
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
+
+
+def _as_bytes(value: Any) -> bytes:
+    """A rank's result as bytes (torch.save): a tensor put into a multiprocessing queue as itself travels as a
+    shared-memory file descriptor that the reader fetches from the writing process, so a rank that had already
+    exited when the test read its result lost it (under load: the test then waited for a result that never came)."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
 
 
 def _rank_context() -> Any:
@@ -286,9 +297,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with a gloo group.
 
     Returns each rank's result; raises with every failed rank's traceback; kills hung ranks. ``timeout`` (None:
-    pytest-timeout's per-test limit, whose handler dumps every live rank's stack first) bounds a hang. A fixed
-    60 s here failed a rank that was slow, not hung, under make test with two CPU hogs (it exited 0 just after;
-    1.8 s on a quiet machine): a bound on a rank that makes progress is a timing assertion.
+    pytest-timeout's per-test limit, whose handler dumps every live rank's stack first) bounds a hang. Results
+    travel as bytes (:func:`_as_bytes`); only an empty queue is waited on, an error reading a result is raised.
     """
     ctx = _rank_context()
     q = ctx.Queue()
@@ -310,12 +320,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
                 raise AssertionError(f"ranks hung (>{timeout}s); done: {sorted(results)}")
             try:
                 rank, status, value = q.get(timeout=min(remaining, 1.0))
-            except Exception:
+            except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs) and q.empty():
                     raise AssertionError(f"a rank died: exit codes {[p.exitcode for p in procs]}")
                 continue
             if status == "ok":
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{value}")
     finally:
