@@ -49,18 +49,13 @@ def _check_new_path(output_dir: str, target: str, existing: str) -> None:
     """ConfigError for the part of ``target`` below its nearest existing parent ``existing`` that cannot be
     created: a symlink that resolves to nothing or loops (os.makedirs raised FileExistsError), a name longer
     than the filesystem allows (OSError ENAMETOOLONG)."""
-    import errno as _errno
+    from distkit.config.loader import not_a_file  # (what a link that does not resolve is: one wording for both)
 
     p = target
     while p != existing:
         if os.path.islink(p):
-            try:
-                os.stat(p)
-                loop = False
-            except OSError as e:
-                loop = e.errno == _errno.ELOOP
-            raise ConfigError(f"output_dir '{output_dir}': '{p}' is {'a symlink loop' if loop else 'a symlink to nothing'}"
-                              ": fix the link or choose another output_dir")
+            raise ConfigError(f"output_dir '{output_dir}': '{p}' {not_a_file(p)}: fix the link or choose another "
+                              "output_dir")
         p = os.path.dirname(p)
     try:
         name_max = os.pathconf(existing, "PC_NAME_MAX")
