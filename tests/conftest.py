@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sysconfig
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -35,6 +36,48 @@ from tiers import full_tier, starts_processes
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MARK = f"distkit-test-{uuid.uuid4().hex[:8]}"
+
+
+# -- a pytest worker that dies says how (make test runs workers with --max-worker-restart 0) -----------------------
+def _death_note(controller: int, worker: str) -> Path:
+    """Where worker ``worker`` of the pytest run whose controller has pid ``controller`` notes how it ended."""
+    return Path(tempfile.gettempdir()) / f"distkit-pytest-{controller}-{worker}.txt"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In an xdist worker: an ``os._exit`` called in the worker process itself (code under test run in-process)
+    notes its stack, and a SIGTERM every thread's stack, before the worker ends; the controller prints the note
+    when xdist reports the worker down (:func:`pytest_testnodedown`), where xdist itself says only "Not properly
+    terminated" and the test it was running. (The worker's stderr is pytest's capture file of the test: lost with
+    the worker. SIGKILL leaves no note: the kernel's log says whether the OOM killer sent it.)"""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    import faulthandler
+
+    me, real_exit = os.getpid(), os._exit
+    note = open(_death_note(os.getppid(), worker), "w")  # noqa: SIM115 - open for the worker's life (faulthandler)
+
+    def traced_exit(code: int) -> None:
+        if os.getpid() == me:  # (a fork of the worker exits as it wants)
+            note.write(f"os._exit({code}) called in the worker:\n" + "".join(traceback.format_stack()[-30:]))
+            note.flush()
+        real_exit(code)
+
+    os._exit = traced_exit  # type: ignore[assignment]
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        faulthandler.register(signal.SIGTERM, file=note, all_threads=True, chain=True)
+
+
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """(pytest-xdist, in the controller) Print how a worker that died ended, if it noted it; remove the note."""
+    note = _death_note(os.getpid(), node.gateway.id)
+    with contextlib.suppress(OSError):
+        text = note.read_text()
+        note.unlink()
+        if error and text.strip():
+            node.config.pluginmanager.get_plugin("terminalreporter").write_line(
+                f"[{node.gateway.id}] how it ended:\n{text}")
 
 
 # -- the two tiers (tests/tiers.py): `make check` runs `-m "not full"`, `make test` everything -------------------
