@@ -190,6 +190,15 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
     if args.local_rank is not None:  # old torch.distributed.launch passes it only as an argument
         environ.setdefault("LOCAL_RANK", str(args.local_rank))
     env = detect(environ)
+    if env.launcher == "single" and cfg.nprocs > 1 and cfg.device != "cpu":
+        import torch
+
+        from distkit.components import ranks_per_gpu_problem
+
+        # (device_count does not initialise CUDA: the ranks may still be forks of this process)
+        problem = ranks_per_gpu_problem(cfg.device, cfg.nprocs, torch.cuda.device_count())
+        if problem is not None:
+            raise ConfigError(problem)
     from distkit.checkpoint import preflight
 
     # an unwritable output_dir, or a resume that cannot work (damaged, other world size, other model):

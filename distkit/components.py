@@ -230,9 +230,30 @@ def check_device(cfg: RunConfig) -> None:
                           "'gloo', or leave pg_backend unset (nccl on CUDA, gloo on the CPU)")
 
 
-def pick_device(name: str, local_rank: int) -> torch.device:
-    """``cuda:local_rank`` for "cuda" (or "auto" with CUDA visible), else the CPU."""
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+def ranks_per_gpu_problem(device: str, ranks_here: int, visible: int) -> Optional[str]:
+    """The one line that says why ``ranks_here`` ranks on one host cannot each take a GPU of their own (``visible``
+    CUDA devices there) under ``device`` ("cuda", or "auto" with a GPU visible), or None when they can. Each rank
+    takes ``cuda:LOCAL_RANK``; two ranks on one GPU is no setting NCCL accepts, and a local rank past the last GPU
+    failed in ``torch.cuda.set_device`` with "invalid device ordinal" (a traceback, the other ranks waiting)."""
+    if device == "cpu" or (device == "auto" and visible == 0) or ranks_here <= visible:
+        return None
+    if visible == 0:
+        return ("device 'cuda' (compute_setup 'gpu') was asked for but no CUDA device is visible: use device = "
+                "'auto' or 'cpu'")
+    return (f"{ranks_here} ranks on this host but {visible} visible CUDA device{'s' * (visible > 1)} (device "
+            f"{device!r}: one GPU per rank): start {visible} rank{'s' * (visible > 1)} per host (--nprocs {visible}, "
+            f"torchrun --nproc_per_node {visible}), or set ++device cpu")
+
+
+def pick_device(name: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """``cuda:local_rank`` for "cuda" (or "auto" with CUDA visible), else the CPU. ConfigError (exit status 2),
+    before any collective, when this host's ``local_world_size`` ranks outnumber its GPUs
+    (:func:`ranks_per_gpu_problem`): every rank of the host raises it, so none waits for another."""
+    visible = torch.cuda.device_count() if name != "cpu" else 0
+    problem = ranks_per_gpu_problem(name, max(local_world_size, local_rank + 1), visible)
+    if problem is not None:
+        raise ConfigError(problem)
+    if name == "cuda" or (name == "auto" and visible > 0):
         torch.cuda.set_device(local_rank)  # before any collective: DDP/NCCL use the current device
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

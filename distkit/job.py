@@ -26,7 +26,7 @@ class Job:
 
     def __init__(self, cfg: RunConfig, env: ClusterEnv) -> None:
         self.cfg, self.env = cfg, env
-        device = pick_device(cfg.device, env.local_rank)
+        device = pick_device(cfg.device, env.local_rank, env.local_world_size)
         self._strategy: Strategy = strategy_class(cfg.distributed.backend)(cfg, env, device)
         self._strategy.init()
         self._watchdog = start_watchdog(self._strategy, cfg.distributed.timeout_s)  # names a stalled rank

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from distkit.config import LaunchFlags, load_config, split_overrides
 from distkit.errors import ConfigError
@@ -120,3 +121,24 @@ def test_deepspeed_config_read_as_deepspeed_reads_it(tmp_path: Path) -> None:
     bad.write_text('{"zero_optimization": {"stage": 1}\n')
     with pytest.raises(ConfigError, match="bad.json:.*invalid DeepSpeed config"):
         load_config([], [], LaunchFlags(deepspeed_config=str(bad)))
+
+
+def test_ranks_outnumbering_a_hosts_gpus_are_one_line_before_start() -> None:
+    """Found on a 1-GPU host: ``--nprocs 2`` with device cuda or auto gave rank 1 ``cuda:1`` and a traceback
+    ("invalid device ordinal") while rank 0 waited. Every rank, and the launcher before any rank starts, now
+    refuses with the line that names the fix. On plain values: no GPU is needed to check the rule."""
+    from distkit.components import pick_device, ranks_per_gpu_problem
+
+    assert ranks_per_gpu_problem("cuda", 2, 1) == (
+        "2 ranks on this host but 1 visible CUDA device (device 'cuda': one GPU per rank): start 1 rank per host "
+        "(--nprocs 1, torchrun --nproc_per_node 1), or set ++device cpu")
+    assert ranks_per_gpu_problem("auto", 8, 4) == (
+        "8 ranks on this host but 4 visible CUDA devices (device 'auto': one GPU per rank): start 4 ranks per host "
+        "(--nprocs 4, torchrun --nproc_per_node 4), or set ++device cpu")
+    for fits in (("cuda", 2, 2), ("cuda", 1, 8), ("auto", 4, 0), ("cpu", 4, 1), ("auto", 3, 4)):
+        assert ranks_per_gpu_problem(*fits) is None, fits
+    assert "no CUDA device is visible" in str(ranks_per_gpu_problem("cuda", 1, 0))
+    # this machine has no GPU: auto is the CPU for any number of ranks, cuda is refused on every rank
+    assert pick_device("auto", 1, 2) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        pick_device("cuda", 1, 2)
