@@ -44,9 +44,11 @@ def _death_note(controller: int, worker: str) -> Path:
     return Path(tempfile.gettempdir()) / f"distkit-pytest-{controller}-{worker}.txt"
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin, whose file this replaces in a worker
 def pytest_configure(config: pytest.Config) -> None:
     """In an xdist worker: an ``os._exit`` called in the worker process itself (code under test run in-process)
-    notes its stack, and a SIGTERM every thread's stack, before the worker ends; the controller prints the note
+    notes its stack, and a SIGTERM or a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL: a crash in torch
+    code run in-process) every thread's stack, before the worker ends; the controller prints the note
     when xdist reports the worker down (:func:`pytest_testnodedown`), where xdist itself says only "Not properly
     terminated" and the test it was running. (The worker's stderr is pytest's capture file of the test: lost with
     the worker. SIGKILL leaves no note: the kernel's log says whether the OOM killer sent it.)"""
@@ -66,18 +68,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
     os._exit = traced_exit  # type: ignore[assignment]
     with contextlib.suppress(ValueError, OSError, AttributeError):
+        faulthandler.enable(file=note, all_threads=True)
         faulthandler.register(signal.SIGTERM, file=note, all_threads=True, chain=True)
 
 
 def pytest_testnodedown(node: Any, error: Any) -> None:
     """(pytest-xdist, in the controller) Print how a worker that died ended, if it noted it; remove the note."""
-    note = _death_note(os.getpid(), node.gateway.id)
+    note, text = _death_note(os.getpid(), node.gateway.id), ""
     with contextlib.suppress(OSError):
         text = note.read_text()
         note.unlink()
-        if error and text.strip():
-            node.config.pluginmanager.get_plugin("terminalreporter").write_line(
-                f"[{node.gateway.id}] how it ended:\n{text}")
+    if not error:
+        return
+    if not text.strip():  # a SIGKILL: was it the OOM killer? (best effort: the kernel's log may be closed to us)
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout.splitlines()
+            text = "no note (SIGKILL?); the kernel's last OOM lines:\n" + "\n".join(
+                [ln for ln in log if "oom" in ln.lower() or "killed process" in ln.lower()][-5:])
+    node.config.pluginmanager.get_plugin("terminalreporter").write_line(f"[{node.gateway.id}] how it ended:\n{text}")
 
 
 # -- the two tiers (tests/tiers.py): `make check` runs `-m "not full"`, `make test` everything -------------------
