@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from distkit.config import RunConfig
-from distkit.errors import ConfigError
+from distkit.errors import ConfigError, UsageError
 
 #: lr_scheduler classes distkit defines itself (HF names); anything else is a torch.optim.lr_scheduler class.
 SCHEDULES = ("constant", "linear", "cosine", "step")
@@ -257,3 +257,34 @@ def pick_device(name: str, local_rank: int, local_world_size: int = 1) -> torch.
         torch.cuda.set_device(local_rank)  # before any collective: DDP/NCCL use the current device
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+#: when :meth:`distkit.Session.step` steps the LR scheduler given to ``dk.setup``: "step" (at every optimizer step,
+#: what distkit did always) or "epoch" (never: the script steps it at the end of its epochs, as before; Lightning's
+#: ``interval``)
+SCHEDULER_INTERVALS = ("step", "epoch")
+
+
+def scheduler_and_interval(lr_scheduler: Any, interval: str) -> tuple[Any, str]:
+    """``dk.setup``'s scheduler argument and its ``interval``: a scheduler (or factory) with ``interval``, or
+    Lightning's ``{"scheduler": s, "interval": "epoch"}`` (its interval wins). UsageError naming the fix for an
+    unknown interval or dict key."""
+    if isinstance(lr_scheduler, dict):
+        unknown = sorted(set(lr_scheduler) - {"scheduler", "interval"})
+        if "scheduler" not in lr_scheduler or unknown:
+            raise UsageError("dk.setup(model, optimizer, lr_scheduler): a dict must be {'scheduler': s, 'interval': "
+                             f"'step' or 'epoch'}} (Lightning's form), got the keys {sorted(lr_scheduler)}")
+        lr_scheduler, interval = lr_scheduler["scheduler"], lr_scheduler.get("interval", interval)
+    if interval not in SCHEDULER_INTERVALS:
+        raise UsageError(f"dk.setup(..., interval={interval!r}): use 'step' (distkit steps the scheduler at every "
+                         "optimizer step) or 'epoch' (your script steps it at the end of each epoch)")
+    return lr_scheduler, interval
+
+
+def check_stepped_scheduler(scheduler: Any) -> None:
+    """A scheduler distkit steps at every optimizer step (interval "step") must step without arguments:
+    ``ReduceLROnPlateau`` steps on a metric. UsageError naming the fix."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise UsageError("dk.setup: ReduceLROnPlateau steps on a metric, which distkit cannot pass at every optimizer "
+                         "step: give it with interval='epoch' (dk.setup(model, optimizer, scheduler, interval='epoch')) "
+                         "and keep your scheduler.step(val_loss) after each evaluation")

@@ -178,6 +178,7 @@ class ShardedLoader(DataLoader[Any]):
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_fn or default_collate,
                          num_workers=num_workers, pin_memory=pin_memory, **kwargs)
         self.plan_sampler, self.device, self._on_batch = sampler, device, on_batch
+        self._own_generator = kwargs.get("generator") is None
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Use ``epoch``'s order (the same on every rank and at any world size), from batch ``start``."""
@@ -186,8 +187,19 @@ class ShardedLoader(DataLoader[Any]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         move, size = self.device.type != "cpu", self.plan_sampler.plan.b  # every batch is full (last one dropped)
         tensors = self._tensors
-        it = (tuple(t[idx] for t in tensors) for idx in self.plan_sampler.index_tensors()) if tensors is not None \
-            else super().__iter__()
+        if tensors is not None:
+            it: Iterator[Any] = (tuple(t[idx] for t in tensors) for idx in self.plan_sampler.index_tensors())
+        else:
+            if self._own_generator:
+                # A DataLoader iterator draws its base seed (the workers' seeds) from ``generator``, by default
+                # from the global CPU generator: one draw per pass, which moved the random stream the model
+                # sees (dropout) once more when a resumed run started its epoch mid-way, so a mid-epoch resume
+                # was not the same run (issue 36). The base seed is a function of (seed, epoch, rank) instead:
+                # the global stream is the model's alone, and workers get the same seeds after a resume.
+                plan = self.plan_sampler.plan
+                self.generator = torch.Generator().manual_seed(
+                    (plan.seed * 1_000_003 + self.plan_sampler.epoch) * 65_537 + plan.rank + 1)
+            it = super().__iter__()
         while True:
             t_fetch = time.perf_counter()
             try:

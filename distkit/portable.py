@@ -19,9 +19,11 @@ by the rank that writes it. The DCP planning exchange runs over the engine's own
 collectives (:meth:`Strategy.all_gather_object`), so the mpi and Horovod engines need no torch
 process group. Reading needs no process group (``no_dist``): every rank reads the whole state.
 
-Contract: in grad mode every rank holds the same state, so any rank's share is the truth. In
-param mode ranks differ between syncs; the portable part holds rank 0's replica (parameters,
-buffers and optimizer state), which is what a resume on another layout starts every rank from.
+Contract: in grad mode every rank holds the same parameters and optimizer state, so any rank's share
+is the truth; buffers (BatchNorm's running statistics) are each rank's own since its last forward, and
+rank 0's are written, as a DDP script saves them. In param mode ranks differ between syncs; the
+portable part holds rank 0's replica (parameters, buffers and optimizer state), which is what a
+resume on another layout starts every rank from.
 """
 from __future__ import annotations
 

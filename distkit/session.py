@@ -34,7 +34,7 @@ import random
 import sys
 import time
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -42,8 +42,8 @@ from torch import nn
 
 from distkit import checkpoint, ompi_leftovers, report
 from distkit.backends import check_backend, strategy_class
-from distkit.backends.base import float_state
-from distkit.components import check_device
+from distkit.backends.base import float_state, persistent_buffers
+from distkit.components import check_device, check_stepped_scheduler, scheduler_and_interval
 from distkit.config import RunConfig
 from distkit.config.arguments import (  # noqa: F401 (distkit.session's names before the move)
     CONFIGS_DEST, OVERRIDES_DEST, Source, add_arguments, config_from,
@@ -129,6 +129,7 @@ class Session(Job):
         self._model: Optional[nn.Module] = None
         self._optimizer: Any = None
         self._scheduler: Any = None
+        self._scheduler_interval = "step"  # dk.setup's interval
         self._failed = self._closed = False
         self.num_steps, self.num_samples = 0, 0
         #: training samples per step of the run a checkpoint from another layout was written by (set by load)
@@ -175,21 +176,27 @@ class Session(Job):
         return self._model is not None and self._strategy.forward_is_collective(self._model)
 
     # -- setup ----------------------------------------------------------------------------
-    def setup(self, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None) -> Any:
+    def setup(self, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None, interval: str = "step") -> Any:
         """Collective: rank 0's initial state everywhere, model and optimizer wrapped for the engine and mode.
 
         ``optimizer``: a torch optimizer over ``model``'s parameters, a factory ``params -> Optimizer``
         (called only when the engine's config does not define one), or None where the DeepSpeed config
         has an ``optimizer`` block. ``lr_scheduler`` (optional): a scheduler over that optimizer, or a factory
         ``optimizer -> scheduler`` (called with the engine's optimizer; DeepSpeed calls it itself), stepped
-        once per :meth:`step`.
+        once per :meth:`step` (``interval="step"``, the default) or never by distkit (``interval="epoch"``: a
+        per-epoch scheduler such as pytorch/examples imagenet's ``StepLR(step_size=30)``, which the script steps at
+        the end of each epoch as before; Lightning's ``{"scheduler": s, "interval": "epoch"}`` also works). A
+        per-epoch scheduler given without ``interval="epoch"`` would decay every ``step_size`` *iterations*.
         Returns ``(model, optimizer)``, or ``(model, optimizer, lr_scheduler)`` when one was given;
         use the returned objects from here on. One model per session.
         """
+        lr_scheduler, interval = scheduler_and_interval(lr_scheduler, interval)
         optimizer = setup_optimizer(self._model is not None, model, optimizer, self._strategy.engine_defines_optimizer())
         given = optimizer
         self._given_optimizer = given
-        self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler)
+        self._scheduler_interval = interval
+        # a per-epoch scheduler is the script's to step: not handed to an engine that steps it itself (DeepSpeed)
+        self._model, self._optimizer = self._strategy.setup(model, optimizer, lr_scheduler if interval == "step" else None)
         if not hasattr(self._model, "module"):
             name_missing_module(self._model)
         if not self._strategy.grads_in_params:
@@ -198,7 +205,7 @@ class Session(Job):
             for p in self.unwrap().parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._meter.gradient_ready)
-        self._scheduler = getattr(self._strategy, "lr_scheduler", None)
+        self._scheduler = getattr(self._strategy, "lr_scheduler", None) if interval == "step" else None
         if self._scheduler is None and callable(lr_scheduler):  # a factory: over the optimizer the engine returned
             self._scheduler = lr_scheduler(self._optimizer)
         elif self._scheduler is None:
@@ -207,6 +214,8 @@ class Session(Job):
             # The engine returned its own optimizer object over the same param_groups (Horovod): the
             # scheduler still sets the right learning rates but cannot see that step() ran.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        if interval == "step":
+            check_stepped_scheduler(self._scheduler)
         self._ft = join_groups(self) if self.cfg.fault_tolerance else None  # torchft's Manager, for the syncs
         self._t_start = time.perf_counter()
         self._setup_time_s = self._t_start - self._t_created
@@ -346,7 +355,17 @@ class Session(Job):
         """Context for gradient-accumulation micro-steps: backward inside it does not communicate;
         the next backward outside it reduces the accumulated gradients."""
         self._require_setup("no_sync()")
-        return self._strategy.no_sync(self._model)  # type: ignore[arg-type]
+        return self._no_sync()
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        strategy, outside = self._strategy, self._strategy.outside_no_sync
+        with strategy.no_sync(self._model):  # type: ignore[arg-type]
+            strategy.outside_no_sync = False
+            try:
+                yield
+            finally:
+                strategy.outside_no_sync = outside
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the reduced gradients to global L2 norm ``max_norm``; returns the norm before (NaN on
@@ -373,7 +392,7 @@ class Session(Job):
             s.step(model, _ScaledOptimizer(self._optimizer, self._scaler))  # type: ignore[arg-type]
             self._scaler.update()
             self._unscaled = False
-        if self._scheduler is not None and not s.steps_scheduler:
+        if self._scheduler is not None and self._scheduler_interval == "step" and not s.steps_scheduler:
             self._scheduler.step()
         self.num_steps += 1
         self.num_samples += self._meter.step_ended(s.blocked_s - waited) * self.world_size
@@ -390,10 +409,15 @@ class Session(Job):
     def finish(self) -> None:
         """Collective: end of training, after which every rank holds the same model state: in param mode
         the final sync (the average), in grad mode rank 0's persistent buffers (BatchNorm statistics,
-        which each rank's last forward updated on its own data)."""
+        which each rank's last forward updated on its own data), the modules of :meth:`keep_in_sync` included (an
+        EMA copy's BatchNorm statistics are those of the rank's model when it was copied)."""
         self._require_setup("finish()")
         self._loss_watch.raise_if_bad(self.rank)
         self._strategy.finish(self._model)  # type: ignore[arg-type]
+        if self._strategy.averager is None and self.world_size > 1:  # (param mode: the final sync averaged them)
+            kept = [b for m in self._kept for b in persistent_buffers(m)]
+            if kept:
+                self._strategy.broadcast_tensors(kept)
 
     # -- checkpoints (the work is distkit.checkpoint.save and .load) ------------------------------
     def save(self, path: str, state: dict[str, Any]) -> str:

@@ -35,8 +35,8 @@ FIND_UNUSED = ", 'options': {'find_unused_parameters': True}"
 
 #: run kind -> (script phases, script flags, distributed-dict suffix)
 RUNS: dict[str, tuple[list[str], list[str], str]] = {
-    "main": (["plain", "zero_grad_set_to_none", "save_load", "drop_last", "module_attribute", "ema",
-              "double_backward", "raw_clip", "distributed_sampler"], [], ""),
+    "main": (["plain", "zero_grad_set_to_none", "save_load", "drop_last", "eval_between_steps", "module_attribute",
+              "ema", "double_backward", "raw_clip", "distributed_sampler"], [], ""),
     # accumulation set after init (dk.set_accumulation), a scheduler factory
     "accum": (["plain", "accumulate_without_no_sync", "save_load"], ["--accum-api", "2", "--scheduler", "factory"], ""),
     "compile": (["save_load"], ["--compile"], ""),
@@ -76,6 +76,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "ddp": SAME, "mpi": "pass the dataset to dk.dataloader", "horovod": "pass the dataset to dk.dataloader",
         "zero2": SAME, "zero3": SAME},
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": dict.fromkeys(ENGINES, SAME),
+    "BatchNorm model: evaluation (model.eval(), torch.no_grad()) between training steps": dict.fromkeys(ENGINES, SAME),
 }
 #: idiom -> (run kind, phase)
 WHERE: dict[str, tuple[str, str]] = {
@@ -93,6 +94,7 @@ WHERE: dict[str, tuple[str, str]] = {
     "unused parameter without find_unused_parameters (ddp: torch's own error; grad)": ("unused_no_find", "plain"),
     "torch.utils.data.DistributedSampler(dataset) kept": ("main", "distributed_sampler"),
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": ("main", "drop_last"),
+    "BatchNorm model: evaluation (model.eval(), torch.no_grad()) between training steps": ("main", "eval_between_steps"),
 }
 GRAD_ONLY = {"accum", "compile", "unused", "unused_no_find"}
 
@@ -127,9 +129,17 @@ def _first_error(record: dict[str, Any], upto: str) -> Optional[str]:
     return None
 
 
-def _diff(a: dict[str, Any], b: dict[str, Any]) -> float:
-    assert a["params"].keys() == b["params"].keys()
+def _diff(a: dict[str, Any], b: dict[str, Any], per_rank: bool = True) -> float:
+    """The largest difference between two records of a phase: parameters and learning rates, and with
+    ``per_rank`` what each rank holds of its own (BatchNorm's running statistics and batch count, its evaluation
+    outputs), which two records of the same rank share and two ranks need not."""
+    assert a["params"].keys() == b["params"].keys() and a.get("buffers", {}).keys() == b.get("buffers", {}).keys()
     d = max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])
+    if not per_rank:
+        return max(d, max(abs(x - y) for x, y in zip(a["lrs"], b["lrs"], strict=True)))
+    d = max([d, *((a["buffers"][k] - b["buffers"][k]).abs().max().item() for k in a.get("buffers", {}))])
+    assert len(a.get("eval", [])) == len(b.get("eval", []))
+    d = max([d, *(abs(x - y) for x, y in zip(a.get("eval", []), b.get("eval", []), strict=True))])
     return max(d, max(abs(x - y) for x, y in zip(a["lrs"], b["lrs"], strict=True)))
 
 
@@ -176,7 +186,7 @@ def test_idiom_gives_ddp_result_or_the_documented_error(runs: Any, idiom: str, e
         for rank, p in enumerate(mine):
             assert _diff(p, ref["ranks"][rank]["phases"][phase]) <= TOL, f"rank {rank} differs from DDP in {phase}"
     if mode == "grad" or phase in ("ema",):  # grad mode: replicas equal every step; param: after finish
-        assert _diff(mine[0], mine[1]) == 0.0
+        assert _diff(mine[0], mine[1], per_rank=False) == 0.0
     if phase == "ema":
         assert torch.equal(torch.cat([t.flatten() for t in mine[0]["ema"].values()]),
                            torch.cat([t.flatten() for t in mine[1]["ema"].values()]))

@@ -132,6 +132,54 @@ def test_step_scheduler_clip_and_counters(dk: Any) -> None:
     assert float((bare.weight.detach() - w0).norm()) <= 0.75 + 1e-6
 
 
+def test_a_per_epoch_scheduler_given_with_interval_epoch_is_left_to_the_script(dk: Any) -> None:
+    """Issue 36: pytorch/examples imagenet's StepLR(step_size=30) handed to dk.setup decayed after 30 *iterations*.
+    With interval='epoch' (or Lightning's dict) distkit never steps it; the script's scheduler.step() at the end
+    of each epoch does, as before. ReduceLROnPlateau (steps on a metric) must say so before the first step."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, got = dk.setup(model, opt, {"scheduler": sched, "interval": "epoch"})
+    assert got is sched
+    for epoch in range(2):
+        for _ in range(3):
+            dk.backward(model(torch.ones(2, 4)).mean())
+            dk.step()
+        assert opt.param_groups[0]["lr"] == 1.0 / 2 ** epoch  # 3 optimizer steps: not stepped by distkit
+        sched.step()  # the script's, at the end of the epoch
+    assert opt.param_groups[0]["lr"] == 0.25 and dk.num_steps == 6
+
+
+@pytest.mark.parametrize("args,match", [
+    (("interval", "iteration"), r"interval='iteration'\): use 'step' .* or 'epoch'"),
+    (("dict", {"interval": "epoch"}), r"a dict must be \{'scheduler': s, 'interval'"),
+    (("plateau", "step"), r"ReduceLROnPlateau steps on a metric.*interval='epoch'"),
+], ids=["bad-interval", "dict-without-scheduler", "plateau-every-step"])
+def test_a_scheduler_distkit_cannot_step_right_is_one_line(dk: Any, args: tuple[str, Any], match: str) -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    kind, value = args
+    with pytest.raises(UsageError, match=match):
+        if kind == "interval":
+            dk.setup(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1), interval=value)
+        elif kind == "dict":
+            dk.setup(model, opt, value)
+        else:
+            dk.setup(model, opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt), interval=value)
+
+
+def test_reduce_on_plateau_with_interval_epoch_steps_on_the_scripts_metric(dk: Any) -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    model, opt, plateau = dk.setup(model, opt, plateau, interval="epoch")
+    for val_loss in (1.0, 1.0, 1.0):
+        dk.backward(model(torch.ones(2, 4)).mean())
+        dk.step()
+        plateau.step(val_loss)
+    assert opt.param_groups[0]["lr"] == 0.25  # no improvement after the first: halved twice
+
+
 @dataclasses.dataclass
 class Pair:
     x: torch.Tensor

@@ -73,6 +73,9 @@ class Strategy(ABC):
         self.device = device
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
         self.reduce_type = cfg.distributed.reduce_type
+        #: False inside the Session's ``no_sync`` (accumulation micro-steps): DDP's buffer rule reads it
+        #: (:mod:`distkit.backends.buffers`) on the engines that do not wrap the model in DDP
+        self.outside_no_sync = True
         #: payload bytes this rank handed to collectives (not wire bytes), for summary.json
         self.comm_bytes = 0
         #: seconds this rank was blocked waiting for gradient collectives outside ``backward`` (the

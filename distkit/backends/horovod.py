@@ -31,6 +31,7 @@ from torch import nn
 from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.netif import openmpi_interface_hint
 
+from .buffers import DDPBufferRule
 from .base import (
     Strategy, drop_globally_unused, param_averager, persistent_buffers, report_failure, unused_parameters,
 )
@@ -178,7 +179,7 @@ class HorovodEngine(Strategy):
         hvd, d = self.hvd, self.cfg.distributed
         model.to(self.device)
         self.broadcast_tensors([*model.parameters(), *model.buffers()])
-        # DDP semantics for buffers (BatchNorm statistics) in both engines: rank 0's before each training forward.
+        # DDP's rule for buffers (BatchNorm statistics; distkit.backends.buffers): rank 0's, where DDP would.
         # Only buffers that are model state: a constant (non-persistent) buffer such as a causal mask would
         # cost one Horovod broadcast (a negotiation round with the background thread) per step for nothing.
         self._buffers = persistent_buffers(model)
@@ -188,7 +189,7 @@ class HorovodEngine(Strategy):
             return model, optimizer
         # With replica groups, as DDP on a process group: the group leader's buffers, inside the group.
         if self._buffers and self.world_size > 1:
-            self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)
+            self._buffer_hook = DDPBufferRule(model, self._sync_buffers, lambda: self.outside_no_sync)
         had_state = any(len(s) for s in optimizer.state.values())
         # hvd.Average divides by the size of the process set (the group's, with replica groups).
         opt = hvd.DistributedOptimizer(
@@ -213,11 +214,10 @@ class HorovodEngine(Strategy):
         self._grad_bytes = sum(p.numel() * (per_elem or p.element_size()) for p in model.parameters() if p.requires_grad)
         return model, opt
 
-    def _sync_buffers(self, module: nn.Module, args: Any) -> None:
-        if module.training:
-            # root_rank is a global rank also inside a process set (Horovod checks that it is in the set)
-            leader = self.replicas.leader if self.replicas is not None else 0
-            self._broadcast(self._buffers, leader, self._group_set)
+    def _sync_buffers(self) -> None:
+        # root_rank is a global rank also inside a process set (Horovod checks that it is in the set)
+        leader = self.replicas.leader if self.replicas is not None else 0
+        self._broadcast(self._buffers, leader, self._group_set)
 
     def cross_group_mean(self, flat: torch.Tensor) -> None:
         """One ``hvd.allreduce`` (sum) over this rank's cross group, divided by the number of groups."""

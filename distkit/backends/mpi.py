@@ -38,6 +38,7 @@ from distkit.netif import openmpi_interface_hint
 from distkit.watchdog import explain_stall
 
 from .base import Strategy, param_averager, persistent_buffers, report_failure
+from .buffers import DDPBufferRule
 from .startup import startup_guard
 from .mpi_reducer import GradReducer, _np, wait_all
 
@@ -234,24 +235,22 @@ class MPIStrategy(Strategy):
             self.reducer = GradReducer(self, params, d.bucket_cap_mb, bool(d.avg_grad), names=[n for n, _ in named],
                                        find_unused=bool(d.options.get("find_unused_parameters", False)),
                                        comm=comm, size=size)
-            # DDP semantics for buffers (BatchNorm statistics): the leader's (rank 0, or the replica group's
-            # first rank), before every training forward. Only buffers that are model state: a constant
-            # (non-persistent) buffer such as a causal mask would cost one Bcast per step for nothing (it
-            # was broadcast once above).
+            # DDP's rule for buffers (BatchNorm statistics; distkit.backends.buffers): the leader's (rank 0, or the
+            # replica group's first rank). Only buffers that are model state: a constant (non-persistent) buffer
+            # such as a causal mask would cost one Bcast per step for nothing (it was broadcast once above).
             self._buffers = persistent_buffers(model)
             if self._buffers and size > 1:
-                self._buffer_hook = model.register_forward_pre_hook(self._sync_buffers)
+                self._buffer_hook = DDPBufferRule(model, self._sync_buffers, lambda: self.outside_no_sync)
             if self.replicas is None:
                 return model, optimizer
         self.averager = param_averager(self, model)
         return model, optimizer
 
-    def _sync_buffers(self, module: nn.Module, args: Any) -> None:
-        if module.training:
-            if self.replicas is None:
-                self.broadcast_tensors(self._buffers)
-            else:  # inside the replica group, from its first rank (DDP's rule on a process group)
-                self._bcast(self.group_comm, self._buffers, 0)
+    def _sync_buffers(self) -> None:
+        if self.replicas is None:
+            self.broadcast_tensors(self._buffers)
+        else:  # inside the replica group, from its first rank (DDP's rule on a process group)
+            self._bcast(self.group_comm, self._buffers, 0)
 
     # -- per step ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: nn.Module) -> None:

@@ -83,8 +83,12 @@ def portable_part(session: "Session", state: dict[str, Any], out: dict[str, Any]
     scalars: dict[str, dict[str, Any]] = {}
     if model_key is not None:
         sizes = {k: math.prod(v) for k, v in model_shapes(session.unwrap()).items()}
-        owner = (portable.deal(sizes, session.world_size) if session.cfg.distributed.reduce_type == "grad"
-                 else dict.fromkeys(sizes, 0))
+        # grad mode: the parameters are the same on every rank, dealt out; the buffers are not (BatchNorm's
+        # statistics are each rank's own since its last forward): rank 0's, as a DDP script saves them and as
+        # DDP gives every rank at its next forward
+        params = {n for n, _ in session.unwrap().named_parameters()}
+        owner = (portable.deal({k: v for k, v in sizes.items() if k in params}, session.world_size)
+                 if session.cfg.distributed.reduce_type == "grad" else {})
         sd, optim_state, groups = session._strategy.portable_state(
             session._model, session._optimizer if opt_key else None,  # type: ignore[arg-type]
             lambda name: owner.get(name, 0) == session.rank)

@@ -7,7 +7,7 @@ classifier or a pytorch/examples CNN writes it; after each phase every rank reco
 (or with plain PyTorch for one process), or checks the documented error. ``--plain`` runs the same
 phases without distkit at all (one process: the reference for a one-process run).
 
-The model: Linear-LayerNorm-Linear, a frozen Linear (requires_grad False), and with ``--unused`` a
+The model: Linear-BatchNorm-LayerNorm-Linear, a frozen Linear (requires_grad False), and with ``--unused`` a
 Linear that forward never uses. AdamW with two param groups chosen by name (weight decay 0.1 for
 matrices, 0 for biases and the norm: Hugging Face's grouping) and a StepLR schedule (a scheduler
 object, or a factory with ``--scheduler factory``). Every rank draws its own batches from a seed of
@@ -35,7 +35,10 @@ BATCH = 8  # samples per rank per micro-step
 class Net(nn.Module):
     def __init__(self, unused: bool = False) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(16, 32)
+        # no bias before BatchNorm (resnet's habit): BatchNorm cancels it, its gradient is rounding noise that Adam
+        # scales up to full steps, and two engines' rounding would then part by 2e-3
+        self.fc1 = nn.Linear(16, 32, bias=False)
+        self.bn = nn.BatchNorm1d(32)  # buffers: running statistics, updated by every training forward
         self.norm = nn.LayerNorm(32)
         self.fc2 = nn.Linear(32, 4)
         self.frozen = nn.Linear(4, 4)
@@ -43,7 +46,7 @@ class Net(nn.Module):
         self.extra = nn.Linear(4, 4) if unused else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.frozen(self.fc2(torch.tanh(self.norm(self.fc1(x)))))
+        return self.frozen(self.fc2(torch.tanh(self.norm(self.bn(self.fc1(x))))))
 
 
 def batch(phase: int, step: int, micro: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +140,9 @@ class Runner:
     def state(self) -> dict[str, Any]:
         bare = self.bare()
         out: dict[str, Any] = {"params": {n: p.detach().cpu().clone().float() for n, p in bare.named_parameters()},
-                               "lrs": [g["lr"] for g in self.optimizer.param_groups]}
+                               "lrs": [g["lr"] for g in self.optimizer.param_groups],
+                               # each rank's own: DDP leaves the statistics of a rank's last forward on it
+                               "buffers": {n: b.detach().cpu().clone().double() for n, b in bare.named_buffers()}}
         if self.ema is not None:
             out["ema"] = {n: p.detach().cpu().clone() for n, p in self.ema.module.named_parameters()}
         out.update(self.extra)
@@ -225,6 +230,24 @@ def ema(r: Runner) -> None:
             first.copy_(kept)
 
 
+def eval_between_steps(r: Runner) -> None:
+    """pytorch/examples imagenet's ``validate()`` between training steps: ``model.eval()``, forwards under
+    ``torch.no_grad()``, ``model.train()``. Each rank evaluates its own batches; the outputs are recorded. DDP
+    gives the first evaluation forward rank 0's BatchNorm statistics (the forward before it trained) and the
+    second, and the next training forward, none (the forward before each was under no_grad)."""
+    outputs = []
+    for s in range(STEPS):
+        r.micro_steps(s)
+        r.step()
+        r.model.eval()
+        with torch.no_grad():
+            for k in range(2):
+                x, _ = batch(r.phase, 100 + s, k, r.rank, r.device)
+                outputs.append(r.model(x).double().sum().item())
+        r.model.train()
+    r.extra["eval"] = outputs
+
+
 def module_attribute(r: Runner) -> None:
     """``model.module`` (DDP's wrapper attribute), then ``dk.unwrap(model)`` (every engine)."""
     try:
@@ -260,7 +283,7 @@ def distributed_sampler(r: Runner) -> None:
 
 PHASES: dict[str, Callable[[Runner], None]] = {f.__name__: f for f in (
     plain, accumulate_without_no_sync, double_backward, zero_grad_set_to_none, raw_clip, save_load, ema,
-    module_attribute, print_flush, drop_last, distributed_sampler)}
+    eval_between_steps, module_attribute, print_flush, drop_last, distributed_sampler)}
 #: phases whose exception is left to distkit's exception hook (the process ends there)
 UNCAUGHT = {"distributed_sampler"}
 

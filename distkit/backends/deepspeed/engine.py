@@ -23,6 +23,7 @@ from distkit.errors import CollectiveTimeout, ConfigError, OutputError, Unsuppor
 from distkit.replicas import ReplicaGroups
 
 from ..base import bare_module, persistent_buffers, unused_parameters
+from ..buffers import DDPBufferRule
 from .config import RESOLVED_NAME, zero_section
 from .groups import _MasterAverager, _ReplicaGroups
 from .state import _DeepSpeedState
@@ -229,11 +230,11 @@ class DeepSpeedStrategy(_DeepSpeedState):
         return "optimizer" in (self.cfg.distributed.deepspeed_config or {})
 
     def _hook_buffers(self, engine: Any) -> None:
-        """DDP's rule for buffers (BatchNorm statistics), which DeepSpeed has not: before every training forward
-        the leader's persistent buffers replace the others', where the ranks reduce gradients together (rank 0's
-        in grad mode, the replica group's first rank's with replica groups; none where every rank is its own
-        replica). Only model state: a constant (non-persistent) buffer such as a causal mask would cost a
-        broadcast per step for nothing."""
+        """DDP's rule for buffers (BatchNorm statistics), which DeepSpeed has not (:mod:`distkit.backends.buffers`):
+        before the forwards DDP syncs before, the leader's persistent buffers replace the others', where the ranks
+        reduce gradients together (rank 0's in grad mode, the replica group's first rank's with replica groups;
+        none where every rank is its own replica). Only model state: a constant (non-persistent) buffer such as a
+        causal mask would cost a broadcast per step for nothing."""
         buffers = persistent_buffers(self.unwrap(engine))
         if self.mpu is None:
             group, src, size = None, 0, self.world_size
@@ -242,13 +243,12 @@ class DeepSpeedStrategy(_DeepSpeedState):
         if not buffers or size == 1:
             return
 
-        def sync(module: nn.Module, args: Any) -> None:
-            if module.training:
-                for b in buffers:
-                    self.comm_bytes += b.numel() * b.element_size()
-                    dist.broadcast(b.data, src=src, group=group)
+        def sync() -> None:
+            for b in buffers:
+                self.comm_bytes += b.numel() * b.element_size()
+                dist.broadcast(b.data, src=src, group=group)
 
-        engine.module.register_forward_pre_hook(sync)
+        DDPBufferRule(engine.module, sync, lambda: self.outside_no_sync)
 
     def _averaging_group(self) -> Any:
         return self.mpu.cross_group if self.mpu is not None else None
