@@ -17,7 +17,7 @@ from distkit.config import RunConfig
 from distkit.env import ClusterEnv
 from distkit.errors import CollectiveTimeout, UsageError
 from distkit.netif import host_identity
-from distkit.watchdog import start_watchdog
+from distkit.watchdog import STOP_JOIN_S, start_watchdog
 
 
 class Job:
@@ -103,7 +103,9 @@ class Job:
         """Stop the watchdog, tear the engine down and, after a run whose ranks met at the end, wait for this
         host's other ranks to leave (:meth:`distkit.watchdog.Watchdog.see_local_peers_out`)."""
         if self._watchdog is not None:
-            self._watchdog.stop()
+            # the ranks met just now, so the store (rank 0's) answers: wait for the beater's call in flight, however
+            # slow the machine (2 s was passed under load, and the rank then aborted at exit: see Watchdog.stop)
+            self._watchdog.stop(min(float(self.cfg.distributed.timeout_s), 30.0) if together else STOP_JOIN_S)
         self._strategy.teardown()
         if together and self._watchdog is not None:
             # (distkit's spawner ends a rank stopped on its way out itself, naming it: no exit watcher there)

@@ -115,20 +115,21 @@ class Watchdog:
         self._beater.start()
         self._judge.start()
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = STOP_JOIN_S) -> None:
         """Stop judging, at once, and the heartbeat (normal teardown; idempotent). Not collective. Waits up to
-        :data:`STOP_JOIN_S` for the beater to leave its store call: a daemon thread still inside a torch call
+        ``join_s`` seconds for the beater to leave its store call: a daemon thread still inside a torch call
         when the interpreter finalizes is ended by ``pthread_exit`` while C++ unwinds it, which aborts the
         process ("terminate called without an active exception", exit 134 after a complete run: seen when
-        rank 0, which serves the store, had left first, so the call failed just then). A call still blocked
-        after that (a store whose host froze) is left to the process's end."""
+        rank 0, which serves the store, had left first, so the call failed just then; and after 2 s of a call
+        to a live store on a loaded machine, whence the longer ``join_s`` after a run whose ranks met at the end).
+        A call still blocked after that (a store whose host froze) is left to the process's end."""
         global _ACTIVE
         with self._lock:
             self._stop.set()
         if _ACTIVE is self:
             _ACTIVE = None
         if self._beater.is_alive() and threading.current_thread() is not self._beater:
-            self._beater.join(STOP_JOIN_S)
+            self._beater.join(join_s)
         if self.rank == 0 and len(self._where) < self.world_size and threading.current_thread() is not self._beater:
             # A run shorter than a heartbeat interval can end before the beater learned where the ranks run; no
             # rank would then see its host's peers out, and a peer stopped now would keep the launcher waiting

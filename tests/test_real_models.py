@@ -222,9 +222,8 @@ def test_resnet_batchnorm_in_sync_and_exported(runs: Runs, engine: str, mode: st
     # and the statistics were really trained: one update per training forward, values moved off (0, 1)
     assert all(int(r0[k]) == STEPS for k in stats if k.endswith("num_batches_tracked"))
     assert all(float((r0[k] - 1).abs().max()) > 1e-3 for k in stats if k.endswith("running_var"))
-    # grad mode: ddp, mpi and horovod give every rank rank 0's statistics before each forward, so they
-    # are bit-identical; DeepSpeed lets each rank's run on its own data and broadcasts rank 0's at the end,
-    # which are the same values (rank 0's never saw other data), with its own reduction (<= 1e-5).
+    # grad mode: every engine gives every rank rank 0's statistics where DDP does (distkit/backends/buffers.py),
+    # so ddp, mpi and horovod are bit-identical; DeepSpeed reduces in its own order (<= 1e-5).
     # param mode: the same flat mean of parameters and float buffers on ddp, mpi and horovod.
     ddp0 = final_params(runs.two_ranks(RESNET, "ddp", mode))
     if engine.startswith("deepspeed"):
