@@ -36,12 +36,21 @@ class BatchPlan:
     """
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, mode: str, seed: int,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, drop_last: bool = True) -> None:
         self.n, self.b, self.rank, self.world, self.mode, self.seed = num_samples, batch_size, rank, world_size, mode, seed
         self.shuffle = shuffle
         per_step = batch_size * world_size if mode == "shard" else batch_size
-        self.steps_per_epoch = num_samples // per_step
+        self.full_steps = num_samples // per_step
+        #: samples of the incomplete last global batch (``drop_last`` False keeps it: see :meth:`indices`)
+        self.tail = 0 if drop_last else num_samples - self.full_steps * per_step
+        self.steps_per_epoch = self.full_steps + (self.tail > 0)
         self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, permutation): one randperm per epoch
+
+    def batch_size_at(self, step: int) -> int:
+        """This rank's batch size at ``step``: ``b``, or the share of the incomplete last global batch."""
+        if step < self.full_steps:
+            return self.b
+        return -(-self.tail // self.world) if self.mode == "shard" else self.tail
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if self._cache is not None and self._cache[0] == epoch:
@@ -61,11 +70,27 @@ class BatchPlan:
         perm = self._perm(epoch)
         end = self.steps_per_epoch if steps is None else min(steps, self.steps_per_epoch)
         for s in range(start_step, end):
-            if self.mode == "shard":
+            if s >= self.full_steps:  # the incomplete last global batch (drop_last False)
+                yield self._tail_indices(perm)
+            elif self.mode == "shard":
                 lo = s * self.b * self.world + self.rank * self.b
+                yield perm[lo:lo + self.b]
             else:
                 lo = s * self.b
-            yield perm[lo:lo + self.b]
+                yield perm[lo:lo + self.b]
+
+    def _tail_indices(self, perm: torch.Tensor) -> torch.Tensor:
+        """The last global batch of ``tail`` samples: shard mode pads it, as ``DistributedSampler`` does, with the
+        epoch's first samples to ``k * world`` (``k`` = ceil(tail / world)) and gives rank r the r-th ``k``, so
+        every rank takes the same number of samples (no rank waits) and the padded copies come last in rank
+        order (:meth:`distkit.Session.gather` drops them); every sample is seen once, the first few twice."""
+        rest = perm[self.full_steps * (self.b * self.world if self.mode == "shard" else self.b):]
+        if self.mode != "shard":
+            return rest
+        k = -(-self.tail // self.world)
+        pad = k * self.world - self.tail
+        padded = torch.cat([rest, perm.repeat(-(-pad // self.n))[:pad]]) if pad else rest
+        return padded[self.rank * k:(self.rank + 1) * k]
 
 
 def fetch(dataset: "Dataset[Any]", idx: torch.Tensor) -> Any:
@@ -119,9 +144,10 @@ class PlanSampler(Sampler[list[int]]):
     def __init__(self, plan: BatchPlan, steps: int) -> None:
         self.plan, self.steps = plan, steps
         self.epoch, self.start = 0, 0
+        self.chosen = False  # set_epoch was called since the last pass began
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
+        self.epoch, self.start, self.chosen = epoch, start, True
 
     def index_tensors(self) -> Iterator[torch.Tensor]:
         """This epoch's batches as index tensors (the loader's fast path uses them as they are)."""
@@ -160,15 +186,17 @@ class ShardedLoader(DataLoader[Any]):
     """A real ``torch.utils.data.DataLoader`` whose batch sampler is a :class:`PlanSampler`.
 
     Yields this rank's batches, moved to ``device``. Call ``set_epoch(epoch)`` before each epoch
-    (``set_epoch(epoch, start=k)`` resumes at batch ``k``); without it every epoch repeats epoch 0's
-    order. ``on_batch(n, t)`` is told the number of samples of every batch handed out and the
+    (``set_epoch(epoch, start=k)`` resumes at batch ``k``); without it, a pass that begins after a pass
+    that ran to its end takes the next epoch's order (Accelerate's habit: scripts that never call
+    ``set_epoch`` get a fresh order each epoch, where they repeated epoch 0's), while a pass begun and left
+    (``next(iter(loader))`` for a sample batch) does not count. ``on_batch(n, t)`` is told the number of samples of every batch handed out and the
     ``time.perf_counter()`` at which fetching it began.
     """
 
     def __init__(self, dataset: "Dataset[Any]", sampler: PlanSampler, device: torch.device,
                  collate_fn: Optional[Callable[[list[Any]], Any]] = None, num_workers: int = 0,
                  pin_memory: bool = False, on_batch: Optional[Callable[[int, float], None]] = None,
-                 **kwargs: Any) -> None:
+                 on_tail: Optional[Callable[[Optional[int]], None]] = None, **kwargs: Any) -> None:
         # In-memory tensors in this process: index them a batch at a time and skip the DataLoader's
         # per-batch machinery (profiler ranges, fetcher, collate), ~0.1 ms a step of pure overhead.
         self._tensors = dataset.tensors if (collate_fn is None and isinstance(dataset, TensorDataset)
@@ -177,15 +205,25 @@ class ShardedLoader(DataLoader[Any]):
             dataset, collate_fn = _TensorRows(dataset), _batch_as_is
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate_fn or default_collate,
                          num_workers=num_workers, pin_memory=pin_memory, **kwargs)
-        self.plan_sampler, self.device, self._on_batch = sampler, device, on_batch
+        self.plan_sampler, self.device, self._on_batch, self._on_tail = sampler, device, on_batch, on_tail
         self._own_generator = kwargs.get("generator") is None
+        self._passes_done = 0  # passes that ran to their end: without set_epoch, the next one takes the next epoch
+        self._passes_begun = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Use ``epoch``'s order (the same on every rank and at any world size), from batch ``start``."""
         self.plan_sampler.set_epoch(epoch, start)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        move, size = self.device.type != "cpu", self.plan_sampler.plan.b  # every batch is full (last one dropped)
+        sampler = self.plan_sampler
+        if not sampler.chosen and self._passes_done == self._passes_begun and self._passes_done > 0:
+            sampler.epoch, sampler.start = sampler.epoch + 1, 0  # a new pass without set_epoch: the next epoch
+        sampler.chosen = False
+        self._passes_begun = self._passes_done + 1
+        return self._batches()
+
+    def _batches(self) -> Iterator[Any]:
+        move, plan, step = self.device.type != "cpu", self.plan_sampler.plan, self.plan_sampler.start
         tensors = self._tensors
         if tensors is not None:
             it: Iterator[Any] = (tuple(t[idx] for t in tensors) for idx in self.plan_sampler.index_tensors())
@@ -205,15 +243,19 @@ class ShardedLoader(DataLoader[Any]):
             try:
                 batch = next(it)
             except StopIteration:
+                self._passes_done = self._passes_begun
                 return
             if self._on_batch is not None:
-                self._on_batch(size, t_fetch)
+                self._on_batch(plan.batch_size_at(step), t_fetch)
+            if self._on_tail is not None:  # dk.gather drops the padded copies of the last global batch
+                self._on_tail(plan.tail if step >= plan.full_steps else None)
+            step += 1
             yield to_device(batch, self.device) if move else batch
 
 
 def sharded_loader(session: "Session", dataset: Any, batch_size: Optional[int], shuffle: bool,
                    collate_fn: Optional[Callable[[list[Any]], Any]], num_workers: int, pin_memory: bool,
-                   **kwargs: Any) -> ShardedLoader:
+                   drop_last: bool = True, **kwargs: Any) -> ShardedLoader:
     """Collective: the loader of :meth:`distkit.Session.dataloader` (see there), for ``session``'s rank."""
     if isinstance(dataset, DataLoader):
         loader = dataset
@@ -233,8 +275,11 @@ def sharded_loader(session: "Session", dataset: Any, batch_size: Optional[int], 
 
     # fault-tolerant replica groups: group i takes what its ranks would take in one job of all the groups
     rank, world = data_place(session.cfg.fault_tolerance, session.rank, session.world_size)
+    if not drop_last and session.cfg.data_distribution != "shard":
+        raise UsageError("dk.dataloader(drop_last=False) shares every sample out once across the ranks, which needs "
+                         "data_distribution = 'shard' (random_seed_offset gives every rank the whole set)")
     plan = BatchPlan(len(dataset), batch_size, rank, world, session.cfg.data_distribution, session.cfg.seed,
-                     shuffle=shuffle)
+                     shuffle=shuffle, drop_last=drop_last)
     # Ranks may hold different data (per-rank datasets): the minimum never hangs.
     steps = int(session.all_reduce(torch.tensor([plan.steps_per_epoch]), op="min").item())
     if steps == 0:  # (the same on every rank: agreed by the all-reduce above)
@@ -244,4 +289,4 @@ def sharded_loader(session: "Session", dataset: Any, batch_size: Optional[int], 
         raise error
     return ShardedLoader(dataset, PlanSampler(plan, steps), session.device, collate_fn=collate_fn,
                          num_workers=num_workers, pin_memory=pin_memory, on_batch=session._meter.batch_handed_out,
-                         **kwargs)
+                         on_tail=session._set_gather_tail, **kwargs)

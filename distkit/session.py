@@ -130,6 +130,7 @@ class Session(Job):
         self._optimizer: Any = None
         self._scheduler: Any = None
         self._scheduler_interval = "step"  # dk.setup's interval
+        self._gather_keep: Optional[int] = None  # real samples of the newest batch when it is a padded last one
         self._failed = self._closed = False
         self.num_steps, self.num_samples = 0, 0
         #: training samples per step of the run a checkpoint from another layout was written by (set by load)
@@ -311,15 +312,30 @@ class Session(Job):
         ``shard``: one global order per epoch (seed + epoch), cut into global batches of
         ``world_size * batch_size``; this rank takes its slice, so N ranks x B see what 1 rank x N*B
         sees. ``random_seed_offset``: the whole set, in this rank's own order. The incomplete last
-        global batch is dropped and every rank gets the same number of batches (the minimum over
-        ranks, agreed here), so none waits for another. ``batch_size`` is per rank (default: the
+        global batch is dropped (``drop_last=False``, shard mode, e.g. for evaluation: kept, padded as
+        ``DistributedSampler`` pads it so every rank takes as many samples; :meth:`gather` drops the
+        copies) and every rank gets the same number of batches (the minimum over ranks, agreed here),
+        so none waits for another. ``batch_size`` is per rank (default: the
         config's). Batches of any structure come out on :attr:`device`. Passing a ``DataLoader``
         re-shards it with its dataset, batch size, collate_fn, workers and pin_memory.
         """
-        if not kwargs.pop("drop_last", True):
-            raise UsageError("dk.dataloader(drop_last=False): distkit always drops the incomplete last global batch, "
-                             "so that every rank takes the same number of steps; remove drop_last")
         return sharded_loader(self, dataset, batch_size, shuffle, collate_fn, num_workers, pin_memory, **kwargs)
+
+    def _set_gather_tail(self, real: Optional[int]) -> None:
+        """(the loaders) The newest batch is the padded last global batch of a ``drop_last=False`` loader, of ``real``
+        samples (None: any other batch)."""
+        self._gather_keep = real
+
+    def gather(self, data: Any) -> Any:
+        """Collective: ``data`` (a tensor, or tuples, lists and dicts of tensors; per-sample rows along dim 0) from
+        every rank, concatenated in rank order, on every rank: Accelerate's ``gather_for_metrics``. Right after the
+        last batch of a ``dataloader(..., drop_last=False)``, the padded copies are dropped, so an evaluation's
+        gathered outputs hold every sample once, in the loader's global order, and a metric over them equals the
+        one-process value. Ranks may hold different numbers of rows; other dimensions and dtype must agree."""
+        from distkit.gather import gather
+
+        with self._collective("dk.gather()"):
+            return gather(self, data, self._gather_keep)
 
     # -- per step ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

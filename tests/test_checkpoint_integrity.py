@@ -475,3 +475,22 @@ def test_a_refused_run_leaves_no_lock_file_in_an_output_dir_that_had_none(base: 
     assert main([*ARGS, "--nprocs", "2", "++output_dir", str(out)]) == 2
     assert "holds checkpoints of an earlier run" in capsys.readouterr().err
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_checkpoint_exists_is_the_one_call_for_a_complete_checkpoint(base: Path, tmp_path: Path) -> None:
+    """Issue 36 item 8: a checkpoint is a directory, so a kept ``os.path.isfile(args.resume)`` said "no checkpoint"
+    and the script started over. ``distkit.checkpoint.exists`` says whether a complete checkpoint is there; dk.load
+    of a path without one is one line, never a fresh start."""
+    out = copy(base, tmp_path)
+    step = out / "checkpoints" / "step-0000010"
+    assert not os.path.isfile(step)  # the habit that misled
+    assert checkpoint.exists(str(step)) and checkpoint.exists(str(out / "checkpoints" / "step-0000005"))
+    for nothing in (out, out / "checkpoints", tmp_path / "missing", step / "manifest.json"):
+        assert not checkpoint.exists(str(nothing)), nothing
+    flip_byte(step / "rank-00000.pt")
+    assert checkpoint.exists(str(step))  # same size: complete (dk.load's sha256 check names the damage)
+    with open(step / "rank-00001.pt", "ab") as f:
+        f.write(b"x")
+    assert not checkpoint.exists(str(step))
+    (out / "checkpoints" / "step-0000005" / "rank-00000.pt").unlink()
+    assert not checkpoint.exists(str(out / "checkpoints" / "step-0000005"))

@@ -35,8 +35,8 @@ FIND_UNUSED = ", 'options': {'find_unused_parameters': True}"
 
 #: run kind -> (script phases, script flags, distributed-dict suffix)
 RUNS: dict[str, tuple[list[str], list[str], str]] = {
-    "main": (["plain", "zero_grad_set_to_none", "save_load", "drop_last", "eval_between_steps", "module_attribute",
-              "ema", "double_backward", "raw_clip", "distributed_sampler"], [], ""),
+    "main": (["plain", "zero_grad_set_to_none", "save_load", "drop_last", "eval_between_steps", "eval_gather",
+              "module_attribute", "ema", "double_backward", "raw_clip", "distributed_sampler"], [], ""),
     # accumulation set after init (dk.set_accumulation), a scheduler factory
     "accum": (["plain", "accumulate_without_no_sync", "save_load"], ["--accum-api", "2", "--scheduler", "factory"], ""),
     "compile": (["save_load"], ["--compile"], ""),
@@ -77,6 +77,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "zero2": SAME, "zero3": SAME},
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": dict.fromkeys(ENGINES, SAME),
     "BatchNorm model: evaluation (model.eval(), torch.no_grad()) between training steps": dict.fromkeys(ENGINES, SAME),
+    "evaluation loader with drop_last=False, dk.gather per batch (gather_for_metrics)": dict.fromkeys(ENGINES, SAME),
 }
 #: idiom -> (run kind, phase)
 WHERE: dict[str, tuple[str, str]] = {
@@ -95,6 +96,7 @@ WHERE: dict[str, tuple[str, str]] = {
     "torch.utils.data.DistributedSampler(dataset) kept": ("main", "distributed_sampler"),
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": ("main", "drop_last"),
     "BatchNorm model: evaluation (model.eval(), torch.no_grad()) between training steps": ("main", "eval_between_steps"),
+    "evaluation loader with drop_last=False, dk.gather per batch (gather_for_metrics)": ("main", "eval_gather"),
 }
 GRAD_ONLY = {"accum", "compile", "unused", "unused_no_find"}
 
@@ -187,6 +189,8 @@ def test_idiom_gives_ddp_result_or_the_documented_error(runs: Any, idiom: str, e
             assert _diff(p, ref["ranks"][rank]["phases"][phase]) <= TOL, f"rank {rank} differs from DDP in {phase}"
     if mode == "grad" or phase in ("ema",):  # grad mode: replicas equal every step; param: after finish
         assert _diff(mine[0], mine[1], per_rank=False) == 0.0
+    if phase == "eval_gather":  # every sample once, in one global order, on both ranks
+        assert mine[0]["gathered"] == mine[1]["gathered"] and sorted(mine[0]["gathered"]) == list(range(21))
     if phase == "ema":
         assert torch.equal(torch.cat([t.flatten() for t in mine[0]["ema"].values()]),
                            torch.cat([t.flatten() for t in mine[1]["ema"].values()]))

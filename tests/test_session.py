@@ -254,6 +254,51 @@ def _loader_rank(rank: int, world: int, batch: int, sizes: list[int]) -> tuple[l
     return order, len(uneven)
 
 
+def test_load_of_a_path_without_a_checkpoint_is_one_line_and_restores_nothing(dk: Any, tmp_path: Path) -> None:
+    """Issue 36 item 8: a script whose resume path holds no checkpoint must stop with one line naming the path,
+    never train on from a fresh start as if it had resumed."""
+    from distkit import checkpoint
+
+    model = torch.nn.Linear(3, 3)
+    model, opt = dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in dk.unwrap(model).state_dict().items()}
+    (tmp_path / "model.pt").write_bytes(b"a one-file checkpoint of another tool")
+    for nothing in (tmp_path / "missing", tmp_path, tmp_path / "model.pt"):
+        assert not checkpoint.exists(str(nothing))
+        with pytest.raises(CheckpointError) as e:
+            dk.load(str(nothing), {"model": model, "optimizer": opt})
+        assert "\n" not in str(e.value) and str(e.value) == (
+            f"'{nothing}' is not a complete distkit checkpoint (no manifest.json): pick another or use ++resume auto")
+    assert all(before[k].equal(v) for k, v in dk.unwrap(model).state_dict().items()) and dk.num_steps == 0
+    assert checkpoint.exists(dk.save(str(tmp_path / "ck"), {"model": model}))
+
+
+def test_a_new_pass_without_set_epoch_takes_the_next_epochs_order(dk: Any) -> None:
+    """Issue 36 item 7: a loop that never calls set_epoch repeated epoch 0's order every epoch (Accelerate
+    reshuffles by itself). A pass that begins after a finished pass takes the next epoch; a pass begun and left
+    (a sample batch) does not count; an explicit set_epoch wins."""
+    items = [torch.tensor([i]) for i in range(16)]
+
+    def order(loader: Any) -> list[int]:
+        return [int(v) for b in loader for v in b.flatten()]
+
+    ref = dk.dataloader(items, batch_size=4)
+    want = []
+    for e in range(3):
+        ref.set_epoch(e)
+        want.append(order(ref))
+    assert want[0] != want[1] != want[2] and sorted(want[1]) == list(range(16))
+    loader = dk.dataloader(items, batch_size=4)
+    next(iter(loader))  # a sample batch: begun and left
+    assert order(loader) == want[0]
+    assert order(loader) == want[1]
+    next(iter(loader))  # epoch 2's first batch, left
+    assert order(loader) == want[2]  # still epoch 2: the left pass did not count
+    loader.set_epoch(1)
+    assert order(loader) == want[1]  # set_epoch wins
+    assert order(loader) == want[2]
+
+
 def test_dataloader_same_global_order_at_any_world_size_and_equal_lengths(tmp_path: Path) -> None:
     (one, _), = run_ranks(_loader_rank, 1, tmp_path, 8, [40])
     two = run_ranks(_loader_rank, 2, tmp_path, 4, [40, 24])
@@ -441,3 +486,23 @@ def test_hugging_face_batch_encoding_items_are_collated_and_moved(dk: Any) -> No
     assert len(batches) == 2 and all(isinstance(b, BatchEncoding) for b in batches)
     assert batches[0]["input_ids"].shape == (3, 4) and batches[1]["input_ids"][:, 0].tolist() == [3, 4, 5]
     assert batches[0]["input_ids"].device == dk.device
+
+
+def test_drop_last_false_keeps_every_sample_once_and_gather_returns_them(dk: Any) -> None:
+    """Issue 36 items 5-6: an evaluation saw 96 of 100 images (the incomplete last batch was dropped) and had no
+    tensor gather. One rank here: batches 4, 4, 2 in the epoch's order; dk.gather gives them back (the 2-rank
+    padding and its removal are the conformance row's, on every engine)."""
+    items = [torch.tensor([float(i)]) for i in range(10)]
+    loader = dk.dataloader(items, batch_size=4, drop_last=False)
+    assert len(loader) == 3
+    seen = [dk.gather(b).flatten().tolist() for b in loader]
+    assert [len(b) for b in seen] == [4, 4, 2] and sorted(v for b in seen for v in b) == [float(i) for i in range(10)]
+    full = dk.dataloader(items, batch_size=4)
+    assert [v for b in full for v in b.flatten().tolist()] == [v for b in seen[:2] for v in b]  # the same order
+    nested = dk.gather({"x": torch.ones(3, 2), "y": (torch.arange(3), torch.tensor([True, False, True]))})
+    assert nested["x"].shape == (3, 2) and nested["y"][1].dtype == torch.bool and nested["y"][1].tolist() == [True, False, True]
+    with pytest.raises(UsageError, match=r"dk.gather\(data\): needs tensors .* got float"):
+        dk.gather([torch.ones(1), 2.0])
+    dk.cfg.data_distribution = "random_seed_offset"  # (every rank the whole set: nothing to share out)
+    with pytest.raises(UsageError, match=r"drop_last=False\) shares every sample out once.*'shard'"):
+        dk.dataloader(items, batch_size=4, drop_last=False)

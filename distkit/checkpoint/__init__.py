@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from .load import load_state, read_portable
 from .manifest import (
-    TRUSTED_ENV, check_fits, check_layout, checkpoint_for, find_resumable, fitting_checkpoint, latest, model_shapes,
+    TRUSTED_ENV, check_fits, check_layout, checkpoint_for, exists, find_resumable, fitting_checkpoint, latest, model_shapes,
     new_run_id, read_latest, read_manifest, read_rank_file, recorded_run_id, resolve, run_id_note, verify,
 )
 from .outputs import (
@@ -58,7 +58,7 @@ from .write import PendingCheckpoint, file_entries, mark_latest, start, write
 
 __all__ = [
     "KEEP", "LOCK_ENV", "LOCK_NAME", "STEP_RE", "TRUSTED_ENV", "PendingCheckpoint", "check_fits", "check_layout",
-    "check_output_dir", "checkpoint_for", "file_entries", "find_resumable", "fitting_checkpoint", "holds_lock", "latest",
+    "check_output_dir", "checkpoint_for", "exists", "file_entries", "find_resumable", "fitting_checkpoint", "holds_lock", "latest",
     "load_state", "lock_output_dir", "mark_latest", "model_shapes", "new_run_id", "preflight", "read_latest",
     "read_manifest", "read_portable", "read_rank_file", "recorded_run_id", "resolve", "run_id_note", "save_state",
     "sha256_file", "start", "step_name", "unlock_output_dir", "verify", "write", "write_json",

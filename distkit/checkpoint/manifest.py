@@ -141,6 +141,19 @@ def _trusted(path: str) -> bool:
     return os.environ.get(TRUSTED_ENV) == os.path.abspath(path)
 
 
+def exists(path: str) -> bool:
+    """Whether ``path`` holds a complete distkit checkpoint: a directory with its manifest and every file the
+    manifest lists, at the recorded size. A checkpoint is a directory, so the habit ``os.path.isfile(args.resume)``
+    of a one-file checkpoint says False and a script would start over: use this instead. Cheap (sizes, no
+    hashing; :meth:`distkit.Session.load` verifies every sha256 before it restores anything). Not collective."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return False
+    return all(_check_file(path, rel, want["size"] if isinstance(want, dict) else want) is None
+               for rel, want in manifest["files"].items())
+
+
 def verify(path: str, only: Optional[str] = None, under: Optional[str] = None) -> Optional[str]:
     """What is damaged in checkpoint ``path`` (the first file, by name), or None when every file (or
     just file ``only``, or the files in its subdirectory ``under``) has the size and sha256 its

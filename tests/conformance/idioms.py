@@ -248,6 +248,22 @@ def eval_between_steps(r: Runner) -> None:
     r.extra["eval"] = outputs
 
 
+def eval_gather(r: Runner) -> None:
+    """Accelerate's evaluation: a loader that keeps the incomplete last batch (``drop_last=False``; 21 samples, 2
+    ranks x 4: the last global batch of 5 is padded to 6) and ``dk.gather`` of each batch's inputs and labels
+    (``gather_for_metrics``). Every sample once, in the loader's global order, on every rank."""
+    if r.dk is None:
+        return
+    data = [(torch.full((2,), float(i)), i) for i in range(21)]
+    ids: list[int] = []
+    for x, y in r.dk.dataloader(data, batch_size=4, drop_last=False):
+        gx, gy = r.dk.gather((x, y))
+        assert gx[:, 0].long().tolist() == gy.tolist()
+        ids += gy.tolist()
+    r.extra["eval"] = [float(i) for i in ids]
+    r.extra["gathered"] = ids
+
+
 def module_attribute(r: Runner) -> None:
     """``model.module`` (DDP's wrapper attribute), then ``dk.unwrap(model)`` (every engine)."""
     try:
@@ -283,7 +299,7 @@ def distributed_sampler(r: Runner) -> None:
 
 PHASES: dict[str, Callable[[Runner], None]] = {f.__name__: f for f in (
     plain, accumulate_without_no_sync, double_backward, zero_grad_set_to_none, raw_clip, save_load, ema,
-    eval_between_steps, module_attribute, print_flush, drop_last, distributed_sampler)}
+    eval_between_steps, eval_gather, module_attribute, print_flush, drop_last, distributed_sampler)}
 #: phases whose exception is left to distkit's exception hook (the process ends there)
 UNCAUGHT = {"distributed_sampler"}
 
