@@ -24,6 +24,7 @@ import io
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 from typing import Any, Callable, Optional
@@ -183,7 +184,9 @@ def _network(rendezvous: Optional[str]) -> dict[str, Any]:
     from distkit.netif import host_identity, interface_addresses, route_to
 
     target = rendezvous or os.environ.get("MASTER_ADDR")
-    out: dict[str, Any] = {"host": host_identity(), "interfaces": interface_addresses(), "rendezvous": target}
+    # the host's name first; the identity (boot id, network namespace) tells apart hosts that share a name
+    out: dict[str, Any] = {"host": socket.gethostname(), "host_identity": host_identity(),
+                           "interfaces": interface_addresses(), "rendezvous": target}
     if target:
         try:
             iface, addr = route_to(target)
@@ -202,12 +205,32 @@ def _gpus() -> dict[str, Any]:
                                         for i in range(count)]}
 
 
+#: the optional packages distkit uses when they are there (trackers, plots, replica groups, the bridges), by the name
+#: ``importlib.metadata`` knows them
+OPTIONAL = ("torchft", "tensorboard", "mlflow", "mlflow-skinny", "wandb", "matplotlib", "safetensors", "transformers", "accelerate",
+            "lightning", "pytorch-lightning")
+
+
+def _optional() -> dict[str, Any]:
+    """Each optional package's version, or None when it is not installed (read from the installed metadata:
+    nothing is imported)."""
+    from importlib import metadata
+
+    out: dict[str, Any] = {}
+    for name in OPTIONAL:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def collect(rendezvous: Optional[str] = None) -> dict[str, Any]:
     """The whole report as a dict of sections. Not collective; starts no process group."""
     return {"distkit": _section(_distkit), "python": _section(_python), "torch": _section(_torch),
             "deepspeed": _section(_deepspeed), "horovod": _section(_horovod), "mpi": _section(_mpi),
             "engines": _section(_engines), "launcher": _section(_launcher),
-            "network": _section(lambda: _network(rendezvous)), "gpus": _section(_gpus)}
+            "network": _section(lambda: _network(rendezvous)), "gpus": _section(_gpus), "optional": _section(_optional)}
 
 
 def render(report: dict[str, Any]) -> str:

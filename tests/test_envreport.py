@@ -3,6 +3,7 @@ Horovod (the same packages, Horovod left out), where it says why and how to fix 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -34,6 +35,11 @@ def test_the_report_names_this_machines_real_installs() -> None:
     assert r["launcher"]["launcher"] == "single" and r["launcher"]["world_size"] == 1
     assert r["network"]["chosen"] == {"interface": "lo", "address": "127.0.0.1"}
     assert r["network"]["interfaces"]["lo"] == "127.0.0.1"
+    # issue 36 item 19: the host by its name (the identity, which tells apart hosts that share one, beside it)
+    assert r["network"]["host"] == socket.gethostname() and "|" not in r["network"]["host"]
+    assert r["network"]["host_identity"].startswith(socket.gethostname())
+    assert r["optional"]["torchft"] == metadata.version("torchft") and r["optional"]["matplotlib"] == metadata.version("matplotlib")
+    assert set(r["optional"]) >= {"torchft", "tensorboard", "mlflow", "wandb", "matplotlib", "transformers", "accelerate"}
 
 
 def test_the_launcher_section_reads_slurms_variables() -> None:
@@ -49,7 +55,7 @@ def test_the_text_report_has_every_section_and_one_line_per_deepspeed_op() -> No
     text = ok(distkit("env")).stdout
     sections = [line[3:] for line in text.splitlines() if line.startswith("== ")]
     assert sections == ["distkit", "python", "torch", "deepspeed", "horovod", "mpi", "engines", "launcher", "network",
-                        "gpus"]
+                        "gpus", "optional"]
     assert any(line.strip().startswith("cpu_adam: installed ") for line in text.splitlines())
 
 
