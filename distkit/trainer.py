@@ -349,7 +349,10 @@ class TrainingRun:
                                           op="mean")
                     train_loss = float(means[0])
                     elapsed = time.perf_counter() - t_start
+                    # loss_steps: how many steps the loss averages (log_every; fewer in the first record after a
+                    # resume between log points, and at the last step)
                     record = {"step": step, "epoch": epoch, "samples": dk.num_samples, "loss": train_loss,
+                              "loss_steps": window_n,
                               **{n: float(v) for n, v in zip(names, means[1:])},
                               "lr": self.opt.param_groups[0]["lr"], "samples_per_s": dk.num_samples / max(elapsed, 1e-9),
                               # rank 0's seconds since training started, and of those blocked on the training

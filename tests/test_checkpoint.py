@@ -1,6 +1,7 @@
 """Atomic checkpoints: a kill in the middle of a save leaves the previous one loadable."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ learning_rate = 0.01
 batch_size = 8
 max_steps = 15
 checkpoint_every = 5
-log_every = 5
+log_every = 4
 progress_bar = False
 '''
 
@@ -101,3 +102,10 @@ def test_a_mid_epoch_resume_of_a_dropout_model_is_the_same_run(tmp_path: Path) -
     assert "at step 5" in resumed.stdout
     a, b = final_params(ref), final_params(out)
     assert all(a[k].equal(b[k]) for k in a), max(float((a[k] - b[k]).abs().max()) for k in a)
+    # issue 36 item 18: each record says how many steps its loss averages; the first after the resume (step 8)
+    # averages steps 6-8 only, and says so
+    def windows(run: Path) -> dict[int, int]:
+        return {r["step"]: r["loss_steps"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "loss_steps" in r}
+    assert windows(ref) == {4: 4, 8: 4, 12: 4, 15: 3}
+    assert windows(out)[8] == 3 and windows(out)[12] == 4 and windows(out)[15] == 3
