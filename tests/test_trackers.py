@@ -187,7 +187,8 @@ def test_every_tracker_holds_exactly_the_runs_records(tmp_path: Path, engine: st
 
     [wb] = wandb_runs(out)
     assert wb["id"] == s["run_id"] and wb["exit_code"] == 0
-    assert wb["history"] == {st: {k: r[k] for k in keys if k in r} for st, r in _merged(records).items()}
+    assert wb["history"] == {st: {k: v for k, v in r.items() if k != "step"} for st, r in _merged(records).items()}
+    assert wb["history"][6]["time_s"] < wb["history"][6]["eval_time_s"]  # both kept: the eval came after the step
     assert wb["config"]["distributed.backend"] == s["backend"] and wb["summary"]["eval_loss"] == s["eval_loss"]
 
     with open(out / "metrics.csv", newline="") as f:
@@ -205,9 +206,12 @@ def test_every_tracker_holds_exactly_the_runs_records(tmp_path: Path, engine: st
 
 
 def _merged(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Records of one step (a training and an eval point) as one: W&B keeps one history row per step."""
+    """Records of one step (a training and an eval point) as one: W&B keeps one history row per step, so an eval
+    record's other keys carry the eval_ prefix (its time_s overwrote the training record's: issue 36 item 16)."""
     rows: dict[int, dict[str, Any]] = {}
     for r in records:
+        if any(k.startswith("eval_") for k in r):
+            r = {k if k.startswith("eval_") or k == "step" else f"eval_{k}": v for k, v in r.items()}
         rows.setdefault(r["step"], {}).update(r)
     return rows
 

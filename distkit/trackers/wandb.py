@@ -3,7 +3,8 @@ has configured W&B (``WANDB_MODE``, ``WANDB_API_KEY``, or ``wandb login``'s entr
 The project is ``WANDB_PROJECT`` (default "distkit"), the run's id distkit's run id (a resumed run continues it,
 ``resume="allow"``), its name the ``output_dir``'s.
 
-History under the names of ``metrics.jsonl`` at the optimizer step (W&B's ``_step``); the config as the run's
+History under the names of ``metrics.jsonl`` at the optimizer step (W&B's ``_step``; an eval record's other keys with
+the ``eval_`` prefix, e.g. ``eval_time_s``, as W&B merges a step's records into one row); the config as the run's
 config; the summary in the run's summary (the summary's own keys) and its exit code: 0, 75 (preempted) or 1.
 """
 from __future__ import annotations
@@ -36,6 +37,10 @@ class WandbTracker:
         self.last_step = 0
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        # W&B keeps one history row per step and merges what is logged at it: an eval record at a training record's
+        # step overwrote its ``time_s`` (issue 36). Its keys that are not eval metrics get the eval_ prefix.
+        if any(k.startswith("eval_") for k in metrics):
+            metrics = {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items()}
         self.run.log(metrics, step=step)
         self.last_step = max(self.last_step, step)
 
