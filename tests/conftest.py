@@ -153,7 +153,7 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, item
 def base_env(**extra: str) -> dict[str, str]:
     """os.environ without launcher variables, plus the test mark and Open MPI's root permission."""
     drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID", "DISTKIT_SPAWN_ID", "DISTKIT_FAULT")
+            "TORCHELASTIC_RUN_ID", "DISTKIT_SPAWN_ID", "DISTKIT_FAULT", "PYTEST_ADDOPTS")  # (a pytest a test starts is its own)
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
     env.update(DISTKIT_TEST_MARK=MARK, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
