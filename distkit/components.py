@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from distkit.config import RunConfig
+from distkit.config.validate import NO_CUDA
 from distkit.errors import ConfigError, UsageError
 
 #: lr_scheduler classes distkit defines itself (HF names); anything else is a torch.optim.lr_scheduler class.
@@ -238,8 +239,7 @@ def ranks_per_gpu_problem(device: str, ranks_here: int, visible: int) -> Optiona
     if device == "cpu" or (device == "auto" and visible == 0) or ranks_here <= visible:
         return None
     if visible == 0:
-        return ("device 'cuda' (compute_setup 'gpu') was asked for but no CUDA device is visible: use device = "
-                "'auto' or 'cpu'")
+        return NO_CUDA
     return (f"{ranks_here} ranks on this host but {visible} visible CUDA device{'s' * (visible > 1)} (device "
             f"{device!r}: one GPU per rank): start {visible} rank{'s' * (visible > 1)} per host (--nprocs {visible}, "
             f"torchrun --nproc_per_node {visible}), or set ++device cpu")

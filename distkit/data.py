@@ -41,16 +41,15 @@ class BatchPlan:
         self.shuffle = shuffle
         per_step = batch_size * world_size if mode == "shard" else batch_size
         self.full_steps = num_samples // per_step
-        #: samples of the incomplete last global batch (``drop_last`` False keeps it: see :meth:`indices`)
+        #: samples of the incomplete last global batch, kept with ``drop_last`` False (shard mode only: the caller
+        #: refuses it elsewhere): :meth:`indices`
         self.tail = 0 if drop_last else num_samples - self.full_steps * per_step
         self.steps_per_epoch = self.full_steps + (self.tail > 0)
         self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, permutation): one randperm per epoch
 
     def batch_size_at(self, step: int) -> int:
         """This rank's batch size at ``step``: ``b``, or the share of the incomplete last global batch."""
-        if step < self.full_steps:
-            return self.b
-        return -(-self.tail // self.world) if self.mode == "shard" else self.tail
+        return self.b if step < self.full_steps else -(-self.tail // self.world)
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if self._cache is not None and self._cache[0] == epoch:
@@ -84,10 +83,8 @@ class BatchPlan:
         epoch's first samples to ``k * world`` (``k`` = ceil(tail / world)) and gives rank r the r-th ``k``, so
         every rank takes the same number of samples (no rank waits) and the padded copies come last in rank
         order (:meth:`distkit.Session.gather` drops them); every sample is seen once, the first few twice."""
-        rest = perm[self.full_steps * (self.b * self.world if self.mode == "shard" else self.b):]
-        if self.mode != "shard":
-            return rest
-        k = -(-self.tail // self.world)
+        rest = perm[self.full_steps * self.b * self.world:]
+        k = self.batch_size_at(self.full_steps)
         pad = k * self.world - self.tail
         padded = torch.cat([rest, perm.repeat(-(-pad // self.n))[:pad]]) if pad else rest
         return padded[self.rank * k:(self.rank + 1) * k]
@@ -207,8 +204,7 @@ class ShardedLoader(DataLoader[Any]):
                          num_workers=num_workers, pin_memory=pin_memory, **kwargs)
         self.plan_sampler, self.device, self._on_batch, self._on_tail = sampler, device, on_batch, on_tail
         self._own_generator = kwargs.get("generator") is None
-        self._passes_done = 0  # passes that ran to their end: without set_epoch, the next one takes the next epoch
-        self._passes_begun = 0
+        self._ran_to_end = False  # the last pass begun ran to its end: without set_epoch, the next takes the next epoch
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Use ``epoch``'s order (the same on every rank and at any world size), from batch ``start``."""
@@ -216,10 +212,9 @@ class ShardedLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.plan_sampler
-        if not sampler.chosen and self._passes_done == self._passes_begun and self._passes_done > 0:
+        if not sampler.chosen and self._ran_to_end:
             sampler.epoch, sampler.start = sampler.epoch + 1, 0  # a new pass without set_epoch: the next epoch
-        sampler.chosen = False
-        self._passes_begun = self._passes_done + 1
+        sampler.chosen = self._ran_to_end = False
         return self._batches()
 
     def _batches(self) -> Iterator[Any]:
@@ -234,7 +229,6 @@ class ShardedLoader(DataLoader[Any]):
                 # sees (dropout) once more when a resumed run started its epoch mid-way, so a mid-epoch resume
                 # was not the same run (issue 36). The base seed is a function of (seed, epoch, rank) instead:
                 # the global stream is the model's alone, and workers get the same seeds after a resume.
-                plan = self.plan_sampler.plan
                 self.generator = torch.Generator().manual_seed(
                     (plan.seed * 1_000_003 + self.plan_sampler.epoch) * 65_537 + plan.rank + 1)
             it = super().__iter__()
@@ -243,7 +237,7 @@ class ShardedLoader(DataLoader[Any]):
             try:
                 batch = next(it)
             except StopIteration:
-                self._passes_done = self._passes_begun
+                self._ran_to_end = True
                 return
             if self._on_batch is not None:
                 self._on_batch(plan.batch_size_at(step), t_fetch)

@@ -21,6 +21,10 @@ TIMEOUT_S_RANGE = (1.0, 1e7)
 SEED_MAX = 2**32 - 1
 
 
+#: device "cuda" where no CUDA device is visible (also :func:`distkit.components.ranks_per_gpu_problem`'s line)
+NO_CUDA = "device 'cuda' (compute_setup 'gpu') was asked for but no CUDA device is visible: use device = 'auto' or 'cpu'"
+
+
 def _int(name: str, value: Any, minimum: int, optional: bool = False, maximum: Optional[int] = None) -> None:
     if value is None and optional:
         return
@@ -167,8 +171,7 @@ def _validate(cfg: RunConfig) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' (compute_setup 'gpu') was asked for but no CUDA device is visible: "
-                              "use device = 'auto' or 'cpu'")
+            raise ConfigError(NO_CUDA)
     for key in ("model", "dataset", "loss", "collate_fn", "train_step", "eval_step"):
         setattr(cfg, key, _callable(key, getattr(cfg, key)))
     for key in ("train_dataset", "eval_dataset"):  # a dataset or a factory, possibly as "module:name"
