@@ -194,12 +194,16 @@ def test_a_run_shorter_than_a_heartbeat_still_sees_a_stopped_peer_out() -> None:
 def test_stopping_the_watchdog_leaves_no_heartbeat_call_in_flight() -> None:
     """A beater still inside a store call when the interpreter finalizes aborts the process (exit 134 after a
     complete run, seen under mpirun across hosts once rank 0 had left): stop() returns only once the
-    beater is gone, also when its store's server has gone first (its calls then fail)."""
+    beater is gone, also when its store's server has gone first (its calls then fail).
+
+    The watchdog is rank 0 of a job of one: its judge ages no one, so it cannot fire (and os._exit this
+    pytest worker) however slowly a loaded machine runs the sleeps below. As rank 1 of two, rank 0 never
+    beating, it did: one CI run lost its worker here."""
     delta = datetime.timedelta(seconds=2.0)
     for server_gone in (False, True):
         server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
         client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=delta)
-        w = Watchdog(client, 1, 2, 2.0, lambda code: None)
+        w = Watchdog(client, 0, 1, 2.0, lambda code: None)
         w.run()
         time.sleep(3 * w.interval_s)
         if server_gone:
