@@ -61,6 +61,8 @@ CASES = [
     ("timeout_s_tiny", "", ["++distributed.timeout_s", "1e-9"], ["'distributed.timeout_s' must be a number of "
                                                                 "seconds from 1 to 1e+07", "got 1e-09"]),
     ("timeout_s_huge", "", ["++distributed.timeout_s", "1e300"], ["'distributed.timeout_s'", "got 1e+300"]),
+    ("startup_timeout_s_zero", "", ["++distributed.startup_timeout_s", "0"],
+     ["'distributed.startup_timeout_s' must be a number of seconds from 1 to 1e+07", "or None", "got 0"]),
     # a callback named by a string was kept as a string and never called
     ("callback_module_missing", "callbacks = ['no_such_mod:Cb']\n", [],
      ["'callbacks' = 'no_such_mod:Cb': cannot import module 'no_such_mod'"]),

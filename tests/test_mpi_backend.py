@@ -267,14 +267,16 @@ def test_nprocs_starts_the_mpi_engine_under_mpirun(tmp_path: Path) -> None:
 
 def test_a_rank_stopped_during_start_up_ends_the_job(tmp_path: Path) -> None:
     """Rank 1 stops (SIGSTOP) before MPI_Init: rank 0 waited in MPI's start-up forever (5 of 5 runs). Now its
-    start-up guard ends it after timeout_s naming what it waited for, and mpirun ends the job (the stopped
+    start-up guard ends it after startup_timeout_s naming what it waited for, and mpirun ends the job (the stopped
     rank too): non-zero, well inside timeout_s + start-up, nothing written."""
     t0 = time.monotonic()
     res = mpirun("train", "configs/returnn_ddp.py", "++output_dir", str(tmp_path / "out"), *SHORT, *MPI,
-                 "++distributed.timeout_s", "6", DISTKIT_FAULT="1:0:stop:init", timeout=90)
+                 "++distributed.timeout_s", "6", "++distributed.startup_timeout_s", "6", DISTKIT_FAULT="1:0:stop:init",
+                 timeout=90)
     wall = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-2000:]
-    assert "distkit: rank 0: MPI start-up (MPI_Init, MPI_Comm_dup) did not complete within distributed.timeout_s = 6 s" in out
+    assert ("distkit: rank 0: MPI start-up (MPI_Init, MPI_Comm_dup) did not complete within 6 s "
+            "(distributed.startup_timeout_s)") in out
     assert wall < 45, f"{wall:.1f}s"
     assert not (tmp_path / "out" / "summary.json").exists()

@@ -77,18 +77,22 @@ class DDPStrategy(Strategy):
         addr, port = resolve_rendezvous(self.env)
         if self.pg_backend == "gloo":  # across hosts: the interface that reaches MASTER_ADDR, not the host name's
             prepare_gloo(addr)
-        # A TCPStore on rank 0; timeout_s bounds both rendezvous and every collective, so a
-        # vanished rank surfaces as an error instead of gloo's 30-minute default hang.
+        # A TCPStore on rank 0. distributed.startup_s() bounds the rendezvous (every rank's arrival: the
+        # others may still be importing torch), timeout_s every collective after it, so a vanished rank
+        # surfaces as an error instead of gloo's 30-minute default hang.
         # Under torchrun the agent already serves the store on MASTER_PORT; rank 0 only connects.
         master = self.rank == 0 and not self.env.agent_store
         timeout = datetime.timedelta(seconds=d.timeout_s)
+        startup_s = d.startup_s()
         store = None
         try:
-            # wait_for_workers=False: init_process_group waits for every rank below, and a rank that never
-            # arrives is then named from the store (a store that waited itself would leave none to ask)
-            store = dist.TCPStore(addr, port, self.world_size, is_master=master, timeout=timeout,
-                                  wait_for_workers=False)
+            # wait_for_workers=False: the arrivals are awaited below, and a rank that never arrives is then
+            # named from the store (a store that waited itself would leave none to ask)
+            store = dist.TCPStore(addr, port, self.world_size, is_master=master,
+                                  timeout=datetime.timedelta(seconds=startup_s), wait_for_workers=False)
             store.set(f"{_ARRIVED}{self.rank}", "1")
+            store.wait([f"{_ARRIVED}{r}" for r in range(self.world_size)])  # (the store's timeout: startup_s)
+            store.set_timeout(timeout)
             dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                                     timeout=timeout)
         except RuntimeError as e:  # DistNetworkError, DistStoreError: RuntimeErrors
@@ -105,8 +109,8 @@ class DDPStrategy(Strategy):
             # A rank stopped before it reached the store never acts on its launcher's SIGTERM (torchrun then
             # waits 30 s before SIGKILL): stopped ranks on this host are ended now.
             kill_stopped_siblings()
-            raise RankStalled(f"{ranks_text(missing)} did not arrive at start-up within distributed.timeout_s = "
-                              f"{d.timeout_s:g} s (noticed by rank {self.rank}): it did not start, is stopped, hangs "
+            raise RankStalled(f"{ranks_text(missing)} did not arrive at start-up within {startup_s:g} s "
+                              f"(distributed.startup_timeout_s; noticed by rank {self.rank}): it did not start, is stopped, hangs "
                               "or died; its own output, if any, has the cause", missing) from None
         # Groups created later without a timeout (DeepSpeed's clone of the world group that ZeRO reduces
         # on, distkit's replica groups) would get torch's default (30 minutes for gloo): make it timeout_s.

@@ -28,6 +28,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import nn
 
+from distkit import faults
 from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.netif import openmpi_interface_hint
 
@@ -75,20 +76,23 @@ class HorovodEngine(Strategy):
         # Horovod's own hang guard: a collective some rank never joins shuts Horovod down after
         # this long (the waiting ranks then raise, and abort() ends the job). Horovod ignores the
         # shutdown time unless the stall check (default 60 s) runs at least as often.
-        # The same bound for Gloo's operations under horovodrun --gloo (Horovod's default: 30 s).
+        # Gloo's timeout under horovodrun --gloo (Horovod's default: 30 s) bounds its rendezvous in hvd.init
+        # too, where the others may still be importing torch: distributed.startup_s(), at least timeout_s.
         # The user's own settings in the environment win. A rank that is stopped (SIGSTOP) or cut off
         # stalls the others' background threads too, so no stall check runs: distkit.watchdog names it.
         timeout = max(int(self.cfg.distributed.timeout_s), 1)
+        startup_s = self.cfg.distributed.startup_s()
         if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in os.environ:
             os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(timeout)
             os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(min(60, timeout)))
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout))
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(max(timeout, int(startup_s + 0.5))))
         # hvd.init() waits for its background thread's first collectives, which never complete where
         # Open MPI's TCP transport dials an interface the other hosts cannot reach, or a rank is stopped
-        # or missing; no stall check runs that early. After timeout_s this rank says so and exits
-        # non-zero: mpirun then ends the job.
+        # or missing; no stall check runs that early. After distributed.startup_s() this rank says so and
+        # exits non-zero: mpirun then ends the job. A slow start is not a stall: the bound is start-up's own.
         process_sets = self._make_process_sets(hvd)
-        with startup_guard(self.rank, timeout, "horovod's init", openmpi_interface_hint(self.env)):
+        with startup_guard(self.rank, startup_s, "horovod's init", openmpi_interface_hint(self.env)):
+            faults.maybe_fire(self.rank, 0, "init")
             hvd.init(process_sets=process_sets or None)
         self._initialized = True
         if (hvd.size(), hvd.rank()) != (self.world_size, self.rank):

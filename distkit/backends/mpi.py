@@ -122,8 +122,8 @@ class MPIStrategy(Strategy):
     # -- lifecycle -------------------------------------------------------------------
     def init(self) -> None:
         # MPI_Init (the first import of mpi4py) and the first communication wait for every rank with no
-        # timeout of their own, before distkit's heartbeat watchdog can start: bounded by timeout_s.
-        with startup_guard(self.rank, float(self.cfg.distributed.timeout_s), "MPI start-up (MPI_Init, MPI_Comm_dup)",
+        # timeout of their own, before distkit's heartbeat watchdog can start: bounded by distributed.startup_s().
+        with startup_guard(self.rank, self.cfg.distributed.startup_s(), "MPI start-up (MPI_Init, MPI_Comm_dup)",
                            openmpi_interface_hint(self.env)):
             faults.maybe_fire(self.rank, 0, "init")
             self._init_mpi()

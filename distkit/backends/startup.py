@@ -24,13 +24,13 @@ if not select.select([sys.stdin], [], [], timeout)[0]:
 def startup_guard(rank: int, timeout_s: float, what: str, hint: str = "") -> Iterator[None]:
     """Bound an engine's start-up (``MPI_Init``, ``hvd.init()``), which no timeout of the engine's own covers
     and which runs before distkit's heartbeat watchdog can start (the watchdog needs the engine to share
-    its address): when the block has not finished after ``timeout_s`` seconds, this rank is named in one
+    its address): when the block has not finished after ``timeout_s`` seconds (``distributed.startup_s()``), this rank is named in one
     line and ended (SIGKILL); the launcher (mpirun, horovodrun) then ends the job. A rank stopped or
     missing at start-up would otherwise keep every other rank waiting forever. Not collective.
 
     The guard is a tiny separate process, not a thread: ``MPI_Init`` runs inside the import of mpi4py's
     extension module, which holds the GIL, so no Python thread of this process could run meanwhile."""
-    line = (f"distkit: rank {rank}: {what} did not complete within distributed.timeout_s = {timeout_s:g} s "
+    line = (f"distkit: rank {rank}: {what} did not complete within {timeout_s:g} s (distributed.startup_timeout_s) "
             f"(another rank did not start, is stopped, hangs or died{hint}): ending this rank")
     guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), str(timeout_s), line],
                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=sys.__stderr__ or sys.stderr)

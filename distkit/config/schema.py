@@ -20,6 +20,10 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PG_BACKENDS = ("gloo", "nccl")
 
 
+#: seconds: the least start-up wait when ``distributed.startup_timeout_s`` is None (see :meth:`DistributedConfig.startup_s`)
+STARTUP_FLOOR_S = 60.0
+
+
 @dataclass
 class DistributedConfig:
     """The canonical ``distributed = {...}`` dict (DESIGN.md section 4)."""
@@ -36,6 +40,10 @@ class DistributedConfig:
     #: process-group / collective timeout in seconds, 1 to 1e7 (gloo's own default is 30 minutes); a rank
     #: silent this long is named, and the job ends.
     timeout_s: float = 300.0
+    #: seconds a rank waits at start-up (the engine's rendezvous: init_process_group, MPI_Init, hvd.init) for
+    #: the others to arrive; one still missing then is named, and the job ends. None = the larger of timeout_s
+    #: and 60: other ranks' interpreter and library imports come first, tens of seconds on a loaded machine.
+    startup_timeout_s: Optional[float] = None
     #: keyword arguments for DistributedDataParallel (grad mode), e.g. bucket_cap_mb.
     options: dict[str, Any] = field(default_factory=dict)
     #: torch.distributed backend; None = nccl on CUDA, else gloo.
@@ -77,6 +85,14 @@ class DistributedConfig:
     #: result is applied tau steps later, and the local progress made meanwhile is kept on top of it (it goes into
     #: the next exchange). 0 = blocking (the sync waits for its exchange). Step rule only; tau * F < H
     param_sync_overlap: int = 0
+
+    def startup_s(self) -> float:
+        """Seconds a rank waits at start-up for the others: ``startup_timeout_s``, or when None the larger of
+        ``timeout_s`` and :data:`STARTUP_FLOOR_S` (a short ``timeout_s`` for stalls in training must not end a
+        healthy job whose ranks are still importing torch on a loaded machine)."""
+        if self.startup_timeout_s is not None:
+            return float(self.startup_timeout_s)
+        return max(float(self.timeout_s), STARTUP_FLOOR_S)
 
 
 @dataclass

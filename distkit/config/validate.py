@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from distkit.errors import BackendUnavailable, ConfigError
 
 from .loader import nearest_key
-from .schema import DATA_DISTRIBUTIONS, DEVICES, KNOWN_BACKENDS, PG_BACKENDS, PRECISIONS, REDUCE_TYPES, RunConfig
+from .schema import STARTUP_FLOOR_S, DATA_DISTRIBUTIONS, DEVICES, KNOWN_BACKENDS, PG_BACKENDS, PRECISIONS, REDUCE_TYPES, RunConfig
 
 
 #: ``distributed.timeout_s`` bounds, seconds: below 1 s no rank can even connect (the watchdog beats every
@@ -56,6 +56,12 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"'distributed.timeout_s' must be a number of seconds from {TIMEOUT_S_RANGE[0]:g} to "
                           f"{TIMEOUT_S_RANGE[1]:g} (how long a rank waits for the others before the job ends), got "
                           f"{d.timeout_s!r}")
+    if d.startup_timeout_s is not None and (
+            not isinstance(d.startup_timeout_s, (int, float)) or isinstance(d.startup_timeout_s, bool)
+            or not TIMEOUT_S_RANGE[0] <= d.startup_timeout_s <= TIMEOUT_S_RANGE[1]):
+        raise ConfigError(f"'distributed.startup_timeout_s' must be a number of seconds from {TIMEOUT_S_RANGE[0]:g} to "
+                          f"{TIMEOUT_S_RANGE[1]:g} (how long a rank waits for the others to start), or None (the "
+                          f"larger of timeout_s and {STARTUP_FLOOR_S:g}), got {d.startup_timeout_s!r}")
     if not isinstance(d.options, dict):
         raise ConfigError(f"'distributed.options' must be a dict of DistributedDataParallel kwargs, got {d.options!r}")
     if d.pg_backend is not None:
