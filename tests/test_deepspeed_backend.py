@@ -6,14 +6,19 @@ launcher); a 2-rank DeepSpeed start costs ~20 s here, so runs are short (digits,
 """
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import BIN, ROOT, distkit, final_params, max_abs_diff, ok, run, summary
+import torch.distributed as dist
+from conftest import BIN, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, run, summary
 
 from distkit.backends.deepspeed import consolidated_state_dict
 from distkit.launch import free_port
@@ -410,3 +415,39 @@ def test_deepspeed_launcher_on_a_taken_port_is_one_line_naming_the_flag(tmp_path
     assert "EADDRINUSE" not in out  # torch's own multi-line error is replaced
     assert wall < 60, f"{wall:.1f}s"  # not the 300 s default timeout_s
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_rank_of_another_job_on_the_same_port_leaves_its_rendezvous_untouched(tmp_path: Path) -> None:
+    """Two jobs under the deepspeed launcher on one port (issue 35 item 5): the second's rank 0 cannot serve the
+    store (PortInUse, above), but its rank 1 connected to the first job's store, took its rank 1's place at the
+    rendezvous and joined it. Now rank 0 publishes its job's identity first, and a rank of another job (here
+    run by hand with the environment the deepspeed launcher gives a rank) reads it, stops in one line naming
+    --master_port, exit 2, before it writes anything there; the first job, whose own rank 1 comes late, completes."""
+    port, release = free_port(), tmp_path / "release"
+    train_args = ["train", "configs/returnn_ddp.py", *SHORT]
+    first = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--module", "distkit",
+                              *train_args, "++output_dir", str(tmp_path / "first")], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                             env=base_env(DISTKIT_FAULT="1:0:delay=150:init", DISTKIT_FAULT_UNTIL=str(release)))
+    try:
+        # the first job's rank 0 serves its store and has arrived at its rendezvous: observed through the store
+        watcher = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=120))
+        watcher.wait(["distkit/arrived/0/0"])
+        stranger = run([str(BIN / "python"), "-m", "distkit", *train_args, "++output_dir", str(tmp_path / "second")],
+                       timeout=120, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_SIZE="2", CROSS_RANK="0",
+                       CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        out = stranger.stdout + stranger.stderr
+        assert stranger.returncode == 2, out[-3000:]
+        lines = [ln for ln in out.splitlines() if "is another job's" in ln]
+        assert len(lines) == 1 and "deepspeed --master_port P" in lines[0] and "Traceback" not in out, out[-3000:]
+        assert str(tmp_path / "first") in lines[0] and str(tmp_path / "second") in lines[0]
+        assert not (tmp_path / "second" / "summary.json").exists()
+        assert not watcher.check(["distkit/arrived/0/1"])  # the first job's rendezvous untouched
+        release.touch()
+        text, _ = first.communicate(timeout=180)
+        assert first.returncode == 0, text[-3000:]
+        assert summary(tmp_path / "first")["steps"] == 20
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
+import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,33 @@ _DRAIN_S = 0.05
 #: restart, as its agent's store outlives the workers it restarts
 _ARRIVED = f"distkit/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+#: the store key under which rank 0 publishes its job's identity (see :func:`job_identity`), per torchrun restart
+_JOB = f"distkit/job/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def job_identity(launcher: str, job_id: Optional[str], world_size: int, output_dir: Optional[str],
+                 program: str) -> str:
+    """What every rank of one job has in common and another job on the same rendezvous port most likely does
+    not: the launcher and its job id (where it gives one; the deepspeed launcher does not), the world size,
+    ``output_dir`` as configured and the program's file name (``sys.argv[0]``'s). Not the command line nor
+    absolute paths: a job's hosts may be started from different directories, or with a config path spelled
+    differently, and must still meet. Two jobs alike in all of these would also share their output
+    directory, which its lock refuses."""
+    return json.dumps({"launcher": launcher, "job_id": job_id, "world_size": world_size, "output_dir": output_dir,
+                       "program": os.path.basename(program)})
+
+
+def _same_job(store: Any, rank: int, identity: str) -> Optional[str]:
+    """Rank 0 publishes ``identity``; every other rank reads rank 0's (waiting up to the store's timeout) and
+    returns it when it differs from its own (the rendezvous belongs to another job), else None. Before a
+    rank writes anything else to the store: a stranger leaves the other job's rendezvous untouched."""
+    if rank == 0:
+        store.set(_JOB, identity)
+        return None
+    theirs = store.get(_JOB).decode()
+    return theirs if theirs != identity else None
 
 
 def _not_arrived(store: Any, world_size: int) -> list[int]:
@@ -90,6 +119,16 @@ class DDPStrategy(Strategy):
             # named from the store (a store that waited itself would leave none to ask)
             store = dist.TCPStore(addr, port, self.world_size, is_master=master,
                                   timeout=datetime.timedelta(seconds=startup_s), wait_for_workers=False)
+            identity = job_identity(self.env.launcher, self.env.job_id, self.world_size, self.cfg.output_dir,
+                                    sys.argv[0] if sys.argv else "")
+            theirs = _same_job(store, self.rank, identity)
+            if theirs is not None:
+                mine, other = json.loads(identity), json.loads(theirs)
+                differ = ", ".join(f"{k} {other.get(k)!r} there, {v!r} here" for k, v in mine.items() if other.get(k) != v)
+                raise PortInUse(f"rank {self.rank}: the rendezvous at {addr}:{port} (MASTER_ADDR/MASTER_PORT, from the "
+                                f"{self.env.launcher} launcher) is another job's ({differ}): left untouched; give this "
+                                "job its own port (deepspeed --master_port P, torchrun --master_port P or "
+                                "--rdzv-endpoint localhost:0, or MASTER_PORT=P)")
             store.set(f"{_ARRIVED}{self.rank}", "1")
             store.wait([f"{_ARRIVED}{r}" for r in range(self.world_size)])  # (the store's timeout: startup_s)
             store.set_timeout(timeout)
