@@ -213,7 +213,10 @@ def start(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
         if background:
             state = _cpu_copy(state)
     except Exception as e:  # every rank must learn of it, or the others wait in the next collective
-        failure = _describe(e, os.path.join(final, _rank_file(strategy.rank)))
+        where = getattr(e, "filename", None)  # an engine file's (DeepSpeed's), named where it would have been
+        where = os.path.join(final, os.path.relpath(where, tmp)) if isinstance(where, str) and \
+            os.path.abspath(where).startswith(tmp + os.sep) else os.path.join(final, _rank_file(strategy.rank))
+        failure = _describe(e, where)
     job = None
     if portable_part is not None:  # collective, every rank (also one that failed above): no rank waits alone
         job = portable.plan(strategy, os.path.join(tmp, portable.DIR), *portable_part, copy=background)

@@ -19,6 +19,44 @@ if TYPE_CHECKING:
     from .groups import _ReplicaGroups
 
 
+@contextlib.contextmanager
+def _writes_deferred(engine: Any) -> Iterator[list[OSError]]:
+    """Inside the block, an OSError of DeepSpeed's file writes during ``save_checkpoint`` (its checkpoint
+    engine's ``save``, rank 0's copy of the recovery script: a full disk, ENOSPC) is recorded in the list
+    and the write returns, instead of raising out of the middle of ``save_checkpoint``: a rank that left
+    there skipped the ``dist.barrier()`` at its end, and its next collective met the other ranks' barrier,
+    so every rank waited for ``distributed.timeout_s`` (300 s) and then failed with a traceback. The caller
+    raises the first one after ``save_checkpoint`` returned; distkit's checkpoint writer then has every rank
+    agree on it (one line, exit 2, the previous checkpoint intact). Not collective by itself."""
+    failures: list[OSError] = []
+
+    def deferred(write: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if failures:  # the checkpoint is lost already: write nothing more
+                return None
+            try:
+                return write(*args, **kwargs)
+            except OSError as e:
+                if e.filename is None:  # (torch.save's does not say which file: the engine's path argument)
+                    e.filename = next((a for a in args[::-1] if isinstance(a, str)), None)
+                failures.append(e)
+                return None
+        return call
+
+    patched = [(obj, name, vars(obj).get(name)) for obj, name in ((engine.checkpoint_engine, "save"),
+                                                                   (engine, "_copy_recovery_script"))]
+    for obj, name, _ in patched:
+        setattr(obj, name, deferred(getattr(obj, name)))
+    try:
+        yield failures
+    finally:
+        for obj, name, own in patched:  # as before: the object's own attribute, or the class's method
+            if own is not None:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)
+
+
 class _DeepSpeedState(_DeepSpeedConfigured):
     """The base of :class:`~distkit.backends.deepspeed.engine.DeepSpeedStrategy` holding its state
     methods (the attributes below are set by its ``init``)."""
@@ -271,7 +309,10 @@ class _DeepSpeedState(_DeepSpeedConfigured):
         path = self._engine_dir(directory)
         os.makedirs(os.path.join(path, TAG), exist_ok=True)  # DeepSpeed creates it on global rank 0 only
         engine: Any = model
-        engine.save_checkpoint(path, tag=TAG, client_state={}, save_latest=False)
+        with _writes_deferred(engine) as failures:
+            engine.save_checkpoint(path, tag=TAG, client_state={}, save_latest=False)
+        if failures:
+            raise failures[0]
 
     def load_engine_files(self, directory: str, model: nn.Module) -> None:
         path = self._engine_dir(directory)
