@@ -328,14 +328,16 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
 def test_a_preempted_group_alone_leaves_with_a_checkpoint_and_rejoins_on_resume(lighthouse: str, tmp_path: Path) -> None:
     # Issue 25 item 7 under fault tolerance: SIGTERM to group 1's launcher (a scheduler preempting its job step):
     # its ranks stop after an agreed step with a checkpoint and exit 75, it leaves the quorum, and group 0 goes on
-    # alone, every sync committed (it pauses at step 30 until the same command with ++resume auto, the requeued
-    # job step, has taken its first step (its stamp; 120 s at most, which only a broken resume reaches: a cap a slow
-    # machine could reach would let group 0 end its run first and leave the resumed group alone), so the resumed
-    # group finds it running). The resumed group continues from its checkpoint, is behind the live
-    # group at its next sync and heals from it; both end with one model.
-    out, stamp, resumed_up = tmp_path / "ft", tmp_path / "delayed", tmp_path / "resumed"
+    # alone, every sync committed. It pauses at step 30 (120 s at most, which only a broken resume reaches) until
+    # the same command with ++resume auto, the requeued job step, has asked the lighthouse for its first quorum
+    # (the lighthouse's log says so), so that this request is pending when group 0 syncs next and the two meet.
+    # Released at the resumed group's first step instead, group 0 once ran its last 30 steps and syncs and ended
+    # before the resumed group's 4 steps to its first sync (under load): that group then synced alone, unhealed.
+    # The resumed group continues from its checkpoint, is behind the live group at that sync and heals from it;
+    # both end with one model.
+    out, stamp, release = tmp_path / "ft", tmp_path / "delayed", tmp_path / "release"
     steps = ["++max_steps", "60"]
-    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:30:delay=120", DISTKIT_FAULT_UNTIL=str(resumed_up))
+    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:30:delay=120", DISTKIT_FAULT_UNTIL=str(release))
     # the signal lands while group 1 is in a 5 s slow step 10 (DISTKIT_FAULT delay): it stops after step 10
     first = _group(lighthouse, 1, 2, out, *steps, DISTKIT_FAULT="0:10:delay", DISTKIT_FAULT_STAMP=str(stamp))
     deadline = time.monotonic() + 120
@@ -351,8 +353,14 @@ def test_a_preempted_group_alone_leaves_with_a_checkpoint_and_rejoins_on_resume(
     while not any(r["groups"] == 1 for r in _syncs(out / "group-0")):  # group 0 syncs alone, then (step 30) pauses
         assert time.monotonic() < deadline and live.poll() is None, "group 0 never synced alone"
         time.sleep(0.05)
-    resumed = ok(_wait(_group(lighthouse, 1, 2, out, *steps, "++resume", "auto", DISTKIT_FAULT="0:11:delay=0",
-                              DISTKIT_FAULT_STAMP=str(resumed_up))))
+    log = lighthouse.log  # type: ignore[attr-defined]  # (the fixture's _Lighthouse)
+    asked = "Received quorum request for replica distkit_group_1"
+    before = log.read_text(errors="replace").count(asked)  # the preempted group's requests
+    second = _group(lighthouse, 1, 2, out, *steps, "++resume", "auto")
+    _until(lambda: log.read_text(errors="replace").count(asked) > before, [second, live],
+           "the resumed group never asked for a quorum")
+    release.touch()
+    resumed = ok(_wait(second))
     assert "resum" in resumed.stdout.lower(), resumed.stdout[-2000:]
     ok(_wait(live))
     sums = [summary(out / f"group-{i}") for i in range(2)]
