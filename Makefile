@@ -7,6 +7,11 @@ STAMP := $(VENV)/.distkit-installed
 # Open MPI refuses to run as root without these (CI and dev machines run as root).
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+# Bytecode is written when a module is first imported, not by pip at install time (--no-compile below): pip
+# compiles every file of every package (torch, DeepSpeed, mlflow, ...), 60 of the 82 s the installs took on a
+# fresh clone, where the runs import a fraction of them. A PYTHONDONTWRITEBYTECODE from the caller's environment
+# would then make every process compile what it imports, every time: it is dropped here.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test check bench install horovod slurm pdsh
 
@@ -16,8 +21,8 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned here, not in install_requires: 2.13.0 is the CPU wheel on these machines.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[mpi,deepspeed,ft,plot,trackers,dev]'
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[mpi,deepspeed,ft,plot,trackers,dev]'
 	touch $@
 
 demo: $(STAMP)

@@ -105,8 +105,8 @@ fi
 
 # --no-deps: horovod's own deps (cloudpickle, psutil, pyyaml, packaging) are
 # installed explicitly so pip never tries to resolve torch again.
-"$PY" -m pip install -q cloudpickle psutil pyyaml packaging
-"$PY" -m pip install -q --no-deps --force-reinstall "$wheel"
+"$PY" -m pip install -q --no-compile cloudpickle psutil pyyaml packaging  # (bytecode at first import: Makefile)
+"$PY" -m pip install -q --no-compile --no-deps --force-reinstall "$wheel"
 "$PY" -c 'import horovod, horovod.torch as hvd; print("build_horovod: horovod", horovod.__version__, "installed; mpi built:", hvd.mpi_built(), "gloo built:", hvd.gloo_built())' >&2 || {
     log "the wheel $wheel does not load in $VENV (error above); remove it (rm '$wheel') and run again to rebuild it"
     exit 1; }
