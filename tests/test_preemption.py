@@ -69,6 +69,10 @@ CASES = [  # (id, launcher command prefix, overrides, signal sent to the launche
     # mpirun would end the job itself on SIGTERM: distkit passes it on as SIGUSR1, which mpirun only forwards
     ("mpi-nprocs-SIGTERM", [sys.executable, "-m", "distkit"],
      ["--nprocs", "2", "++torch_distributed", "None", "++distributed.backend", "mpi"], signal.SIGTERM, "SIGUSR1"),
+    # a user's own mpirun: SIGUSR1 is forwarded to the ranks (SIGTERM would end the job at once: docs/failures.md)
+    ("mpi-mpirun-SIGUSR1", [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+                            "-m", "distkit"],
+     ["++torch_distributed", "None", "++distributed.backend", "mpi"], signal.SIGUSR1, "SIGUSR1"),
     ("zero2-nprocs-SIGUSR1", [sys.executable, "-m", "distkit"], ["--nprocs", "2", "++distributed", ZERO2],
      signal.SIGUSR1, "SIGUSR1"),
     ("ddp-param-torchrun-SIGTERM", [str(BIN / "torchrun"), "--nproc_per_node", "2", "--rdzv-backend", "c10d",
