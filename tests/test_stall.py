@@ -8,8 +8,8 @@ one). Faults are real: ``DISTKIT_FAULT=K:STEP:stop`` makes rank K SIGSTOP itself
 after writing its pid and the time to ``DISTKIT_FAULT_STAMP`` (:mod:`distkit.faults`), from which
 the time to the launcher's exit is measured (start-up excluded).
 
-One run per engine (the representative launcher of each): ddp and deepspeed ZeRO-2 under
-``--nprocs`` (distkit's spawner), mpi and horovod under ``mpirun``; and rank 0 (the host of the
+One run per engine (the representative launcher of each): ddp under ``--nprocs`` (distkit's spawner),
+deepspeed ZeRO-2 under DeepSpeed's launcher, mpi and horovod under ``mpirun``; and rank 0 (the host of the
 heartbeat store) stopped, under ddp. The full sweep (every engine x launcher x SIGSTOP of rank 1
 and of rank 0, SIGKILL, exception, a live hang) is ``benchmarks/stall_matrix.py``. Fast checks
 in one process: the watchdog never names a live rank (a busy main thread included) and names a
@@ -75,6 +75,9 @@ def _command(engine: str, launcher: str, tmp_path: Path) -> tuple[list[str], Pat
     train = ["-m", "distkit", "train", str(cfg), *flags, "++distributed.timeout_s", str(T)]
     if launcher == "nprocs":
         return [sys.executable, *train, "--nprocs", "2"], out
+    if launcher == "deepspeed":  # DeepSpeed's own launcher: it polls its ranks once a second
+        return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port()), "--module",
+                *train[1:]], out
     assert launcher == "mpirun", launcher
     return [str(BIN / "mpirun"), "--oversubscribe", "--bind-to", "none", "-np", "2", "-x", "DISTKIT_FAULT",
             "-x", "DISTKIT_FAULT_STAMP", sys.executable, *train], out
@@ -297,8 +300,11 @@ def test_horovod_mpirun_names_stopped_rank(tmp_path: Path) -> None:
     _stall("horovod", "mpirun", 1, tmp_path)
 
 
-def test_deepspeed_zero2_nprocs_names_stopped_rank(tmp_path: Path) -> None:
-    _stall("deepspeed", "nprocs", 1, tmp_path)
+def test_deepspeed_zero2_under_its_launcher_names_stopped_rank(tmp_path: Path) -> None:
+    """Issue 35 item 6: the deepspeed launcher ended such a job 29 s after the stop at timeout_s = 10 in a sweep
+    (distkit's line at 10 s); here it must end within T + 5 s like the others (measured at T = 10 by hand: 11.2
+    to 11.3 s quiet, 13.5 s beside two CPU hogs; the 29 s did not recur)."""
+    _stall("deepspeed", "deepspeed", 1, tmp_path)
 
 
 
