@@ -25,6 +25,8 @@ import pytest
 import hosts as nethosts
 from conftest import BIN, MARK, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, stacks_of_marked, summary
 
+from distkit.launch import free_port
+
 TOL = 1e-5
 TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), *SHORT]
 ZERO2 = '{"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}'
@@ -241,6 +243,59 @@ def test_deepspeed_under_torchrun_and_its_own_launcher_on_two_hosts(one_host: di
             s = check_two_hosts(tmp_path / run_dir, h)
             assert (s["launcher"], s["zero_stage"]) == (launcher, 2)
             assert max_abs_diff(final_params(tmp_path / run_dir), final_params(one_host["grad"])) <= TOL
+
+
+def test_deepspeeds_launcher_ends_on_every_host_when_a_host_is_lost(tmp_path: Path) -> None:
+    """Issue 35 item 4: DeepSpeed's launcher, one per host without ssh (1 rank each), and host 1 lost three ways
+    at a known step (rank 1 hangs there, its heartbeat going on; then the test takes the host away): its link
+    cut, its ranks frozen (SIGSTOP), every process on it SIGKILLed. A sweep saw both launchers still running
+    180 s after a freeze or a link cut, and 55 s after a host death. Every launcher that can still act ends
+    non-zero within timeout_s + 10 s, its ranks naming the lost one (a frozen rank's own launcher waits for it:
+    the launcher's behaviour; a real frozen host freezes it too). Measured by hand (timeout_s 5): 6.1-7.5 s."""
+    timeout_s, stamp = 5, tmp_path / "fault"
+    zero2 = ZERO2[:-1] + f', "timeout_s": {timeout_s}}}'
+    for how in ("link down", "SIGSTOP", "SIGKILL"):
+        stamp.unlink(missing_ok=True)
+        with nethosts.Hosts(2) as h:
+            hostfile = tmp_path / "hostfile"
+            hostfile.write_text("".join(f"{name} slots=1\n" for name in h.names))
+            port = str(free_port())
+            procs = [h.popen(i, [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(i),
+                                 "--master_addr", h.addr(0), "--master_port", port, "--module", "distkit", *TRAIN,
+                                 "++max_steps", "200", "++output_dir", str(tmp_path / how.replace(" ", "_")),
+                                 "++distributed", zero2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
+                             start_new_session=True, env=base_env(DISTKIT_FAULT="1:3:hang",
+                                                                  DISTKIT_FAULT_STAMP=str(stamp)))
+                     for i in range(h.n)]
+            try:
+                deadline = time.monotonic() + 120
+                while not stamp.exists():
+                    assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no fault ({how})"
+                    time.sleep(0.05)
+                time.sleep(0.5)  # rank 0 is inside the next collective now
+                if how == "link down":
+                    h.link_down(1)
+                elif how == "SIGKILL":
+                    h.kill(1, signal.SIGKILL)
+                else:
+                    for pid in rank_pids(h, 1):
+                        os.kill(pid, signal.SIGSTOP)
+                lost = time.monotonic()
+                acting = procs if how == "link down" else procs[:1]
+                results = [_finish(p, timeout_s + 10 + 30) for p in acting]
+                took = time.monotonic() - lost
+            finally:
+                h.kill(1)
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        p.communicate()
+        assert took <= timeout_s + 10, f"a launcher ran {took:.1f} s after {how}"
+        assert all(r.returncode != 0 for r in results), (how, [r.returncode for r in results])
+        named = ("distkit: rank 1 stopped responding", "RankLost: rank 1 ")  # (a killed peer's sockets close)
+        assert any(n in results[0].stdout for n in named[:1 + (how == "SIGKILL")]), results[0].stdout[-3000:]
+        if how == "link down":  # host 1's rank names rank 0, whose store it can no longer reach
+            assert "distkit: rank 0 stopped responding" in results[1].stdout, results[1].stdout[-3000:]
 
 
 def rank_pids(h: nethosts.Hosts, i: int) -> list[int]:
