@@ -87,8 +87,10 @@ def scripts(args: argparse.Namespace, overrides: list[tuple[str, Any]]) -> tuple
                           "remove ++preemption False, or --requeue")
     pass_on = [tok for key, value in extra if key not in ("output_dir", "fault_tolerance")
                for tok in (f"++{key}", _token(value))]
-    if args.requeue and not any(key == "resume" for key, _ in extra):
-        pass_on += ["++resume", "auto"]  # a requeued job (same job id, same OUT) continues its own checkpoint
+    if not any(key == "resume" for key, _ in extra):
+        # a requeued job (same job id, same OUT: --requeue's, a preemption's, an admin's scontrol requeue)
+        # continues its own checkpoint; the first attempt starts afresh (no checkpoint in OUT yet)
+        pass_on += ["++resume", "auto"]
     if not ft:
         return [(name, _text(args, engine, base, name, configs, pass_on))], base
     return [(f"{name}-group-{i}", _text(args, engine, base, f"{name}-group-{i}", configs,
@@ -106,16 +108,17 @@ def _text(args: argparse.Namespace, engine: str, base: str, name: str, configs: 
         run = f'mpirun -np "$SLURM_NTASKS" --bind-to none {train_line}'
     else:
         run = f"srun --kill-on-bad-exit=1 {train_line}"
+    # --open-mode=append: a requeued attempt's log follows the one before it (SLURM's default replaces it); each
+    # attempt starts with its own line (below)
     heads = [f"--job-name={name}", f"--nodes={args.nodes}", f"--ntasks-per-node={args.ntasks_per_node}",
-             f"--output={base}/slurm-%j.out"]
+             f"--output={base}/slurm-%j.out", "--open-mode=append"]
     if args.partition:
         heads.append(f"--partition={args.partition}")
     if args.time:
         heads.append(f"--time={args.time}")
     if args.requeue:
         # USR1 to the batch shell 90 s before the time limit; the shell passes it on to the run (below)
-        # (--open-mode=append: the requeued run's log follows the first one's, instead of replacing it)
-        heads += ["--requeue", "--signal=B:USR1@90", "--open-mode=append"]
+        heads += ["--requeue", "--signal=B:USR1@90"]
     from distkit import __version__
 
     text = "\n".join([
@@ -128,8 +131,10 @@ def _text(args: argparse.Namespace, engine: str, base: str, name: str, configs: 
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         'export MASTER_PORT="$((20000 + SLURM_JOB_ID % 10000))"',
         f'OUT={shlex.quote(base)}/job-"$SLURM_JOB_ID"',
+        'echo "distkit: job $SLURM_JOB_ID, attempt $((${SLURM_RESTART_COUNT:-0} + 1)), on $(hostname), $(date -u)"',
         f"cd {shlex.quote(os.getcwd())}",
         *(_requeue_lines(run) if args.requeue else [run]),
+        *(_completed_lines() if engine in ("mpi", "horovod") else []),
         "",
     ])
     return text
@@ -150,7 +155,17 @@ def _requeue_lines(run: str) -> list[str]:
         "rc=0",
         'while kill -0 "$pid" 2>/dev/null; do wait "$pid" && rc=0 || rc=$?; done',
         'if [ "$rc" -eq 75 ] || { [ "$notice" -eq 1 ] && [ "$rc" -ne 0 ]; }; then scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
-        'exit "$rc"',
+        '[ "$rc" -eq 0 ] || exit "$rc"',
+    ]
+
+
+def _completed_lines() -> list[str]:
+    """After ``mpirun`` exited 0: the run must have completed (its ``summary.json``), since Open MPI 5's mpirun
+    exits 0 about half the time when a host's ranks died together with its daemon (docs/multinode.md)."""
+    return [
+        "# mpirun exits 0 about half the time when a host died with its ranks: only summary.json says the run ended",
+        '[ -f "$OUT/summary.json" ] || { echo "distkit: mpirun exited 0 but the run did not complete (no '
+        '$OUT/summary.json: ranks were lost, e.g. with a host); exiting 1" >&2; exit 1; }',
     ]
 
 
