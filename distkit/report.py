@@ -15,6 +15,17 @@ if TYPE_CHECKING:
     from distkit.session import Session
 
 
+def alone_syncs(syncs: list[dict[str, Any]], num_replicas: int) -> dict[str, int]:
+    """``alone_syncs``: the committed syncs this group made with no other group (of ``num_replicas`` > 1), and
+    ``last_syncs_alone``: how many of the last syncs in a row were so. After one of those, this group's model
+    is not the other groups' (they ended, failed or never started): the run's last line says so."""
+    if num_replicas <= 1:
+        return {"alone_syncs": 0, "last_syncs_alone": 0}
+    alone = [x["committed"] and x["groups"] == 1 and not x["healed"] for x in syncs]
+    trailing = len(alone) - next((i + 1 for i in range(len(alone) - 1, -1, -1) if not alone[i]), 0)
+    return {"alone_syncs": sum(alone), "last_syncs_alone": trailing}
+
+
 def summary(session: "Session", **extra: Any) -> dict[str, Any]:
     """Collective: see :meth:`distkit.Session.summary`."""
     session._require_setup("summary()")
@@ -55,6 +66,7 @@ def summary(session: "Session", **extra: Any) -> dict[str, Any]:
         out["fault_tolerance"] = {"replica_id": ft.replica_id, "num_replicas": ft.num_replicas, "syncs": len(ft.syncs),
                                   "committed": sum(x["committed"] for x in ft.syncs), "heals": ft.heals,
                                   "manager_step": ft.manager.current_step(),
-                                  "membership": ft.membership_changes(), "wait_s": ft.wait_s}
+                                  "membership": ft.membership_changes(), "wait_s": ft.wait_s,
+                                  **alone_syncs(ft.syncs, ft.num_replicas)}
     out.update(extra)
     return out

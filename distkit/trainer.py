@@ -396,6 +396,12 @@ class TrainingRun:
             # or an eval_step's {"accuracy": ...}) stays, even where the task itself asks for none.
             summary.pop("eval_accuracy", None)
         summary["stopped_early"] = stopped
+        ft = summary.get("fault_tolerance")
+        if ft and ft["last_syncs_alone"]:
+            first = [x["step"] for x in dk.fault_tolerance.syncs][-ft["last_syncs_alone"]]
+            dk.print(f"distkit: group {ft['replica_id']} made its last {ft['last_syncs_alone']} sync(s) alone (from step "
+                     f"{first} on; {ft['alone_syncs']} of {ft['syncs']} in all): no other of the {ft['num_replicas']} "
+                     "groups took part (they ended, failed or never started), so its model is not theirs")
         self._call("on_train_end", summary)
         if self.out is not None:
             self.out.close()

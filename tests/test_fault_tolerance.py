@@ -399,9 +399,21 @@ def test_a_stopped_group_is_left_out_and_the_others_go_on(lighthouse: str, tmp_p
         stopped.communicate()
     for i in range(2):
         ft = summary(out / f"group-{i}")["fault_tolerance"]
-        assert ft["committed"] == ft["syncs"] == 8, ft
+        assert ft["committed"] == ft["syncs"] == 8 and ft["last_syncs_alone"] == 0, ft
         assert [m["groups"] for m in ft["membership"]][-1] == 2 and ft["membership"][-1]["step"] <= 15, ft
     assert summary(out / "group-0")["param_checksum"] == summary(out / "group-1")["param_checksum"]
+
+
+def test_a_group_that_never_meets_another_says_so_in_its_summary_and_last_line(lighthouse: str, tmp_path: Path) -> None:
+    """Issue 36 item 11: a group of two (replica 1) whose partner never starts trains alone to the end (min_replicas
+    1): it exited 0 saying only "sync at step 5: 1 group(s)". Its summary counts the syncs it made alone, and its
+    last line says that its model is not the other groups'."""
+    out = tmp_path / "ft"
+    res = ok(_wait(_group(lighthouse, 1, 2, out, "++max_steps", "15")))
+    ft = summary(out / "group-1")["fault_tolerance"]
+    assert (ft["syncs"], ft["committed"], ft["alone_syncs"], ft["last_syncs_alone"]) == (3, 3, 3, 3), ft
+    assert ("distkit: group 1 made its last 3 sync(s) alone (from step 5 on; 3 of 3 in all): no other of the 2 groups "
+            "took part (they ended, failed or never started), so its model is not theirs") in res.stdout, res.stdout
 
 
 def test_a_group_cut_off_by_the_network_is_left_out_and_ends_with_one_line(tmp_path: Path) -> None:
