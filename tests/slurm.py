@@ -156,6 +156,20 @@ PartitionName=debug Nodes=ALL Default=YES OverSubscribe=YES MaxTime=INFINITE Sta
                 return states[0] if states else ""
             time.sleep(0.5)
 
+    def states_until_end(self, job_id: str, timeout: float) -> list[str]:
+        """Every ``JobState`` job ``job_id`` goes through (polled every 0.2 s) until it ends (a requeued job
+        passes REQUEUED/PENDING on its way), or ``timeout`` seconds pass; the last one is where it stopped."""
+        states: list[str] = []
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = self.job_state(job_id)
+            if not states or states[-1] != state:
+                states.append(state)
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+                break
+            time.sleep(0.2)
+        return states
+
     def wait(self, job_id: str, timeout: float = 300) -> str:
         """Wait until job ``job_id`` has ended; its final state."""
         deadline = time.time() + timeout

@@ -273,13 +273,7 @@ def test_deepspeeds_launcher_ends_on_every_host_when_a_host_is_lost(tmp_path: Pa
                     assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no fault ({how})"
                     time.sleep(0.05)
                 time.sleep(0.5)  # rank 0 is inside the next collective now
-                if how == "link down":
-                    h.link_down(1)
-                elif how == "SIGKILL":
-                    h.kill(1, signal.SIGKILL)
-                else:
-                    for pid in rank_pids(h, 1):
-                        os.kill(pid, signal.SIGSTOP)
+                lose_host_1(h, how)
                 lost = time.monotonic()
                 acting = procs if how == "link down" else procs[:1]
                 results = [_finish(p, timeout_s + 10 + 30) for p in acting]
@@ -296,6 +290,18 @@ def test_deepspeeds_launcher_ends_on_every_host_when_a_host_is_lost(tmp_path: Pa
         assert any(n in results[0].stdout for n in named[:1 + (how == "SIGKILL")]), results[0].stdout[-3000:]
         if how == "link down":  # host 1's rank names rank 0, whose store it can no longer reach
             assert "distkit: rank 0 stopped responding" in results[1].stdout, results[1].stdout[-3000:]
+
+
+def lose_host_1(h: nethosts.Hosts, how: str) -> None:
+    """Take host 1 away: "link down" (cut off, everything on it runs on), "SIGKILL" (every process on it dies)
+    or else its training ranks SIGSTOPped (frozen: they never answer nor close a socket)."""
+    if how == "link down":
+        h.link_down(1)
+    elif how == "SIGKILL":
+        h.kill(1, signal.SIGKILL)
+    else:
+        for pid in rank_pids(h, 1):
+            os.kill(pid, signal.SIGSTOP)
 
 
 def rank_pids(h: nethosts.Hosts, i: int) -> list[int]:
@@ -347,13 +353,7 @@ def test_a_host_lost_three_ways_ends_every_rank_and_resumes_bit_identical(ddp_sh
                 while not stamp.exists() and time.time() < deadline and all(p.poll() is None for p in procs):
                     time.sleep(0.05)
                 time.sleep(0.5)  # the other rank is inside the next collective now
-                if how == "link down":
-                    h.link_down(1)
-                elif how == "SIGKILL":
-                    h.kill(1, signal.SIGKILL)
-                else:
-                    for pid in rank_pids(h, 1):
-                        os.kill(pid, signal.SIGSTOP)
+                lose_host_1(h, how)
                 seen["lost"] = time.time()
                 watched = (0, 1) if how == "link down" else (0,)  # the ranks that remain
                 while time.time() < seen["lost"] + 60 and any(rank_pids(h, i) for i in watched):

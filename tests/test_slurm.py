@@ -81,14 +81,7 @@ def test_sbatch_script_reviewed_then_submitted_and_requeued(cluster: testslurm.S
         time.sleep(0.1)
     ok(run(["scontrol", "requeue", job_id], SLURM_CONF=cluster.conf))
     release.touch()  # the second attempt passes step 10 at once
-    states: list[str] = []
-    while time.time() < deadline + 180:
-        state = cluster.job_state(job_id)
-        if not states or states[-1] != state:
-            states.append(state)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-            break
-        time.sleep(0.2)
+    states = cluster.states_until_end(job_id, 180)
     logged = log.read_text()
     assert states[-1] == "COMPLETED", (states, logged[-3000:])
     assert "Restarts=1" in run(["scontrol", "show", "job", job_id], SLURM_CONF=cluster.conf).stdout
@@ -119,14 +112,7 @@ def test_sbatch_requeue_stops_with_a_checkpoint_on_usr1_and_the_requeued_job_con
         assert time.time() < deadline, cluster.job_state(job)
         time.sleep(0.1)
     ok(run(["scancel", "--batch", "--signal=USR1", job], SLURM_CONF=cluster.conf))
-    states: list[str] = []
-    while time.time() < deadline + 120:
-        state = cluster.job_state(job)
-        if not states or states[-1] != state:
-            states.append(state)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
-            break
-        time.sleep(0.2)
+    states = cluster.states_until_end(job, deadline + 120 - time.time())
     log = (runs / f"slurm-{job}.out").read_text()
     assert states[-1] == "COMPLETED" and "PENDING" in states, (states, log[-3000:])
     stop = re.search(r"distkit: stopped by SIGUSR1 after step (\d+) of 200; checkpoint (step-\d+) written", log)
