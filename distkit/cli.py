@@ -123,6 +123,12 @@ def _print_keys(pattern: str, markdown: bool = False) -> int:
 #: exits without the interpreter's teardown (0.4-0.8 s of freeing torch's modules on a 2-core machine,
 #: per run); it holds no engine, no open file and no thread whose end matters
 launched_only = False
+#: this process trained as a rank of a job (or alone): its outputs are written and closed, its engine torn down
+#: (``Session.close``). ``python -m distkit`` then ends like a forked rank (:func:`distkit.forkrank.end_process`:
+#: ``atexit`` handlers, the MPI library's finalize, no teardown of the interpreter's modules), where the teardown
+#: of torch's 2000 modules took 2.5-5 s of CPU per rank on this 2-core machine: the mpi engine's launchers exited
+#: that much after ``summary.json`` (issue 36 item 20; ddp's forked ranks skipped it already)
+trained = False
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -226,6 +232,8 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
             os.environ.pop(LOCK_ENV, None)
     from distkit.trainer import Trainer
 
+    global trained
+    trained = True
     try:
         summary = Trainer(cfg, env).fit()
     except DistkitError as e:
@@ -285,4 +293,8 @@ def entry() -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if trained:
+        from distkit.forkrank import end_process
+
+        end_process(code)
     sys.exit(code)
