@@ -20,15 +20,15 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def _writes_deferred(engine: Any) -> Iterator[list[OSError]]:
-    """Inside the block, an OSError of DeepSpeed's file writes during ``save_checkpoint`` (its checkpoint
+def _writes_deferred(engine: Any) -> Iterator[list[Exception]]:
+    """Inside the block, an error of DeepSpeed's file writes during ``save_checkpoint`` (its checkpoint
     engine's ``save``, rank 0's copy of the recovery script: a full disk, ENOSPC) is recorded in the list
     and the write returns, instead of raising out of the middle of ``save_checkpoint``: a rank that left
     there skipped the ``dist.barrier()`` at its end, and its next collective met the other ranks' barrier,
     so every rank waited for ``distributed.timeout_s`` (300 s) and then failed with a traceback. The caller
     raises the first one after ``save_checkpoint`` returned; distkit's checkpoint writer then has every rank
     agree on it (one line, exit 2, the previous checkpoint intact). Not collective by itself."""
-    failures: list[OSError] = []
+    failures: list[Exception] = []
 
     def deferred(write: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -36,9 +36,9 @@ def _writes_deferred(engine: Any) -> Iterator[list[OSError]]:
                 return None
             try:
                 return write(*args, **kwargs)
-            except OSError as e:
-                if e.filename is None:  # (torch.save's does not say which file: the engine's path argument)
-                    e.filename = next((a for a in args[::-1] if isinstance(a, str)), None)
+            except Exception as e:  # noqa: BLE001 - OSError, or torch.save's RuntimeError ("file write failed")
+                if getattr(e, "filename", None) is None:  # (torch.save's says no file: the engine's path argument)
+                    e.filename = next((a for a in args[::-1] if isinstance(a, str)), None)  # type: ignore[attr-defined]
                 failures.append(e)
                 return None
         return call
