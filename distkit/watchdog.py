@@ -222,7 +222,13 @@ class Watchdog:
                     self._learn_where()
                 ranks = [r for r in range(self.world_size) if seen[r]]
                 values = self.store.multi_get([keys[r] for r in ranks])
-            except Exception:  # noqa: BLE001 - the store's host is gone or not answering: the judge decides
+            except Exception as e:  # noqa: BLE001 - the store's host is gone or not answering: the judge decides
+                if type(e).__name__ == "DistNetworkError":
+                    # The connection to the store is broken (its host died or closed it): a TCPStore client does not
+                    # reconnect, so every further call fails too, each printing torch's 22-line C++ warning before
+                    # distkit's line. No more calls: _last_ok stays, and the judge names rank 0 after timeout_s.
+                    self._stop.wait()
+                    return
                 self._stop.wait(self.interval_s)
                 continue
             now = time.monotonic()
