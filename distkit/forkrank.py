@@ -159,12 +159,7 @@ def start(target: Callable[[], int], env: dict[str, str]) -> ForkedRank:
         except BaseException:
             pass
         code = 1
-    _exit(code)
-
-
-def _exit(code: int) -> NoReturn:
-    """End a forked rank like an interpreter would, without unwinding into the launcher's frames."""
-    end_process(code)
+    end_process(code)  # (never unwinds into the launcher's frames)
 
 
 def end_process(code: int) -> NoReturn:

@@ -22,7 +22,11 @@ def alone_syncs(syncs: list[dict[str, Any]], num_replicas: int) -> dict[str, int
     if num_replicas <= 1:
         return {"alone_syncs": 0, "last_syncs_alone": 0}
     alone = [x["committed"] and x["groups"] == 1 and not x["healed"] for x in syncs]
-    trailing = len(alone) - next((i + 1 for i in range(len(alone) - 1, -1, -1) if not alone[i]), 0)
+    trailing = 0
+    for was_alone in reversed(alone):
+        if not was_alone:
+            break
+        trailing += 1
     return {"alone_syncs": sum(alone), "last_syncs_alone": trailing}
 
 
