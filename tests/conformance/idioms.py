@@ -347,6 +347,7 @@ def main() -> None:
                     r.step()
         record["phases"][name] = {"error": error, **r.state()}
         torch.save(record, path)
+    record["mlflow_ran"] = "mlflow.version" in sys.modules  # DeepSpeed imports it; distkit defers it (unused here)
     if r.dk is not None:
         r.dk.finish()  # param mode: the final sync, after which ranks_in_sync must hold
         summary = r.dk.summary()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distkit import lazy_import
 from distkit.averaging import flat_mean
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
 from distkit.replicas import ReplicaGroups
@@ -117,6 +118,7 @@ class DeepSpeedStrategy(_DeepSpeedState):
         self.zero_stage = int(zero_section(ds).get("stage", 0))
         if self.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
+        lazy_import.defer("mlflow")  # imported by DeepSpeed's autotuner, used by it only when autotuning
         import deepspeed  # type: ignore[import-untyped]
 
         super().init()  # torch.distributed with distkit's timeout; DeepSpeed wraps the existing group

@@ -1,0 +1,70 @@
+"""distkit.lazy_import: a deferred module runs its code on first use, exactly once, and behaves as imported."""
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from distkit import lazy_import
+
+
+@pytest.fixture
+def pkg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A real package on sys.path whose import counts itself and has a submodule."""
+    name = f"deferred_pkg_{tmp_path.name.replace('-', '_')}"
+    root = tmp_path / name
+    root.mkdir()
+    (root / "__init__.py").write_text("import builtins\nbuiltins.DEFERRED_RUNS = getattr(builtins, 'DEFERRED_RUNS', 0) + 1\n"
+                                      "VALUE = 42\n")
+    (root / "sub.py").write_text(f"from {name} import VALUE\nDOUBLE = 2 * VALUE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import builtins
+
+    builtins.DEFERRED_RUNS = 0  # type: ignore[attr-defined]
+    yield name
+    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[mod]
+    del builtins.DEFERRED_RUNS  # type: ignore[attr-defined]
+
+
+def runs() -> int:
+    import builtins
+
+    return int(builtins.DEFERRED_RUNS)  # type: ignore[attr-defined]
+
+
+def test_an_import_statement_and_a_module_scan_do_not_run_it_first_use_runs_it_once(pkg: str) -> None:
+    lazy_import.defer(pkg)
+    mod = __import__(pkg)  # what "import mlflow" inside a library does
+    assert runs() == 0 and isinstance(mod, type(sys))
+    inspect.getmodule(test_an_import_statement_and_a_module_scan_do_not_run_it_first_use_runs_it_once)  # scans all
+    assert runs() == 0 and mod.__name__ == pkg and mod.__file__.endswith("__init__.py")
+    assert mod.VALUE == 42 and runs() == 1
+    assert type(mod) is type(sys)  # a plain module from then on
+    assert __import__(pkg).VALUE == 42 and runs() == 1
+
+
+def test_a_submodule_imported_first_runs_the_package_before_it(pkg: str) -> None:
+    lazy_import.defer(pkg)
+    sub = __import__(f"{pkg}.sub", fromlist=["DOUBLE"])
+    assert sub.DOUBLE == 84 and runs() == 1
+
+
+def test_a_module_already_imported_or_missing_is_left_alone(pkg: str) -> None:
+    mod = __import__(pkg)
+    lazy_import.defer(pkg)
+    assert sys.modules[pkg] is mod and runs() == 1
+    lazy_import.defer("no_such_module_anywhere")
+    assert "no_such_module_anywhere" not in sys.modules
+
+
+def test_code_that_fails_leaves_it_unimported_as_a_plain_import_would(pkg: str, tmp_path: Path) -> None:
+    (tmp_path / pkg / "__init__.py").write_text("raise ValueError('broken at import')\n")
+    lazy_import.defer(pkg)
+    mod = sys.modules[pkg]
+    with pytest.raises(ValueError, match="broken at import"):
+        mod.VALUE
+    assert pkg not in sys.modules
