@@ -97,12 +97,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each full-tier test ``full`` (what it starts decides: tests/tiers.py), and ``serial`` where it must run
-    alone (tiers.serial), before ``-m`` deselects. Under ``--dist loadgroup`` (make test) the serial tests form one
-    xdist group, listed first, which one worker runs one test at a time from the start, while the other workers run
-    the rest file by file (a group per file, so that a module's fixtures start once)."""
-    report = []
+    alone (tiers.serial), before ``-m`` deselects. Under ``--dist loadgroup`` (make test) the serial tests form two
+    xdist groups, listed first, each run one test at a time by one worker from the start: those that build hosts or
+    SLURM daemons (machine-wide names: network namespaces, a SLURM cluster; tiers.MACHINE_WIDE), and the others
+    (timeouts, timed runs, lighthouses, kill trials: they mostly wait, and must not wait beside too many runs). The
+    other workers run the rest file by file (a group per file, so that a module's fixtures start once)."""
+    report, reasons = [], {}
     for item in items:
         tier, why = tiers.tier_of(item)
+        reasons[item.nodeid] = why
         if tier == "full" and not any(m.args for m in item.iter_markers("full")):
             item.add_marker(pytest.mark.full(why[0]))
         if tier == "full" and tiers.serial(why):
@@ -117,8 +120,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup":
         for item in items:
             serial = item.get_closest_marker("serial") is not None
-            item.add_marker(pytest.mark.xdist_group("serial" if serial else item.nodeid.split("::")[0]))
-        # xdist hands out groups in the order of their first test: the serial group (the longest) first
+            machine = serial and any(r in tiers.MACHINE_WIDE for r in reasons[item.nodeid])
+            item.add_marker(pytest.mark.xdist_group("serial-machine" if machine else "serial" if serial
+                                                    else item.nodeid.split("::")[0]))
+        # xdist hands out groups in the order of their first test: the serial groups (the longest) first
         items.sort(key=lambda it: it.get_closest_marker("serial") is None)
 
 

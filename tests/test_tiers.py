@@ -85,6 +85,8 @@ def test_the_tier_follows_from_what_the_code_starts() -> None:
     assert tiers.reasons([sample["_deadline_only"]]) == set()
     # make test runs alone what times what it observes or uses machine-wide names; a result check shares
     assert tiers.serial({tiers.TIMED}) and tiers.serial({"network-namespace hosts"})
+    # hosts and SLURM run one at a time among themselves (their own xdist group in make test)
+    assert tiers.reasons([sample["_builds_hosts"], sample["_through_a_helper"]]) == tiers.MACHINE_WIDE
     assert not tiers.serial({tiers.SIGNAL, tiers.FULL_FRAGMENTS["DISTKIT_FAULT"], tiers.MORE_RANKS})
     assert tiers.reasons([sample["_four_ranks_not_started"]]) == set()  # strings only count for code that starts
 

@@ -290,6 +290,11 @@ PARALLEL_SAFE = frozenset({LAUNCHER, MORE_RANKS, SWEEP, FULL_FRAGMENTS["++resume
                            SIGNAL})
 
 
+#: full-tier reasons that take a machine-wide name (network namespaces and their hostnames, the SLURM cluster):
+#: the serial tests with one of them run one at a time among themselves, beside the other serial tests
+MACHINE_WIDE = frozenset({"network-namespace hosts", "SLURM daemons"})
+
+
 def serial(why: Iterable[str]) -> bool:
     """Whether a full-tier test with these reasons runs alone (see :data:`PARALLEL_SAFE`)."""
     return any(r not in PARALLEL_SAFE for r in why)
