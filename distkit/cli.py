@@ -14,7 +14,7 @@ import traceback
 from typing import Any, NoReturn, Optional
 
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
-from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, Preempted, describe
+from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, describe, report_agreed
 from distkit.launch import record_failure, settle_if_peer
 from distkit.watchdog import lost_peer_error
 
@@ -240,10 +240,8 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
         if e.exit_code == 2 and env.world_size == 1:  # bad input in a single process: main prints the one line
             raise
         record_failure(env.rank, e)
-        if e.agreed:  # every rank stops with this same error: one line, from rank 0
-            if env.rank == 0:
-                # a preemption is no error: the run stopped as asked, its checkpoint written
-                print(f"distkit: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr, flush=True)
+        if e.agreed:  # every rank stops with this same error: one line, from rank 0 (Trainer.fit printed it)
+            report_agreed(e, env.rank)
             return e.exit_code
         print(f"distkit: rank {env.rank} failed: {describe(e)}", file=sys.stderr, flush=True)
         settle_if_peer(e, env.world_size)

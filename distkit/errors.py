@@ -13,6 +13,23 @@ class DistkitError(Exception):
     #: every rank raised this same error at the same point, agreed by a collective (a full disk while
     #: saving, a checkpoint that does not fit): rank 0 reports it once, the others end quietly
     agreed: bool = False
+    #: its one line was printed already (an agreed error is reported by rank 0 before the ranks meet at the end)
+    reported: bool = False
+
+
+def report_agreed(error: DistkitError, rank: int) -> None:
+    """Rank 0 prints the one line of an agreed error (every rank raised it together); the others print nothing.
+
+    Called before the ranks leave together (their last barrier), not after: a launcher that ends the job when its
+    first rank exits non-zero (mpirun, srun) would otherwise kill rank 0 before the line, once another rank
+    already left with the error's status (seen: a preemption under mpirun, exit 75, no line)."""
+    if rank == 0 and not error.reported:
+        import sys
+
+        # a preemption is no error: the run stopped as asked, its checkpoint written
+        what = "" if isinstance(error, Preempted) else "error: "
+        print(f"distkit: {what}{error}", file=sys.__stderr__ or sys.stderr, flush=True)
+    error.reported = True
 
 
 class ConfigError(DistkitError):

@@ -1,6 +1,6 @@
 """Fault injection for failure tests: real SIGKILLs and exceptions at a chosen step.
 
-``DISTKIT_FAULT="RANK:STEP:KIND[:POINT]"`` makes rank RANK, at optimizer step STEP, ``kill``
+``DISTKIT_FAULT="RANK:STEP:KIND[:POINT]"`` (several: separated by commas) makes rank RANK, at optimizer step STEP, ``kill``
 itself with SIGKILL, ``raise`` RuntimeError, ``hang`` (sleep forever in the main thread, to test
 timeouts: its other threads go on), ``delay`` (sleep 5 s, then go on: a slow rank; ``delay=S`` sleeps S
 seconds), ``stop`` itself with SIGSTOP (every thread frozen, as a stalled or cut-off process: see
@@ -30,9 +30,9 @@ import signal
 import time
 
 _SPEC = os.environ.get("DISTKIT_FAULT", "")
-_PARTS = _SPEC.split(":") if _SPEC else ["-1", "-1", "", "step"]
-_RANK, _STEP, _KIND = int(_PARTS[0]), int(_PARTS[1]), _PARTS[2]
-_POINT = _PARTS[3] if len(_PARTS) > 3 else "step"
+#: (rank, step, kind, point) of each fault: several are separated by commas
+_FAULTS = [(int(p[0]), int(p[1]), p[2], p[3] if len(p) > 3 else "step")
+           for p in (one.split(":") for one in _SPEC.split(",") if one)]
 _STAMP = os.environ.get("DISTKIT_FAULT_STAMP", "")
 _UNTIL = os.environ.get("DISTKIT_FAULT_UNTIL", "")
 #: seconds a ``delay`` fault sleeps (unless it says: ``delay=S``)
@@ -40,24 +40,29 @@ DELAY_S = 5.0
 
 
 def maybe_fire(rank: int, step: int, point: str = "step") -> None:
-    """Fire the configured fault if this is its rank, step and point."""
-    if rank != _RANK or step != _STEP or point != _POINT:
-        return
+    """Fire each configured fault whose rank, step and point these are."""
+    for f_rank, f_step, kind, f_point in _FAULTS:
+        if rank == f_rank and step == f_step and point == f_point:
+            _fire(kind, step)
+
+
+def _fire(kind: str, step: int) -> None:
+    """Fire one fault of kind ``kind`` (the module's docstring) now, at step ``step``."""
     if _STAMP:
         with open(_STAMP, "w") as f:
             f.write(f"{os.getpid()} {time.time():.3f}\n")
-    if _KIND == "kill":
+    if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif _KIND == "raise":
+    elif kind == "raise":
         raise RuntimeError(f"injected fault at step {step} (DISTKIT_FAULT={_SPEC})")
-    elif _KIND == "hang":
+    elif kind == "hang":
         while True:
             time.sleep(3600)
-    elif _KIND.startswith("delay"):
-        end = time.monotonic() + float(_KIND.partition("=")[2] or DELAY_S)
+    elif kind.startswith("delay"):
+        end = time.monotonic() + float(kind.partition("=")[2] or DELAY_S)
         while time.monotonic() < end and not (_UNTIL and os.path.exists(_UNTIL)):
             time.sleep(min(0.1, max(0.0, end - time.monotonic())))
-    elif _KIND == "stop":
+    elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif _KIND == "term":
+    elif kind == "term":
         os.kill(os.getpid(), signal.SIGTERM)

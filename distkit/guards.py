@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
-from distkit.errors import DistkitError, NonFiniteLoss, UsageError
+from distkit.errors import DistkitError, NonFiniteLoss, UsageError, report_agreed
 from distkit.launch import record_failure, settle_if_peer
 from distkit.watchdog import lost_peer_error
 
@@ -51,9 +51,11 @@ def install_excepthook(current: Callable[[], Optional["Session"]]) -> None:
             settle_if_peer(exc, session.world_size)
         if isinstance(exc, DistkitError) and exc.agreed and session is not None:
             # every rank raised this same error at the same point (agreed by a collective): nobody waits for
-            # anybody, so no abort; one line for the job, from rank 0
-            if session.rank == 0:
-                print(f"distkit: error: {exc}", file=sys.__stderr__ or sys.stderr, flush=True)
+            # anybody, so no abort; one line for the job, from rank 0, then the ranks leave together (a launcher
+            # that ends the job at its first non-zero exit would else cut rank 0 off before the line)
+            report_agreed(exc, session.rank)
+            with contextlib.suppress(BaseException):
+                session.close()
             sys.stdout.flush()
             os._exit(exc.exit_code)
         if session is not None and session.world_size > 1:

@@ -20,7 +20,7 @@ from distkit import checkpoint, faults
 from distkit.components import build_optimizer, build_scheduler, check_components
 from distkit.config import RunConfig, resolve
 from distkit.env import ClusterEnv
-from distkit.errors import DistkitError, OutputError, Preempted
+from distkit.errors import DistkitError, OutputError, Preempted, report_agreed
 from distkit.preemption import Preemption
 from distkit.evaluation import batch_loss, evaluate
 from distkit.session import Session, init
@@ -59,7 +59,9 @@ class Trainer:
             if run is not None:
                 with contextlib.suppress(Exception):  # the run's own error is the one to report
                     run.trackers.finish(None, "failed")  # a no-op after a preemption's or a finished run's own
-            if not (isinstance(e, DistkitError) and e.agreed):  # every rank raised it together: nobody waits
+            if isinstance(e, DistkitError) and e.agreed:  # every rank raised it together: nobody waits
+                report_agreed(e, dk.rank)  # before the ranks meet in dk.close (see report_agreed)
+            else:
                 dk.abort()  # e.g. MPI_Abort: the other ranks must not wait for this one
             raise
         finally:
