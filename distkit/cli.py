@@ -224,9 +224,10 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
         global launched_only
         try:
             launched_only = True
-            return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs,
-                             strategy_class(cfg.distributed.backend).local_launcher, target=lambda: _as_rank(argv),
-                             preemptible=cfg.preemption)
+            engine = strategy_class(cfg.distributed.backend)
+            return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs, engine.local_launcher,
+                             target=lambda: _as_rank(argv), preemptible=cfg.preemption,
+                             preimport=engine.before_forks(cfg) if engine.local_launcher == "spawn" else ())
         finally:
             os.environ.pop(TRUSTED_ENV, None)
             os.environ.pop(LOCK_ENV, None)

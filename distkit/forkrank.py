@@ -117,11 +117,12 @@ def _user_modules() -> list[str]:
 PREIMPORT = ("torch._dynamo",)
 
 
-def preimport() -> None:
-    """Import :data:`PREIMPORT` in the launching process (before :func:`start`); a failure is left to the rank."""
+def preimport(engine: tuple[str, ...] = ()) -> None:
+    """Import :data:`PREIMPORT`, then the engine's modules (``Strategy.before_forks``), in the launching process
+    (before :func:`start`); a failure is left to the rank, and what follows it is not imported."""
     import importlib
 
-    for name in PREIMPORT:
+    for name in (*PREIMPORT, *engine):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the rank imports it itself and reports what fails there

@@ -242,13 +242,15 @@ def check_nprocs(nprocs: int) -> None:
 
 
 def run_local(cmd: list[str], nprocs: int, launcher: str, target: Optional[Callable[[], int]] = None,
-              preemptible: bool = False) -> int:
+              preemptible: bool = False, preimport: tuple[str, ...] = ()) -> int:
     """Run ``cmd`` as ``nprocs`` local ranks with ``launcher`` ("spawn" or "mpirun"); returns the exit status.
-    ``target``: what ``cmd`` runs, callable in this process (see :func:`spawn`). ``preemptible``: the ranks
-    stop with a checkpoint on SIGTERM/SIGUSR1 (:mod:`distkit.preemption`): pass those on and wait. ConfigError
-    for a number of ranks this machine cannot start (:func:`check_nprocs`)."""
+    ``target``: what ``cmd`` runs, callable in this process (see :func:`spawn`; ``preimport`` too). ``preemptible``:
+    the ranks stop with a checkpoint on SIGTERM/SIGUSR1 (:mod:`distkit.preemption`): pass those on and wait.
+    ConfigError for a number of ranks this machine cannot start (:func:`check_nprocs`)."""
     check_nprocs(nprocs)
-    return mpirun(cmd, nprocs, preemptible) if launcher == "mpirun" else spawn(cmd, nprocs, target, preemptible)
+    if launcher == "mpirun":
+        return mpirun(cmd, nprocs, preemptible)
+    return spawn(cmd, nprocs, target, preemptible, preimport)
 
 
 def mpirun_path() -> Optional[str]:
@@ -297,12 +299,14 @@ def mpirun(cmd: list[str], nprocs: int, preemptible: bool = False) -> int:
             signal.signal(s, h)
 
 
-def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = None, preemptible: bool = False) -> int:
+def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = None, preemptible: bool = False,
+          preimport: tuple[str, ...] = ()) -> int:
     """Run ``cmd`` as ``nprocs`` ranks (torchrun's environment variables); returns the exit status.
 
     With ``target`` (a function of this process that does what ``cmd`` would, returning its exit
     status), each rank is a fork of this process that calls it, where that is safe
-    (:func:`distkit.forkrank.can_fork`): no second import of torch per rank. Else a new ``cmd``.
+    (:func:`distkit.forkrank.can_fork`): no second import of torch per rank, nor of ``preimport`` (the engine's
+    modules every rank imports: ``Strategy.before_forks``), imported here first. Else a new ``cmd``.
 
     SIGINT and SIGTERM stop every rank (SIGTERM, then SIGKILL after :data:`GRACE_S`). With ``preemptible``
     (the ranks handle a preemption, :mod:`distkit.preemption`) the first SIGTERM or SIGUSR1 is passed on to
@@ -313,7 +317,7 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
 
     in_place = target if target is not None and forkrank.can_fork() else None
     if in_place is not None and nprocs > 1:
-        forkrank.preimport()
+        forkrank.preimport(preimport)
         in_place = in_place if forkrank.can_fork() else None
     port, spawn_id = free_port(), uuid.uuid4().hex[:12]
     threads = _threads(nprocs)

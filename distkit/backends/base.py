@@ -56,6 +56,14 @@ class Strategy(ABC):
     #: counts micro-steps to find its accumulation boundary); elsewhere any number adds up as under DDP
     fixed_accumulation: ClassVar[bool] = False
 
+    @classmethod
+    def before_forks(cls, cfg: RunConfig) -> tuple[str, ...]:
+        """Modules every rank of this engine imports before its first step, for ``distkit train --nprocs N`` to import
+        once in the launching process before it forks the N ranks (:func:`distkit.forkrank.preimport`), instead of N
+        times at once; may set what their import reads from the environment (which the ranks inherit). Default:
+        none."""
+        return ()
+
     def check_accumulation(self, steps: int) -> None:
         """Raise ConfigError when ``accum_grad_multiple_step = steps``, set after start-up
         (``dk.set_accumulation``), contradicts the engine's own config. Default: any value is fine."""

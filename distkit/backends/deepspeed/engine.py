@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distkit import lazy_import
+from distkit.config import RunConfig
 from distkit.averaging import flat_mean
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
 from distkit.replicas import ReplicaGroups
@@ -109,6 +110,18 @@ class DeepSpeedStrategy(_DeepSpeedState):
         """ZeRO 1-3 move the reduced gradients into the optimizer's partitions (``param.grad`` is then None
         or local); only stage 0 leaves them in ``param.grad``."""
         return getattr(self, "zero_stage", 0) == 0
+
+    @classmethod
+    def before_forks(cls, cfg: RunConfig) -> tuple[str, ...]:
+        """DeepSpeed (0.3 s of CPU per rank here) and the Muon optimizer's module, which ZeRO-1/2's first gradient
+        reduction and ZeRO-3's start import (its ``torch.compile`` decorators import torch's inductor: 1.0 s per
+        rank). Only on the CPU (DeepSpeed picks its accelerator at import: the launching process must pick the one
+        the ranks would); the Muon module is passed over in a DeepSpeed without it."""
+        if cfg.device == "cuda" or (cfg.device != "cpu" and torch.cuda.device_count() > 0):  # (pick_device's rule;
+            return ()  # device_count does not initialise CUDA)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what init sets in each rank, before deepspeed is imported
+        lazy_import.defer("mlflow")  # (see init)
+        return ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
 
     # -- lifecycle ----------------------------------------------------------------------------
     def init(self) -> None:
