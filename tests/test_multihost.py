@@ -431,7 +431,11 @@ def test_mpirun_ends_non_zero_naming_the_ranks_of_a_host_that_froze_or_was_cut_o
             deadline = time.time() + 120
             while not stamp.exists() and time.time() < deadline and p.poll() is None:
                 time.sleep(0.05)
-            assert stamp.exists(), f"the fault never fired ({how})"
+            if not stamp.exists():
+                early = _finish(p, 30) if p.poll() is not None else None
+                raise AssertionError(f"the fault never fired ({how}): " + (
+                    "still running at 120 s" if early is None else
+                    f"mpirun exited {early.returncode} first:\n{early.stdout[-2000:]}\n{early.stderr[-3000:]}"))
             time.sleep(0.5)  # the other ranks are inside the next collective now
             if how == "freeze":
                 h.kill(1, signal.SIGSTOP)
