@@ -1,7 +1,7 @@
 """``distkit plot RUN [RUN ...] [-o out.png] [--x step|time]``: the curves of one or more runs, overlaid.
 
 Four panels from each run's ``metrics.jsonl``: loss (train solid, eval dashed with markers), learning rate,
-samples/s, and the seconds blocked on the training collectives (cumulative, rank 0), against the step, or
+samples/s over each log window (:func:`windowed_rates`), and the seconds blocked on the training collectives (cumulative, rank 0), against the step, or
 against rank 0's wall time since training started (``--x time``). Each run's legend entry is its directory
 name with its engine and mode (from ``config.resolved.json``: ``ddp grad``, ``deepspeed ZeRO-2 param``), so
 two engines or two modes of one script compare at a glance. A run of fault-tolerant groups is plotted by
@@ -21,8 +21,27 @@ from typing import Any
 from distkit.errors import BackendUnavailable, ConfigError
 
 #: the panels: (title, the key of the training records on the y axis)
-PANELS = (("loss", "loss"), ("learning rate", "lr"), ("samples/s", "samples_per_s"),
+PANELS = (("loss", "loss"), ("learning rate", "lr"), ("samples/s (each log window)", "samples_per_s"),
           ("blocked on communication (s, cumulative)", "comm_wait_s"))
+
+
+def windowed_rates(train: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """Samples/s over each log window: (step, the samples trained since the previous record over rank 0's seconds
+    since it), from the records' cumulative ``samples`` and ``time_s``. The first window starts when training
+    started. A record whose ``time_s`` is below the one before starts a new process (a resume: its clock starts
+    again, its samples do not): no window ends there. Not the records' own ``samples_per_s``, which averages
+    since the start and so carries start-up and early steps to the end of the curve."""
+    out, before = [], None
+    for r in train:
+        if "samples" not in r or "time_s" not in r:
+            continue
+        if before is None:
+            if r["time_s"] > 0:
+                out.append((r["step"], r["samples"] / r["time_s"]))
+        elif r["time_s"] > before["time_s"]:
+            out.append((r["step"], (r["samples"] - before["samples"]) / (r["time_s"] - before["time_s"])))
+        before = r
+    return out
 
 
 def add_parser(sub: Any) -> None:
@@ -83,7 +102,11 @@ def figure(runs: list[dict[str, Any]], x: str = "step") -> Any:
     for ax, (title, y) in zip(axes.flat, PANELS):
         for i, run in enumerate(runs):
             color = f"C{i % 10}"
-            points = [(r[key], r[y]) for r in run["train"] if key in r and y in r]
+            if y == "samples_per_s":  # over each log window, not since the start
+                at = {r["step"]: r[key] for r in run["train"] if key in r}
+                points = [(at[step], rate) for step, rate in windowed_rates(run["train"]) if step in at]
+            else:
+                points = [(r[key], r[y]) for r in run["train"] if key in r and y in r]
             if points:
                 ax.plot(*zip(*points), color=color, label=run["label"])
             if y == "loss":

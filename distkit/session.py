@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import os
 import random
 import sys
@@ -218,6 +219,10 @@ class Session(Job):
         if interval == "step":
             check_stepped_scheduler(self._scheduler)
         self._ft = join_groups(self) if self.cfg.fault_tolerance else None  # torchft's Manager, for the syncs
+        # torch.optim's step wrapper imports torch._dynamo at the first optimizer step (1.2 s of CPU here, 5 s under
+        # load), and DDP's constructor does in grad mode: imported here on every engine and mode, so setup_time_s
+        # holds it and the first steps measure training (param mode's first 10 steps counted it: issue 36 item 17)
+        importlib.import_module("torch._dynamo")
         self._t_start = time.perf_counter()
         self._setup_time_s = self._t_start - self._t_created
         if lr_scheduler is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHORT, distkit, ok
-from distkit.plot import figure, load_run
+from distkit.plot import figure, load_run, windowed_rates
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,15 @@ def test_the_figure_draws_each_runs_logged_numbers_with_its_engine_and_mode(ddp_
     assert list(mine.get_xdata()) == [5, 10, 15, 20] and list(mine.get_ydata()) == [r["loss"] for r in train]
     dashed = lines["param (ddp param, 2 ranks) eval"]
     assert dashed.get_linestyle() == "--" and list(dashed.get_ydata()) == [r["eval_loss"] for r in evals]
-    for ax, key in ((lr, "lr"), (speed, "samples_per_s"), (comm, "comm_wait_s")):
+    for ax, key in ((lr, "lr"), (comm, "comm_wait_s")):
         assert list(ax.get_lines()[1].get_ydata()) == [r[key] for r in train], key
+    # samples/s over each log window (issue 36 item 17: the cumulative figure carried start-up to the end)
+    window = [train[0]["samples"] / train[0]["time_s"]] + [
+        (b["samples"] - a["samples"]) / (b["time_s"] - a["time_s"]) for a, b in zip(train, train[1:])]
+    assert list(speed.get_lines()[1].get_ydata()) == window and list(speed.get_lines()[1].get_xdata()) == [5, 10, 15, 20]
+    assert [s for _, s in windowed_rates([{"step": 5, "samples": 80, "time_s": 2.0}, {"step": 10, "samples": 160,
+             "time_s": 3.0}, {"step": 15, "samples": 240, "time_s": 0.5}, {"step": 20, "samples": 320, "time_s": 1.5}])] \
+        == [40.0, 80.0, 80.0]  # a resumed process's clock starts again at 0: no window across it
     assert all(r["comm_wait_s"] >= 0 and r["time_s"] > 0 for r in train)
     timed = figure([load_run(str(param_run))], x="time")
     assert list(timed.axes[0].get_lines()[0].get_xdata()) == [r["time_s"] for r in train]
