@@ -29,6 +29,13 @@ def _builds_hosts() -> None:
         h.addr(0)
 
 
+def _builds_hosts_imported_inside() -> None:
+    import hosts as local_hosts  # an import inside the test, as test_fault_tolerance's cut-off test has it
+
+    with local_hosts.Hosts(2) as h:
+        h.addr(0)
+
+
 def _helper_with_slurm(d: str) -> Any:
     return testslurm.Slurm(d)
 
@@ -76,6 +83,7 @@ def test_the_tier_follows_from_what_the_code_starts() -> None:
     # the samples are looked up by name: a test that named them would itself start what they start
     sample = globals()
     assert tiers.reasons([sample["_builds_hosts"]]) == {"network-namespace hosts"}
+    assert tiers.reasons([sample["_builds_hosts_imported_inside"]]) == {"network-namespace hosts"}
     assert tiers.reasons([sample["_through_a_helper"]]) == {"SLURM daemons"}  # through a helper of tests/
     assert tiers.reasons([sample["_with_a_lighthouse"]]) == {"a torchft lighthouse"}
     assert tiers.reasons([sample["_kill_trials"]]) == {"kill trials (benchmarks/kill_trials.py)"}

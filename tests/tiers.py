@@ -22,7 +22,9 @@ those reasons: an assertion on how long a started run took (:data:`TIMED`: an ``
 from __future__ import annotations
 
 import ast
+import dis
 import functools
+import importlib
 import inspect
 import re
 import textwrap
@@ -177,6 +179,13 @@ def _ours(obj: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _imported_test_modules(code: types.CodeType) -> tuple[types.ModuleType, ...]:
+    """The modules of ``tests/`` that ``code`` imports itself (an ``import`` statement inside a function)."""
+    names = {ins.argval.partition(".")[0] for ins in dis.get_instructions(code) if ins.opname == "IMPORT_NAME"}
+    return tuple(importlib.import_module(n) for n in sorted(names) if (TESTS / f"{n}.py").is_file())
+
+
+@functools.lru_cache(maxsize=None)
 def _in_tests(path: str) -> bool:
     """Whether the file ``path`` is in ``tests/`` (cached: every module global of every test is asked about, 110,000
     resolves of a few hundred paths, 6 of the 8 s a worker's collection took)."""
@@ -247,6 +256,9 @@ def _scan(functions: Iterable[Any], scan: _Scan) -> _Scan:
             # DISTKIT_FAULT; what every test uses says nothing of one test's cost
             ours = Path(fn.__code__.co_filename).name not in INFRASTRUCTURE
             modules = [m for m in g.values() if isinstance(m, types.ModuleType) and _ours(m)]
+            # and those it imports inside itself ("import hosts as nethosts" in a test: fc16 ran such a test, which
+            # builds hosts, beside the hosts tests, whose start removed its namespaces)
+            modules += [m for code in _code_objects(fn.__code__) for m in _imported_test_modules(code) if m not in modules]
             if ours and _keyword_ranks(fn) > 2:
                 scan.hints.add(MORE_RANKS)
             if ours and _asserts_elapsed(fn):
