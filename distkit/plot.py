@@ -1,8 +1,8 @@
 """``distkit plot RUN [RUN ...] [-o out.png] [--x step|time]``: the curves of one or more runs, overlaid.
 
 Four panels from each run's ``metrics.jsonl``: loss (train solid, eval dashed with markers), learning rate,
-samples/s over each log window (:func:`windowed_rates`), and the seconds blocked on the training collectives (cumulative, rank 0), against the step, or
-against rank 0's wall time since training started (``--x time``). Each run's legend entry is its directory
+samples/s over each log window (:func:`windowed_rates`), and the seconds blocked on the training collectives
+(cumulative, rank 0), against the step, or against rank 0's wall time since training started (``--x time``). Each run's legend entry is its directory
 name with its engine and mode (from ``config.resolved.json``: ``ddp grad``, ``deepspeed ZeRO-2 param``), so
 two engines or two modes of one script compare at a glance. A run of fault-tolerant groups is plotted by
 giving each group's directory.

@@ -26,6 +26,7 @@ import socket
 import subprocess
 from typing import Any, Optional, Sequence
 
+from distkit import procfs
 from tiers import full_tier
 
 PREFIX = "dkt"
@@ -60,7 +61,7 @@ def remove_leftovers(prefix: str = PREFIX) -> None:
         if not name.startswith(prefix):
             return False
         owner = re.match(rf"{PREFIX}(?:probe)?(\d+)", name) if prefix == PREFIX else None
-        return owner is None or not _alive(int(owner.group(1)))
+        return owner is None or procfs.state(int(owner.group(1))) is None  # its owner is gone
 
     names = _ip("netns", "list", check=False).stdout.split()
     for ns in [n for n in names if leftover(n)]:
@@ -71,16 +72,6 @@ def remove_leftovers(prefix: str = PREFIX) -> None:
         name = line.split(":")[1].strip().split("@")[0]
         if leftover(name):
             _ip("link", "del", name, check=False)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kill_inside(ns: str) -> None:
