@@ -223,8 +223,7 @@ class Session(Job):
         # load), and DDP's constructor does in grad mode: imported here on every engine and mode, so setup_time_s
         # holds it and the first steps measure training (param mode's first 10 steps counted it: issue 36 item 17)
         importlib.import_module("torch._dynamo")
-        self._t_start = time.perf_counter()
-        self._setup_time_s = self._t_start - self._t_created
+        self._start_clock()
         if lr_scheduler is not None:
             return self._model, self._optimizer, self._scheduler
         return self._model, self._optimizer
@@ -492,6 +491,13 @@ class Session(Job):
         ConfigError naming both before anything is restored."""
         return checkpoint.load_state(self, path, state)
 
+    def _start_clock(self) -> None:
+        """Training starts now: ``setup_time_s`` counts up to here and ``wall_time_s`` from here. :meth:`setup` calls
+        it; distkit's Trainer again when its loop starts, after the resume and the trackers' start (W&B's takes
+        seconds), which are start-up too."""
+        self._t_start = time.perf_counter()
+        self._setup_time_s = self._t_start - self._t_created
+
     # -- report -------------------------------------------------------------------------------------
     def summary(self, **extra: Any) -> dict[str, Any]:
         """Collective: the run's summary (the keys of ``summary.json``, which rank 0 writes).
@@ -504,7 +510,8 @@ class Session(Job):
         since setup (this process's clock); ``comm_wait_s``: seconds blocked on the training
         collectives (DDP/DeepSpeed: from the last gradient computed to backward's return; the mpi
         engine's and Horovod's gradient waits; param mode's averaging). ``wall_time_s``: seconds from the end of :meth:`setup` to now (the loop);
-        ``setup_time_s``: from :func:`init` to the end of setup (process group, engine, model wrap);
+        ``setup_time_s``: from :func:`init` to the end of setup (process group, engine, model wrap; under distkit's Trainer
+        to the start of its loop: also the resume and the trackers' start);
         ``total_time_s``: from :func:`init` to now. ``extra`` keys are added (the Trainer's eval results).
         """
         return report.summary(self, **extra)

@@ -122,9 +122,11 @@ class TrainingRun:
         #: too): they are not logged again, in metrics.jsonl or a tracker (no duplicate points on a step axis)
         self._logged_through = 0
         self.trackers = Trackers([])
+        earlier: list[dict[str, Any]] = []  # a resumed run's metrics.jsonl, on rank 0
         if dk.is_main:
             metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
-            self._logged_through = last_logged_step(metrics) if dk.num_steps else 0
+            earlier = logged_records(metrics) if dk.num_steps else []
+            self._logged_through = max((r["step"] for r in earlier), default=0)
             if self._logged_through > dk.num_steps:  # said, so that a resume from an older checkpoint hides nothing unseen
                 print(f"distkit: metrics.jsonl holds steps up to {self._logged_through} from the earlier run; steps "
                       f"{dk.num_steps + 1}-{self._logged_through} are not logged again (there or in a tracker)", flush=True)
@@ -133,6 +135,9 @@ class TrainingRun:
             # rank 0 starts them; one that cannot start (a store it cannot write, a W&B error) stops every rank
             def start() -> None:
                 self.trackers = Trackers.open(cfg.loggers, cfg.output_dir, dk.run_id, resolved, resumed=dk.num_steps > 0)
+                if dk.num_steps:  # what a tracker lost when the earlier run was killed comes from metrics.jsonl
+                    for line in self.trackers.catch_up(earlier):
+                        print(line, flush=True)
             self._on_main(start, Exception, wrap=True)
 
     # -- what callbacks see ---------------------------------------------------------------------
@@ -308,6 +313,7 @@ class TrainingRun:
         cfg, dk = self.cfg, self.dk
         bar = tqdm(total=self.total_steps, initial=dk.num_steps, disable=not (dk.is_main and cfg.progress_bar),
                    desc="train", unit="step", dynamic_ncols=True)
+        dk._start_clock()  # the resume and the trackers' start (W&B's: seconds) were start-up, not training
         t_start, window, window_n, train_loss = time.perf_counter(), torch.zeros(()), 0, float("nan")
         window_metrics: dict[str, torch.Tensor] = {}
         self._call("on_train_start")
@@ -433,20 +439,22 @@ class TrainingRun:
         self._on_main(lambda: checkpoint.write_json(os.path.join(self.cfg.output_dir, name), obj), OutputError)
 
 
-def last_logged_step(path: str) -> int:
-    """The highest ``step`` in the metrics.jsonl at ``path`` (0: none there, or no such file); a torn last line
+def logged_records(path: str) -> list[dict[str, Any]]:
+    """The records with a ``step`` in the metrics.jsonl at ``path``, in order (none: no such file); a torn last line
     (the earlier run killed mid-write) is passed over."""
-    last = 0
+    records = []
     try:
         with open(path) as f:
             for line in f:
                 try:
-                    last = max(last, int(json.loads(line).get("step", 0)))
-                except (ValueError, AttributeError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and isinstance(record.get("step"), int):
+                        records.append(record)
+                except ValueError:
                     continue
     except OSError:
-        return 0
-    return last
+        return []
+    return records
 
 
 def ranks_by_host(hosts: list[str], node_ranks: list[int]) -> str:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import csv
 import glob
 import json
-import struct
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from conftest import base_env, distkit, ok, summary, venv_without
+from distkit.trackers.wandb import offline_records
 
 ENGINES = {
     "ddp": [],
@@ -29,7 +29,7 @@ ALL = "['tensorboard', 'mlflow', 'wandb', 'csv']"
 
 # a user's own logger object (Accelerate's tracker methods): rank 0 calls it; it writes what it got to a file
 CONFIG = '''
-import json, os
+import json, os, time
 
 task = "digits"
 max_steps = 12
@@ -45,7 +45,7 @@ class MyLogger:
 
     def _write(self, **record):
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\\n")
+            f.write(json.dumps({**record, "t": time.perf_counter()}) + "\\n")
 
     def store_init_configuration(self, config):
         self._write(config=config, pid=os.getpid())
@@ -65,13 +65,28 @@ class MyLightningStyleLogger(MyLogger):  # a Lightning logger's method names
         self._write(finalized=status, pid=os.getpid())
 
 
-loggers = ["tensorboard", "mlflow", "wandb", "csv", MyLogger(os.environ["MY_LOGGER_FILE"]),
+# one user object first (it finishes first, right after the summary), one last (it starts after W&B's seconds of
+# start-up): the clock check below
+loggers = [MyLogger(os.environ["MY_LOGGER_FILE"]), "tensorboard", "mlflow", "wandb", "csv",
            MyLightningStyleLogger(os.environ["MY_LOGGER_FILE"] + ".lightning")]
 '''
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _mine(path: Path) -> list[dict[str, Any]]:
+    """What the user's logger object got, less the clock reading of each call."""
+    return [{k: v for k, v in r.items() if k != "t"} for r in _jsonl(path)]
+
+
+def _trackers_started_before_the_loop(path: Path, s: dict[str, Any]) -> bool:
+    """The summary's wall_time_s (the loop) leaves out the trackers' start: it is at most the time from the last
+    tracker's start (after W&B's, which takes seconds) to the first one's finish (right after the summary); rank 0's
+    perf_counter on both sides. Before: wall_time_s counted from the end of dk.setup, W&B's start included."""
+    last_started = [r for r in _jsonl(Path(f"{path}.lightning")) if "config" in r][-1]  # this start's (a resume appends)
+    return s["wall_time_s"] <= _jsonl(path)[-1]["t"] - last_started["t"]
 
 
 def _series(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
@@ -107,36 +122,12 @@ def mlflow_runs(out: Path) -> list[Any]:
     return [(mlflow.get_run(r.info.run_id), client) for r in runs]
 
 
-def _wandb_records(path: str) -> Iterator[Any]:
-    """The records of a W&B offline run file (``run-<id>.wandb``): LevelDB-log framing (32 KiB blocks, 7-byte
-    record headers) after W&B's 7-byte file header, each record a ``wandb_internal_pb2.Record``."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B", data[:7]
-    pos, buf, block = 7, b"", 32768
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if n == 0 and kind == 0:  # the rest of a block, zero-filled
-            pos += left
-            continue
-        buf += data[pos + 7:pos + 7 + n]
-        pos += 7 + n
-        if kind in (1, 4):  # FULL, LAST
-            yield wandb_internal_pb2.Record.FromString(buf)
-            buf = b""
-
-
 def wandb_runs(out: Path) -> list[dict[str, Any]]:
     """Each offline run directory's run id, history {step: {key: value}}, config, summary and exit code."""
     runs = []
     for path in sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))):
         run: dict[str, Any] = {"history": {}, "config": {}, "summary": {}, "exit_code": None}
-        for rec in _wandb_records(path):
+        for rec in offline_records(path):  # W&B's own record schema; the file's framing is LevelDB's log
             kind = rec.WhichOneof("record_type")
             if kind == "run":  # the config given to wandb.init comes with the run record
                 run["id"] = rec.run.run_id
@@ -196,13 +187,14 @@ def test_every_tracker_holds_exactly_the_runs_records(tmp_path: Path, engine: st
     assert [{k: v for k, v in row.items() if v != ""} for row in rows] == \
         [{k: str(v) for k, v in r.items()} for r in records]
 
-    mine = _jsonl(out.parent / "run-mylogger.jsonl")
+    mine = _mine(out.parent / "run-mylogger.jsonl")
     assert mine[0]["config"]["distributed.backend"] == s["backend"] and mine[-1] == {"finished": True, "pid": mine[0]["pid"]}
     assert [(m["step"], m["metrics"]) for m in mine[1:-1]] == [(r["step"], {k: v for k, v in r.items() if k != "step"})
                                                              for r in records]
     assert len({m["pid"] for m in mine}) == 1  # rank 0 only
-    theirs = _jsonl(out.parent / "run-mylogger.jsonl.lightning")
+    theirs = _mine(out.parent / "run-mylogger.jsonl.lightning")
     assert theirs[:-1] == mine[:-1] and theirs[-1] == {"finalized": "success", "pid": mine[0]["pid"]}
+    assert _trackers_started_before_the_loop(out.parent / "run-mylogger.jsonl", s)  # failed before: W&B's start
 
 
 def _merged(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -216,17 +208,23 @@ def _merged(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def test_a_resumed_run_continues_the_same_tracker_runs_without_duplicate_points(tmp_path: Path) -> None:
-    # killed in step 9 (logged through 8), the last checkpoint at step 5: the resumed run recomputes 6-8 and
-    # must not log them again
+def test_a_resumed_run_continues_the_same_tracker_runs_with_every_step_exactly_once(tmp_path: Path) -> None:
+    # rank 0 killed (SIGKILL) in step 9, logged through 8, the last checkpoint at step 5: the resumed run recomputes
+    # 6-8 and must not log them again; what a tracker lost with the kill is replayed (W&B writes from a process of
+    # its own, asynchronously: the killed start's offline file held none of its records, issue 36 item 15)
     out = tmp_path / "run"
-    res = _train(out, "ddp", "++checkpoint_every", "5", DISTKIT_FAULT="1:9:kill")
+    res = _train(out, "ddp", "++checkpoint_every", "5", DISTKIT_FAULT="0:9:kill")
     assert res.returncode != 0 and [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [2, 4, 6, 6, 8]
+    held = max([st for run in wandb_runs(out) for st in run["history"]], default=0)
     resumed = ok(_train(out, "ddp", "++checkpoint_every", "5", "++resume", "auto"))
     assert "metrics.jsonl holds steps up to 8 from the earlier run; steps 6-8 are not logged again" in resumed.stdout
     records, s = _jsonl(out / "metrics.jsonl"), summary(out)
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == [2, 4, 6, 8, 10, 12]  # metrics.jsonl itself: no step twice
+    if held < 8:  # what W&B lost is replayed, and said
+        lacking = [r for r in records if held < r["step"] <= 8]
+        assert (f"distkit: wandb held steps up to {held} of the earlier run; {len(lacking)} record(s) of steps "
+                f"{lacking[0]['step']}-8 replayed to it from metrics.jsonl") in resumed.stdout
 
     scalars, _ = tensorboard_run(out)
     assert scalars["loss"] == [(st, pytest.approx(v, rel=1e-6)) for st, v in _series(records, "loss")]
@@ -235,12 +233,15 @@ def test_a_resumed_run_continues_the_same_tracker_runs_without_duplicate_points(
     assert run.info.status == "FINISHED" and run.data.tags["distkit.run_id"] == s["run_id"]
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == _series(records, "loss")
     first, second = wandb_runs(out)  # W&B offline: one file per start, the same run id (`wandb sync` joins them)
-    assert first["id"] == second["id"] == s["run_id"] and second["exit_code"] == 0
-    assert sorted(first["history"]) == [2, 4, 6, 8] and sorted(second["history"]) == [10, 12]
+    assert second["id"] == s["run_id"] and second["exit_code"] == 0 and first.get("id", s["run_id"]) == s["run_id"]
+    assert not set(first["history"]) & set(second["history"])  # every step once...
+    both = {**first["history"], **second["history"]}
+    assert both == {st: {k: v for k, v in r.items() if k != "step"} for st, r in _merged(records).items()}  # ...all
     with open(out / "metrics.csv", newline="") as f:
         assert [int(row["step"]) for row in csv.DictReader(f)] == [r["step"] for r in records]
-    mine = _jsonl(out.parent / "run-mylogger.jsonl")
+    mine = _mine(out.parent / "run-mylogger.jsonl")
     assert [m["step"] for m in mine if "step" in m] == [r["step"] for r in records]
+    assert _trackers_started_before_the_loop(out.parent / "run-mylogger.jsonl", s)
 
 
 def test_a_tracker_that_is_not_installed_is_one_line_with_the_pip_command(tmp_path: Path) -> None:

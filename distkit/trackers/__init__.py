@@ -7,7 +7,10 @@ fails to start stops every rank with one line (the trainer raises its error on a
 
 Resume: a resumed run continues the same tracker run (the same TensorBoard directory, the MLflow run tagged with
 distkit's run id, the W&B run of that id) on the same step axis; records of steps the earlier run had logged
-already (those after its last checkpoint) are not logged again, in ``metrics.jsonl`` or any tracker.
+already (those after its last checkpoint) are not logged again, in ``metrics.jsonl`` or any tracker. What a tracker
+lost when the earlier run was killed (W&B writes asynchronously and lost every record of a SIGKILLed start) is
+replayed from ``metrics.jsonl``: each built-in tracker says the last step it holds (``held_through``), read back
+from its own store, and gets the records after it. A resumed run's trackers hold every step exactly once.
 """
 from __future__ import annotations
 
@@ -97,10 +100,33 @@ class Trackers:
         """One record of ``metrics.jsonl`` (a training or an eval point): its numbers, at its step."""
         if not self.trackers or "step" not in record or "event" in record:
             return
+        for t in self.trackers:
+            self._log_to(t, record)
+
+    @staticmethod
+    def _log_to(tracker: Any, record: dict[str, Any]) -> None:
         metrics = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        tracker.log(metrics, int(record["step"]))
+
+    def catch_up(self, records: list[dict[str, Any]]) -> list[str]:
+        """A resumed run, before its first record: hand each tracker that can say what it holds (``held_through()``,
+        the last step it holds, 0 for none) the records of ``records`` (the earlier run's ``metrics.jsonl``) after
+        that step. Returns one line per tracker that lacked some, for rank 0 to print."""
+        said = []
         for t in self.trackers:
-            t.log(metrics, int(record["step"]))
+            held = getattr(t, "held_through", None)
+            if held is None:  # a user's object: it is not asked (it holds whatever it kept)
+                continue
+            through = held()
+            lacking = [r for r in records if "step" in r and "event" not in r and r["step"] > through]
+            for r in lacking:
+                self._log_to(t, r)
+            if lacking:
+                said.append(f"distkit: {getattr(t, 'name', type(t).__name__)} held steps up to {through} of the earlier run; "
+                            f"{len(lacking)} record(s) of steps {lacking[0]['step']}-{lacking[-1]['step']} replayed to it "
+                            f"from metrics.jsonl")
+        return said
 
     def finish(self, summary: Optional[dict[str, Any]], status: str) -> None:
         """The run ended: ``status`` "finished" (``summary`` is the run's), "preempted" or "failed" (no summary)."""

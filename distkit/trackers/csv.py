@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 
 class CsvTracker:
+    name = "csv"
+
     def __init__(self, output_dir: str, resumed: bool) -> None:
         self.path = os.path.join(output_dir, "metrics.csv")
         self.columns: list[str] = ["step"]
@@ -20,6 +22,10 @@ class CsvTracker:
                 self.columns = list(reader.fieldnames or ["step"])
                 self.rows = [dict(r) for r in reader]
         self._rewrite()
+
+    def held_through(self) -> int:
+        """The last step of the table's rows (0: none)."""
+        return max((int(r["step"]) for r in self.rows if str(r.get("step", "")).isdigit()), default=0)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         row = {"step": step, **metrics}

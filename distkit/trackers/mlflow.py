@@ -21,6 +21,8 @@ _STATUS = {"finished": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
 
 
 class MlflowTracker:
+    name = "mlflow"
+
     def __init__(self, output_dir: str, run_id: str, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
@@ -51,6 +53,12 @@ class MlflowTracker:
         for i in range(0, len(new), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=new[i:i + 100])
         self.last_step = 0
+
+    def held_through(self) -> int:
+        """The last step of any metric of the MLflow run (0: none), by MLflow's client; the summary's
+        ``summary/*`` metrics are not counted."""
+        keys = [k for k in self.client.get_run(self.run_id).data.metrics if not k.startswith("summary/")]
+        return max((m.step for k in keys for m in self.client.get_metric_history(self.run_id, k)), default=0)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

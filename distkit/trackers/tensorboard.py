@@ -13,6 +13,8 @@ from distkit.trackers import summary_numbers
 
 
 class TensorBoardTracker:
+    name = "tensorboard"
+
     def __init__(self, output_dir: str, params: dict[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
@@ -24,6 +26,24 @@ class TensorBoardTracker:
         exp, ssi, self._sei = hparams(params, {"loss": 0.0, "eval_loss": 0.0})
         for s in (exp, ssi):
             self.writer.file_writer.add_summary(s)
+
+    def held_through(self) -> int:
+        """The last step of a scalar in the directory's event files (0: none), read back with TensorBoard's own
+        loader; the summary's ``summary/*`` scalars of a finished start are not counted."""
+        import glob
+
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        last = 0
+        for path in glob.glob(os.path.join(self.logdir, "events.out.tfevents.*")):
+            try:
+                for event in EventFileLoader(path).Load():
+                    if event.HasField("summary") and any(v.tag and not v.tag.startswith(("summary/", "_hparams_"))
+                                                         for v in event.summary.value):
+                        last = max(last, event.step)
+            except Exception:  # a record torn by a kill (TensorBoard's DataLossError): what precedes it counts
+                continue
+        return last
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for name, value in metrics.items():
