@@ -147,6 +147,7 @@ class FaultTolerance:
 
         self.replica_id, self.num_replicas = int(ft["replica_id"]), int(ft["num_replicas"])
         self.url, self._rank, self._end_job = ft["lighthouse"], strategy.rank, strategy.end_job
+        self._strategy = strategy
         url = urllib.parse.urlparse(ft["lighthouse"])
         here = reachable_address(url.hostname) or _my_address()
         timeout = datetime.timedelta(seconds=float(timeout_s))
@@ -192,7 +193,11 @@ class FaultTolerance:
             # every group starts from the same model (the seed, and rank 0's broadcast inside the group): no heal
             # at step 0, which would replace the other groups' first period by one group's
             init_sync=False)
-        #: every sync's outcome: {"step", "groups" (how many took part), "committed", "healed" (this group healed)}
+        # torchft's Manager drops each quorum's answer once it has configured itself: kept, for the groups' names
+        self._quorums = _QuorumsSeen(self.manager._client)
+        self.manager._client = self._quorums
+        #: every sync's outcome: {"step", "groups" (how many took part), "members" (the quorum's groups, healing ones
+        #: included), "committed", "healed" (this group healed), "healed_from" (the groups its ranks' states came from)}
         self.syncs: list[dict[str, Any]] = []
         self.wait_s = 0.0  #: seconds in quorums and exchanges across groups
 
@@ -216,9 +221,17 @@ class FaultTolerance:
             self.manager.allreduce(flat).wait()  # AVG: sum over the participants, divided by their number
             committed = self.manager.should_commit()
             received, self._received = self._received, None
+            quorum = self._quorums.last
+            members = _groups(quorum.replica_ids) if quorum is not None else []
+            healed_from: list[int] = []
             if committed and received is not None:  # every rank of this group received a live group's state
                 self._load_state_dict(received)  # collective over this group
                 self.heals += 1
+                # torchft spreads a group's ranks over the live groups: each rank's source, named (a heal is rare)
+                src = quorum.recover_src_replica_rank if quorum is not None else None
+                mine = _groups([quorum.replica_ids[src]])[0] if src is not None else -1
+                gathered = self._strategy.all_gather_object(mine) if self._strategy.world_size > 1 else [mine]
+                healed_from = sorted({g for g in gathered if g >= 0})
             elif not committed and self.manager.current_step() != before["step"]:
                 # a heal that failed on some rank (its source died mid-heal): torchft already moved the step of the
                 # ranks whose fetch succeeded; every rank goes back, so the group heals whole at its next sync
@@ -226,8 +239,8 @@ class FaultTolerance:
             if committed:
                 unflatten_into(flat, tensors)
         self.wait_s += time.perf_counter() - t0
-        self.syncs.append({"step": self._step_of(), "groups": self.manager.num_participants(),
-                           "committed": bool(committed), "healed": self.heals > heals})
+        self.syncs.append({"step": self._step_of(), "groups": self.manager.num_participants(), "members": members,
+                           "committed": bool(committed), "healed": self.heals > heals, "healed_from": healed_from})
         return committed
 
     def _lost(self, why: str) -> LighthouseLost:
@@ -261,12 +274,13 @@ class FaultTolerance:
             thread.join()
 
     def membership_changes(self) -> list[dict[str, Any]]:
-        """The syncs at which the number of groups changed (and the first), with heals and skipped syncs."""
+        """The syncs at which the groups changed (their number or which; and the first), with heals and skipped
+        syncs."""
         out, last = [], None
         for s in self.syncs:
-            if s["groups"] != last or not s["committed"] or s["healed"]:
+            if (s["groups"], s["members"]) != last or not s["committed"] or s["healed"]:
                 out.append(s)
-            last = s["groups"]
+            last = s["groups"], s["members"]
         return out
 
     def shutdown(self) -> None:
@@ -276,6 +290,26 @@ class FaultTolerance:
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             pass
         return None
+
+
+class _QuorumsSeen:
+    """torchft's ``ManagerClient``, passed through, keeping the last quorum's answer (``last``: its members'
+    replica ids in rank order, this rank's heal source), which the Manager uses and drops."""
+
+    def __init__(self, client: Any) -> None:
+        self._client, self.last = client, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+
+def _groups(replica_ids: list[str]) -> list[int]:
+    """distkit's group numbers of torchft replica ids (``distkit_group_<N>:<uuid of this start>``), in order."""
+    return [int(r.split(":")[0].rsplit("_", 1)[1]) for r in replica_ids]
 
 
 def _quorum_gloo(base: type, timeout: datetime.timedelta, connect: datetime.timedelta) -> Any:

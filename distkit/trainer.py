@@ -340,12 +340,10 @@ class TrainingRun:
                 if ft is not None and len(ft.syncs) > self._ft_logged:
                     # each sync across fault-tolerant groups whose membership or outcome changed: one record
                     for sync in ft.syncs[self._ft_logged:]:
-                        if sync["healed"] or not sync["committed"] or sync["groups"] != self._ft_groups:
+                        if sync["healed"] or not sync["committed"] or (sync["groups"], sync["members"]) != self._ft_groups:
                             self._log({"event": "sync", **sync})
-                            dk.print(f"distkit: sync at step {sync['step']}: {sync['groups']} group(s)"
-                                     f"{', healed from a live group' if sync['healed'] else ''}"
-                                     f"{'' if sync['committed'] else ', not committed (a group failed in it)'}")
-                        self._ft_groups = sync["groups"]
+                            dk.print(sync_line(sync, ft.replica_id, self._ft_groups[1] if self._ft_groups else None))
+                        self._ft_groups = sync["groups"], sync["members"]
                     self._ft_logged = len(ft.syncs)
                     if ft.heals > self._ft_heals:  # this group healed: the step count jumped, the data follows it
                         self._ft_heals = ft.heals
@@ -455,6 +453,32 @@ def logged_records(path: str) -> list[dict[str, Any]]:
     except OSError:
         return []
     return records
+
+
+def sync_line(sync: dict[str, Any], group: int, before: Optional[list[int]]) -> str:
+    """The line of a sync across fault-tolerant groups whose groups or outcome changed, naming the groups: which
+    took part, which joined or left since the last such line (``before``: the members then), whom this group
+    healed from."""
+    members = sync["members"]  # a healing group is a member that takes no part in this sync's average
+    line = f"distkit: sync at step {sync['step']}: " + (
+        f"{_groups_named(members)} ({sync['groups']} averaged)" if members else f"{sync['groups']} group(s)")
+    changes = []
+    if before is not None and members:
+        joined = [g for g in members if g not in before and g != group]
+        left = [g for g in before if g not in members]
+        changes += [f"{_groups_named(joined)} joined"] if joined else []
+        changes += [f"{_groups_named(left)} left"] if left else []
+    if sync["healed"]:
+        src = sync.get("healed_from") or []
+        changes.append(f"group {group} (this one) healed from {_groups_named(src) if src else 'a live group'}")
+    if not sync["committed"]:
+        changes.append("not committed (a group failed in it)")
+    return line + (": " + "; ".join(changes) if changes else "")
+
+
+def _groups_named(groups: list[int]) -> str:
+    """``group 2`` or ``groups 0, 1``."""
+    return f"group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}"
 
 
 def ranks_by_host(hosts: list[str], node_ranks: list[int]) -> str:

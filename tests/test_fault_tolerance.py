@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -221,8 +222,7 @@ def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(ligh
     _until_asked(log, 2, [restart, *survivors], more_than=asked)  # it waits in the quorum of their next sync
     release.touch()
     restarted = ok(_wait(restart))
-    for p in survivors:
-        ok(_wait(p))
+    survived = [ok(_wait(p)) for p in survivors]
     sums = [summary(out / f"group-{i}") for i in range(3)]
     assert all(s["steps"] == 60 and s["ranks_in_sync"] is True for s in sums), [s["ranks_in_sync"] for s in sums]
     assert len({s["param_checksum"] for s in sums}) == 1, "the groups do not end with the same model"
@@ -250,7 +250,10 @@ def test_a_killed_group_leaves_the_others_training_and_heals_when_restarted(ligh
     # the restarted group healed once, at its first sync, from a live group's step
     ft2 = sums[2]["fault_tolerance"]
     assert ft2["heals"] == 1 and ft2["membership"][0]["healed"] is True, ft2
-    assert "healed from a live group" in restarted.stdout
+    # the heal, named on both sides: the sources of the restart's two ranks; the survivors saw group 2 join
+    assert re.search(r"group 2 \(this one\) healed from groups? [01](, 1)?$", restarted.stdout, re.M), restarted.stdout
+    assert all(re.search(r"^distkit: sync at step \d+: groups 0, 1, 2 \([23] averaged\): .*2 joined", r.stdout, re.M)
+               for r in survived), [[ln for ln in r.stdout.splitlines() if "sync at" in ln] for r in survived]
     assert [r["healed"] for r in _syncs(out / "group-2")][0] is True
     # metrics.jsonl holds the same change as the summary: a sync of fewer groups while group 2 was gone (2, or 1
     # when group 1 healed at it, as above)
@@ -312,8 +315,7 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
     _until_asked(log, 2, [late, *live])
     release.touch()
     late = ok(_wait(late))
-    for p in live:
-        ok(_wait(p))
+    lived = [ok(_wait(p)) for p in live]
     sums = [summary(out / f"group-{i}") for i in range(3)]
     assert all(s["steps"] == 40 for s in sums) and len({s["param_checksum"] for s in sums}) == 1, \
         [s["fault_tolerance"] for s in sums]
@@ -321,7 +323,11 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
         assert max_abs_diff(final_params(out / f"group-{i}"), final_params(out / "group-0")) == 0.0, i
     ft2 = sums[2]["fault_tolerance"]
     assert ft2["heals"] == 1 and ft2["membership"][0]["healed"] is True, ft2
-    assert "healed from a live group" in late.stdout
+    # named on both sides: the source on the healing side, the new member on the live side
+    src = sums[2]["fault_tolerance"]["membership"][0]["healed_from"]
+    assert src in ([0], [1]) and f"group 2 (this one) healed from group {src[0]}" in late.stdout, late.stdout
+    assert all(re.search(r"^distkit: sync at step \d+: groups 0, 1, 2 \(2 averaged\): group 2 joined$", r.stdout, re.M)
+               for r in lived), [[ln for ln in r.stdout.splitlines() if "sync at" in ln] for r in lived]
     assert [m["groups"] for m in sums[0]["fault_tolerance"]["membership"]][-1] == 3
 
 
