@@ -167,6 +167,10 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
     (``main()`` may be called in a process that goes on; the ``distkit`` command exits anyway)."""
     if args.local_rank is None:
         args.local_rank = args.top_local_rank
+    # torch's C++ warnings (read once, when torch loads: before the config file, which may import it): when a rank
+    # dies, its peers' TCPStore clients print a 22-line C++ backtrace each before distkit's line naming the rank
+    # that died. Errors still print; TORCH_CPP_LOG_LEVEL=WARNING (or INFO) in the environment shows them again.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     flags = LaunchFlags(local_rank=args.local_rank, distributed_backend=args.distributed_backend,
                         find_unused_parameters=args.find_unused_parameters, deepspeed=args.deepspeed,
                         deepspeed_config=args.deepspeed_config, nprocs=args.nprocs)
@@ -249,8 +253,10 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
         return e.exit_code
     except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
         record_failure(env.rank, e)
-        traceback.print_exc()
-        e = lost_peer_error(e) or e  # a peer is gone: name it, not the address the engine's message has
+        lost = lost_peer_error(e)
+        if lost is None:  # a peer that is gone is the cause, not where this rank noticed it: no traceback then
+            traceback.print_exc()
+        e = lost or e  # a peer is gone: name it, not the address the engine's message has
         if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
             e = CollectiveTimeout(f"a collective timed out after distributed.timeout_s={cfg.distributed.timeout_s:g} s: "
                                   f"another rank hung or died (see its output)")

@@ -215,6 +215,9 @@ def test_a_resumed_run_continues_the_same_tracker_runs_with_every_step_exactly_o
     out = tmp_path / "run"
     res = _train(out, "ddp", "++checkpoint_every", "5", DISTKIT_FAULT="0:9:kill")
     assert res.returncode != 0 and [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [2, 4, 6, 6, 8]
+    # rank 1 names the rank that died, with no traceback of its own and none of torch's C++ (issue 36 item 12)
+    assert "rank 1 failed: RankLost: rank 0 (host " in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "frame #" not in res.stderr, res.stderr[-3000:]
     held = max([st for run in wandb_runs(out) for st in run["history"]], default=0)
     resumed = ok(_train(out, "ddp", "++checkpoint_every", "5", "++resume", "auto"))
     assert "metrics.jsonl holds steps up to 8 from the earlier run; steps 6-8 are not logged again" in resumed.stdout
