@@ -66,6 +66,11 @@ _LOST: Optional[RankLost] = None
 _LOOKED = False  # lost_peer_error looked already (it waits once per process)
 
 
+#: a pause of the judge's own thread of this many heartbeat intervals (it wakes every half interval) means this
+#: process itself did not run: its view of the peers' heartbeats restarts then
+OWN_GAP = 3
+
+
 def ranks_text(ranks: list[int]) -> str:
     """``rank 1`` or ``ranks 1, 3``: how the judge and :func:`lost_peer_error` name ranks."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
@@ -257,7 +262,17 @@ class Watchdog:
         return sorted(r for r, age in self.ages().items() if age >= self.timeout_s)
 
     def _judge_loop(self) -> None:
+        woke = time.monotonic()
         while not self._stop.wait(self.interval_s / 2):
+            now = time.monotonic()
+            if now - woke >= OWN_GAP * self.interval_s:
+                # This process did not run for several intervals (frozen itself: SIGSTOP of its whole group or
+                # host, then SIGCONT; or starved): every peer's age grew while nobody here could read their beats.
+                # They are not blamed for it: each gets a full timeout_s from now (issue 36 item 10: a fault-tolerant
+                # group woken after a freeze blamed its own rank 1 and exited instead of healing).
+                self._changed = [now] * self.world_size
+                self._last_ok = now
+            woke = now
             ranks = self.stalled()
             if ranks:
                 self.fire(self.late_with(ranks))

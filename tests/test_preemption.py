@@ -1,11 +1,10 @@
 """Preemption (issue 25 item 7): a scheduler's SIGTERM or SIGUSR1 stops every rank after the same step with a
 checkpoint of it, exit status 75, and ``++resume auto`` continues bit-identically.
 
-Each case trains the digits config for 200 steps on 2 ranks, sends the signal to the launching process once
-the run has logged step 15, and checks: the one line naming the signal, the step and the checkpoint; the
+Each case trains the digits config for 200 steps on 2 ranks, sends the signal to the launching process while
+rank 0 is paused at step 20 (released once it took the signal), and checks: the one line naming the signal, the step and the checkpoint; the
 checkpoint ``latest`` names; then the resumed run ends bit for bit where the uninterrupted DDP run ends
-(every engine is bit-identical to DDP on this config). The signal lands at whatever step the run is in:
-any step must do."""
+(every engine is bit-identical to DDP on this config). The other ranks are wherever the run has them then."""
 from __future__ import annotations
 
 import json
@@ -16,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -35,25 +35,45 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(summary(out)["param_checksum"])
 
 
+#: rank 0 waits at this step (a DISTKIT_FAULT delay) until the test has signalled the launcher and seen rank 0 take
+#: the signal: without it a run whose last 185 steps take half a second had ended before the signal under load
+#: (torchrun then got it on its way out: fc18, the torchrun case, no "stopped by" line)
+PAUSE_STEP = 20
+
+
 def start(cmd: list[str], out: Path) -> "subprocess.Popen[str]":
-    return subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    env = base_env(DISTKIT_FAULT=f"0:{PAUSE_STEP}:delay=120", DISTKIT_FAULT_UNTIL=str(out.parent / "release"),
+                   DISTKIT_FAULT_STAMP=str(out.parent / "paused"))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
-def logged_steps(out: Path) -> int:
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (/proc/PID/status SigCgt); False once it is gone.
+    distkit's preemption handler gives the signal its default action back when it first gets it."""
     try:
-        return len((out / "metrics.jsonl").read_text().splitlines())
-    except OSError:
-        return 0
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
 
 
-def signal_when_logged(p: "subprocess.Popen[str]", out: Path, sig: int, lines: int = 3) -> tuple[int, str, str]:
-    """Send ``sig`` to the launcher once ``lines`` metrics lines exist; its exit status and output."""
-    deadline = time.time() + 120
-    while logged_steps(out) < lines and p.poll() is None and time.time() < deadline:
+def signal_when_paused(p: "subprocess.Popen[str]", out: Path, sig: int, named: Optional[str]) -> tuple[int, str, str]:
+    """Send ``sig`` to the launcher while rank 0 is paused at step PAUSE_STEP; once rank 0 has taken the signal
+    it names (``named``; None: the signal ends the ranks), release it. The launcher's exit status and output."""
+    deadline, stamp = time.time() + 120, out.parent / "paused"
+    while not stamp.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert p.poll() is None, f"the run ended before the signal: {p.communicate()}"
+    assert p.poll() is None and stamp.exists(), f"rank 0 never reached step {PAUSE_STEP}: {p.communicate()}"
+    rank0 = int(stamp.read_text().split()[0])
     p.send_signal(sig)
+    if named is not None:
+        got = signal.Signals[named]
+        while catches(rank0, got) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert not catches(rank0, got), f"rank 0 never took {named}"
+    (out.parent / "release").touch()
     try:
         stdout, stderr = p.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -88,13 +108,13 @@ def test_a_preempted_run_stops_with_a_checkpoint_and_resumes_bit_identical(
     name, prefix, over, sig, named = case
     out = tmp_path / "run"
     p = start([*prefix, *ARGS, "++output_dir", str(out), *over], out)
-    code, stdout, stderr = signal_when_logged(p, out, sig)
+    code, stdout, stderr = signal_when_paused(p, out, sig, named)
     text = stdout + stderr
     lines = re.findall(r"distkit: stopped by (\w+) after step (\d+) of 200; checkpoint (step-\d+) written: continue "
                        r"with \+\+resume auto", text)
     assert len(lines) == 1, text[-3000:]
     got, step, ckpt = lines[0]
-    assert got == named and ckpt == f"step-{int(step):07d}" and 15 <= int(step) < STEPS, lines
+    assert got == named and ckpt == f"step-{int(step):07d}" and PAUSE_STEP <= int(step) < STEPS, lines
     if name.startswith("ddp-param-torchrun"):
         assert code != 0  # torchrun reports the signal it got itself
     else:
@@ -123,7 +143,7 @@ def test_without_preemption_the_signal_ends_the_run_at_once(tmp_path: Path) -> N
     out = tmp_path / "run"
     p = start([sys.executable, "-m", "distkit", *ARGS, "--nprocs", "2", "++output_dir", str(out),
                "++preemption", "False"], out)
-    code, stdout, stderr = signal_when_logged(p, out, signal.SIGTERM)
+    code, stdout, stderr = signal_when_paused(p, out, signal.SIGTERM, None)
     assert code == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped by" not in stdout + stderr
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step-*"))

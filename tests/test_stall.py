@@ -173,6 +173,59 @@ def test_watchdog_spares_live_ranks_and_names_a_silent_one(tmp_path: Path, monke
         w1._stop.set()
 
 
+#: a process holding two ranks' watchdogs (timeout 1 s) on a real TCPStore: it says "ready" once both beat, "woke"
+#: when its own clock jumped (it was frozen), "survived" after 4 more timeouts; a watchdog that fires says "FIRED"
+_FROZEN_TOGETHER = """
+import datetime, sys, threading, time
+import torch.distributed as dist
+from distkit.watchdog import Watchdog
+
+delta = datetime.timedelta(seconds=1.0)
+server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=delta)
+
+def end_job(code):
+    print("FIRED", flush=True)
+    sys.exit(3)
+
+ws = [Watchdog(server, 0, 2, 1.0, end_job), Watchdog(client, 1, 2, 1.0, end_job)]
+for w in ws:
+    w.run()
+while not all(w._values[1 - w.rank] for w in ws):
+    time.sleep(0.05)
+last = time.monotonic()  # before "ready": a freeze anywhere after it is a gap this loop sees
+print("ready", flush=True)
+while time.monotonic() - last < 1.0:
+    last = time.monotonic()
+    time.sleep(0.05)
+print("woke", flush=True)
+time.sleep(4.0)
+print("survived", [w.stalled() for w in ws], flush=True)
+"""
+
+
+def test_ranks_frozen_together_do_not_blame_each_other_when_woken() -> None:
+    """Issue 36 item 10: a whole fault-tolerant group frozen (SIGSTOP) and woken (SIGCONT) exited 1 blaming its own
+    rank 1 ("stopped responding"): after the wake-up each judge saw the other's heartbeat many timeouts old, though
+    nobody here could beat while frozen. A judge that did not run for several intervals restarts its view of the
+    peers: they get a full timeout from the wake-up. Both ranks' watchdogs in one process (frozen together), frozen
+    for 4 timeouts; after the wake-up both go on beating and neither fires in 4 more."""
+    p = subprocess.Popen([sys.executable, "-c", _FROZEN_TOGETHER], env=base_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(4.0)  # the freeze itself (its length is the input here, not a wait for an event)
+        os.kill(p.pid, signal.SIGCONT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0 and "FIRED" not in out and "woke" in out, (p.returncode, out, err[-2000:])
+    assert "survived [[], []]" in out and "stopped responding" not in err, (out, err[-2000:])
+
+
 def test_a_run_shorter_than_a_heartbeat_still_sees_a_stopped_peer_out() -> None:
     """The torchrun end-of-run hang seen under load (1 run in some hundreds): rank 0's beater had not yet seen
     rank 1's first beat when a 6-step run ended (the next beat is up to 1 s away), so no rank knew where the
