@@ -31,6 +31,7 @@ import datetime
 import hashlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -154,9 +155,9 @@ class FaultTolerance:
         # torchft's own logs (every quorum, every commit) go to its loggers; distkit reports the membership itself
         for name in ("torchft_quorums", "torchft_commits"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        # a warning at every new quorum that means nothing without NCCL (CPU); torchft's real warnings stay
-        logging.getLogger("torchft.manager").addFilter(
-            lambda record: "flight recorder" not in record.getMessage())
+        # torchft's Manager logs: a warning at every new quorum that means nothing without NCCL (CPU) is dropped,
+        # a handled failure's traceback becomes one distkit line (its real warnings stay)
+        logging.getLogger("torchft.manager").addFilter(_TorchftLines(self))
         # The group's store for torchft (its manager's address; the cross-group gloo group of a quorum meets in
         # the store of one member, so it must be reachable from the other groups' hosts): served by this group's
         # rank 0, found by the others with one broadcast.
@@ -290,6 +291,29 @@ class FaultTolerance:
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             pass
         return None
+
+
+class _TorchftLines(logging.Filter):
+    """torchft's Manager logs each failure it handles (a sync's exchange or quorum failed: the sync is not
+    committed, which distkit's sync line reports) with its traceback, labelled with torchft's own count of syncs
+    (``[distkit_group_1:<uuid>/1 - step 0] got exception in pg configure: ...``). Here such a record becomes one
+    line, labelled with the group, the rank and the training step (issue 36 item 12); the "flight recorder"
+    warning that every new quorum logs without NCCL is dropped."""
+
+    def __init__(self, ft: "FaultTolerance") -> None:
+        super().__init__()
+        self._ft = ft
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "flight recorder" in text:
+            return False
+        if record.exc_info or record.levelno >= logging.ERROR:
+            text = re.sub(r"^\[[^\]]*\]\s*", "", text).splitlines()[0] if text.strip() else "an error"
+            record.msg, record.args = (f"distkit: group {self._ft.replica_id} rank {self._ft._rank}, sync at step "
+                                       f"{self._ft._step_of()}: torchft: {text[:300]}"), ()
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
 
 
 class _QuorumsSeen:
