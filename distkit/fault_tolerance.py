@@ -309,7 +309,8 @@ class _TorchftLines(logging.Filter):
         if "flight recorder" in text:
             return False
         if record.exc_info or record.levelno >= logging.ERROR:
-            text = re.sub(r"^\[[^\]]*\]\s*", "", text).splitlines()[0] if text.strip() else "an error"
+            lines = re.sub(r"^\[[^\]]*\]\s*", "", text).splitlines()  # without torchft's label
+            text = lines[0] if lines else "an error"
             record.msg, record.args = (f"distkit: group {self._ft.replica_id} rank {self._ft._rank}, sync at step "
                                        f"{self._ft._step_of()}: torchft: {text[:300]}"), ()
             record.exc_info, record.exc_text, record.stack_info = None, None, None

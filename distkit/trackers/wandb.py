@@ -8,7 +8,7 @@ the ``eval_`` prefix, e.g. ``eval_time_s``, as W&B merges a step's records into 
 config; the summary in the run's summary (the summary's own keys) and its exit code: 0, 75 (preempted) or 1.
 
 W&B writes asynchronously (its ``wandb-core`` process): a rank 0 killed with SIGKILL took every record of that
-start with it (32 steps logged, none in the offline file: issue 36 item 15). :meth:`WandbTracker.last_step` says what
+start with it (32 steps logged, none in the offline file: issue 36 item 15). :meth:`WandbTracker.held_through` says what
 the run holds (offline: its earlier ``run-<id>.wandb`` files read back; online: the server's next step), so that a
 resumed run replays the rest from ``metrics.jsonl``.
 """
@@ -40,10 +40,10 @@ class WandbTracker:
         import wandb
 
         mode = None if os.environ.get("WANDB_MODE") or _configured() else "offline"
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "distkit", id=_wandb_id(run_id),
+        self.output_dir, self.run_id = output_dir, _wandb_id(run_id)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "distkit", id=self.run_id,
                               name=os.path.basename(os.path.abspath(output_dir)), dir=output_dir, config=params,
                               resume="allow", mode=mode, reinit="create_new")
-        self.output_dir, self.run_id = output_dir, _wandb_id(run_id)
         self.last_step = 0
 
     def held_through(self) -> int:
