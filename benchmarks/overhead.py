@@ -281,6 +281,7 @@ def _run_script(be: Backend, args: argparse.Namespace, work: str, tag: str, scri
     with open(times) as f:
         rec = json.load(f)
     rec["process_wall_s"] = time.perf_counter() - t0
+    rec["launched_at"] = t0  # perf_counter is the system's monotonic clock: comparable with the ranks' "ends"
     return rec
 
 
@@ -310,6 +311,7 @@ def run_distkit(be: Backend, args: argparse.Namespace, work: str, tag: str,
     with open(times) as f:
         rec = json.load(f)
     rec["process_wall_s"] = time.perf_counter() - t0
+    rec["launched_at"] = t0
     with open(os.path.join(out_dir, "summary.json")) as f:
         summary = json.load(f)
     rec["param_checksum"] = summary["param_checksum"]

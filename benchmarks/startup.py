@@ -10,6 +10,14 @@ and reports the median wall time of the whole command and the CPU time of it and
 (the start mode must not change the result); a pair that differs is an error.
 
 Writes ``benchmarks/results/startup.json``.
+
+``--first-step`` measures instead the **time to the first step** against the engine's hand-written loop
+(``raw_ddp.py``, ``raw_mpi.py``, ``raw_horovod.py``, ``raw_deepspeed.py``: ``overhead.py``'s workload, charlm
+``--size`` with ``--steps`` steps, under the same launcher, torchrun or mpirun), alternating the two ``--pairs``
+times: seconds from the launch of the command to the end of rank 0's first optimizer step (both sides record
+``time.perf_counter()``, the system's monotonic clock, so the launcher's and the rank's instants compare), and
+the whole command's wall time. Each pair must end with the same ``param_checksum``. Writes
+``benchmarks/results/first_step_<engine>.json``.
 """
 from __future__ import annotations
 
@@ -54,13 +62,24 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--engine", default="ddp", choices=("ddp", "deepspeed"),
-                   help="an engine distkit's spawner starts (mpi and horovod ranks are started by mpirun)")
-    p.add_argument("--out", default=os.path.join(RESULTS, "startup.json"))
+    p.add_argument("--engine", default="ddp", choices=("ddp", "deepspeed", "mpi", "horovod"),
+                   help="forked vs new interpreters: ddp or deepspeed (mpi and horovod ranks are started by mpirun); "
+                        "--first-step: any")
+    p.add_argument("--first-step", action="store_true",
+                   help="time to the first step against the engine's hand-written loop (--engine: any of the four)")
+    p.add_argument("--size", default="small", choices=("small", "medium", "large"), help="--first-step: charlm size")
+    p.add_argument("--out", default=None, help="default results/startup.json, or first_step_<engine>.json")
     a = p.parse_args()
     if a.pairs < 1 or a.nprocs < 2 or a.steps < 1:
         print("startup: --pairs and --steps must be >= 1, --nprocs >= 2", file=sys.stderr)
         return 2
+    if a.first_step:
+        return first_step(a)
+    if a.engine not in ("ddp", "deepspeed"):
+        print(f"startup: forked vs new interpreters needs an engine distkit's spawner starts (ddp, deepspeed), "
+              f"not {a.engine}; --first-step takes any", file=sys.stderr)
+        return 2
+    a.out = a.out or os.path.join(RESULTS, "startup.json")
     runs: dict[str, list[dict[str, Any]]] = {"fork": [], "exec": []}
     with tempfile.TemporaryDirectory(prefix="startup_") as work:
         for i in range(a.pairs):
@@ -81,6 +100,42 @@ def main() -> int:
         json.dump(result, f, indent=1)
     print(json.dumps({k: result[k] for k in ("median", "wall_ratio_fork_vs_exec", "cpu_ratio_fork_vs_exec")}, indent=1))
     print(f"wrote {a.out}")
+    return 0
+
+
+def first_step(a: argparse.Namespace) -> int:
+    """``--first-step``: distkit train against the hand-written loop, under the same launcher, alternately."""
+    import overhead  # a sibling module (benchmarks/ is on sys.path)
+
+    be = overhead.BACKENDS[a.engine]
+    args = argparse.Namespace(size=a.size, seq_len=64, batch_size=32, steps=a.steps, lr=0.1, seed=42,
+                              bucket_cap_mb=25.0, zero_stage=2, threads=1, run_timeout=600.0, what_if=None,
+                              nprocs=a.nprocs)
+    runs: dict[str, list[dict[str, Any]]] = {"raw": [], "distkit": []}
+    with tempfile.TemporaryDirectory(prefix="first_step_") as work:
+        for i in range(a.pairs):
+            for side in ("raw", "distkit") if i % 2 == 0 else ("distkit", "raw"):  # alternate who goes first
+                rec = (overhead.run_raw if side == "raw" else overhead.run_distkit)(be, args, work, f"{side}-{i}")
+                r = {"first_step_s": rec["ends"][0] - rec["launched_at"], "wall_s": rec["process_wall_s"],
+                     "checksum": rec["param_checksum"]}
+                runs[side].append(r)
+                print(f"pair {i + 1}/{a.pairs} {side:7}: first step at {r['first_step_s']:.2f} s, whole command "
+                      f"{r['wall_s']:.2f} s", flush=True)
+            if runs["raw"][-1]["checksum"] != runs["distkit"][-1]["checksum"]:
+                print(f"startup: pair {i + 1}: distkit and the hand-written loop ended with different parameters",
+                      file=sys.stderr)
+                return 1
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("first_step_s", "wall_s")}
+           for side, rs in runs.items()}
+    result = {"workload": f"charlm {a.size}, {a.steps} steps, {a.nprocs} ranks, {be.launcher_name}, engine {a.engine}",
+              "median": med, "first_step_ratio": med["distkit"]["first_step_s"] / med["raw"]["first_step_s"],
+              "wall_ratio": med["distkit"]["wall_s"] / med["raw"]["wall_s"], "runs": runs}
+    out = a.out or os.path.join(RESULTS, f"first_step_{a.engine}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: result[k] for k in ("median", "first_step_ratio", "wall_ratio")}, indent=1))
+    print(f"wrote {out}")
     return 0
 
 
