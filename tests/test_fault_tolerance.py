@@ -39,7 +39,10 @@ PARAM_NESTEROV = ("{'backend': '%s', 'reduce_type': 'param', 'param_sync_step': 
 ADAM = ["++optimizer", "{'class': 'adam'}", "++learning_rate", "0.01"]
 #: the lighthouse's --heartbeat-timeout (distkit lighthouse's default, which conftest's lighthouse_cmd keeps)
 HEARTBEAT_TIMEOUT_S = 5.0
-TOL = 1e-6  # buffers averaged inside a group and then across groups round differently from one average
+#: a model with floating buffers (BatchNorm's running statistics), which param mode averages at every sync
+BATCHNORM = ["++model", "ft_models:digits_with_batchnorm"]
+#: the environment that lets the groups' processes import tests/ft_models.py
+WITH_MODELS = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 
 
 #: every group a test started (each a session of its own), with its lighthouse (the fixture's holds its log: a
@@ -144,12 +147,13 @@ def test_without_failures_two_groups_equal_one_job_bit_for_bit(lighthouse: str, 
 
 @pytest.fixture(scope="module")
 def replica_groups_on_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One DDP job of 2 replica groups of 2 ranks (4 ranks), 20 steps: what two fault-tolerant groups of 2 ranks
-    must end with on every engine (test_replica_groups.py proves each engine's replica groups equal DDP's step by
-    step, so one reference serves all four rows)."""
+    """One DDP job of 2 replica groups of 2 ranks (4 ranks), 20 steps of a BatchNorm model: what two fault-tolerant
+    groups of 2 ranks must end with on every engine, bit for bit (test_replica_groups.py proves each engine's
+    replica groups equal DDP's step by step, so one reference serves all four rows)."""
     ref = tmp_path_factory.mktemp("replica_groups_on_ddp")
     groups = "{'backend': 'ddp', 'reduce_type': 'param', 'param_sync_step': 5, 'param_sync_group_size': 2}"
-    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "4", "++output_dir", str(ref), "++distributed", groups))
+    ok(distkit(*TRAIN, *BATCHNORM, "++max_steps", "20", "--nprocs", "4", "++output_dir", str(ref), "++distributed",
+               groups, **WITH_MODELS))
     return ref
 
 
@@ -157,9 +161,10 @@ def replica_groups_on_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("engine", ["ddp", "mpi", "deepspeed", "horovod"])
 def test_two_ranks_per_group_equal_one_job_of_replica_groups(lighthouse: str, tmp_path: Path, engine: str,
                                                              replica_groups_on_ddp: Path) -> None:
-    # inside each group the engine reduces gradients (2 ranks); across groups torchft averages
-    procs = [_group(lighthouse, i, 2, tmp_path / "ft", "++max_steps", "20", "--nprocs", "2", engine=engine)
-             for i in range(2)]
+    # inside each group the engine reduces gradients (2 ranks); across groups torchft averages. The BatchNorm
+    # statistics differ between a group's ranks: both ways average them over the group, then across the groups
+    procs = [_group(lighthouse, i, 2, tmp_path / "ft", *BATCHNORM, "++max_steps", "20", "--nprocs", "2",
+                    engine=engine, **WITH_MODELS) for i in range(2)]
     for p in procs:
         ok(_wait(p))
     for i in range(2):
@@ -167,7 +172,7 @@ def test_two_ranks_per_group_equal_one_job_of_replica_groups(lighthouse: str, tm
         assert s["world_size"] == 2 and s["param_sync_group_size"] == 2 and s["ranks_in_sync"] is True
         for r in range(2):
             diff = max_abs_diff(final_params(tmp_path / "ft" / f"group-{i}", r), final_params(replica_groups_on_ddp, 2 * i + r))
-            assert diff <= TOL, f"group {i} rank {r}: {diff:g} from one DDP job of replica groups"
+            assert diff == 0.0, f"group {i} rank {r}: {diff:g} from one DDP job of replica groups"
 
 
 @pytest.mark.min_replicas(2)

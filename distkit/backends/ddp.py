@@ -209,6 +209,12 @@ class DDPStrategy(Strategy):
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return wrapped, optimizer
 
+    def group_mean(self, flat: torch.Tensor) -> None:
+        """One all-reduce over this rank's replica group, divided by its number of ranks."""
+        self.comm_bytes += flat.numel() * flat.element_size()
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
+        flat.div_(self.replicas.size)  # type: ignore[union-attr]
+
     def cross_group_mean(self, flat: torch.Tensor) -> None:
         """One all-reduce over this rank's cross group, divided by the number of groups."""
         self.comm_bytes += flat.numel() * flat.element_size()

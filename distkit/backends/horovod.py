@@ -234,6 +234,11 @@ class HorovodEngine(Strategy):
         with torch.no_grad():
             flat.copy_(out.div_(self.replicas.count))
 
+    def group_mean(self, flat: torch.Tensor) -> None:
+        """One ``hvd.allreduce`` (sum) over this rank's replica group, divided by its number of ranks."""
+        assert self.replicas is not None
+        self._group_all_reduce(flat, "sum").div_(self.replicas.size)
+
     def start_all_to_all(self, rows: torch.Tensor) -> Any:
         self.comm_bytes += rows.numel() * rows.element_size()
         handle = self.hvd.alltoall_async(rows.contiguous(), name=self._next_name("exchange.a2a"),

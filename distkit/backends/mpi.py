@@ -340,6 +340,11 @@ class MPIStrategy(Strategy):
         assert self.replicas is not None
         self._allreduce(self.cross_comm, self.replicas.count, flat, "mean", " over the replica groups")
 
+    def group_mean(self, flat: torch.Tensor) -> None:
+        """One ``Allreduce`` over this rank's replica group, divided by its number of ranks."""
+        assert self.replicas is not None
+        self._allreduce(self.group_comm, self.replicas.size, flat, "mean", " in the replica group")
+
     def start_all_to_all(self, rows: torch.Tensor) -> Any:
         comm = self.cross_comm if self.replicas is not None else self.comm
         buf = rows.detach().cpu().contiguous()

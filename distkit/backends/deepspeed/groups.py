@@ -156,7 +156,9 @@ class _MasterAverager(ParamAverager):
             s.ft.average(tensors)
             return
         s.average_over(masters, s.mpu.cross_group, s.mpu.cross_size)
-        s.average_over(buffers, None, s.world_size)
+        # the buffers over the group's ranks, then across the groups: Strategy.average_parameters' rule
+        s.average_over(buffers, s.mpu.dp_group, s.mpu.size)
+        s.average_over(buffers, s.mpu.cross_group, s.mpu.cross_size)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self._ds.all_reduce(tensor, op)
