@@ -38,6 +38,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
@@ -178,8 +179,12 @@ class FaultTolerance:
             # torchft calls this inside should_commit on the ranks whose fetch succeeded: a rank whose source died
             # mid-heal has none. So nothing collective here: the group applies it after a committed should_commit
             # (which every rank of the group reaches, and which fails for all of them if one rank's fetch failed)
-            self._received = state
+            self._received = _owned(state)
 
+        # torchft's HTTP transport builds the received tensors on the response's bytes (torch.frombuffer), which
+        # torch warns are not writable: _owned copies them before anything writes into them (the optimizer's state)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                                module=r"torch\.distributed\._serialization")
         os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently
         connect = datetime.timedelta(seconds=min(float(ft.get("connect_timeout_s", CONNECT_TIMEOUT_S)), float(timeout_s)))
         self.manager = Manager(
@@ -197,6 +202,7 @@ class FaultTolerance:
         # torchft's Manager drops each quorum's answer once it has configured itself: kept, for the groups' names
         self._quorums = _QuorumsSeen(self.manager._client)
         self.manager._client = self._quorums
+        _quiet_heal_server(self.manager, f"group {self.replica_id} rank {strategy.rank}")
         #: every sync's outcome: {"step", "groups" (how many took part), "members" (the quorum's groups, healing ones
         #: included), "committed", "healed" (this group healed), "healed_from" (the groups its ranks' states came from)}
         self.syncs: list[dict[str, Any]] = []
@@ -330,6 +336,37 @@ class _QuorumsSeen:
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         self.last = self._client._quorum(*args, **kwargs)
         return self.last
+
+
+def _quiet_heal_server(manager: Any, who: str) -> None:
+    """torchft's HTTP checkpoint server (what a live group serves a healing one from) is Python's http.server,
+    which writes an access line per request to stderr (``::ffff:127.0.0.1 - - [...] "GET /checkpoint/6/full
+    HTTP/1.1" 200 -``): a served heal is already named by the sync lines of both sides, so those go; anything else
+    it reports (a refused or failed request) becomes one distkit line naming ``who``."""
+    server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
+    handler = getattr(server, "RequestHandlerClass", None)
+    if handler is None:  # another transport, or a torchft that keeps it elsewhere: its lines stay as they are
+        return
+
+    def log_message(self: Any, format: str, *args: Any) -> None:
+        if format.startswith('"%s" %s') and len(args) >= 2 and str(args[1]).startswith("2"):
+            return  # the access line of a served request
+        print(f"distkit: {who}, heal server: {format % args}", file=sys.stderr, flush=True)
+
+    handler.log_message = log_message
+
+
+def _owned(x: Any) -> Any:
+    """``x`` with every tensor in its dicts, lists and tuples copied into memory of its own (a heal's state arrives
+    as tensors over one read-only buffer; the optimizer's load keeps CPU tensors as they are and then steps them
+    in place)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _owned(v) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_owned(v) for v in x)
+    return x
 
 
 def _groups(replica_ids: list[str]) -> list[int]:
