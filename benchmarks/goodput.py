@@ -1,7 +1,8 @@
 """Goodput of fault-tolerant replica groups (torchft) against today's restart from a checkpoint.
 
-    python benchmarks/goodput.py [--groups 3] [--steps 1500] [--sync 25] [--every 20,40] [--restart-after 5]
-                                 [--checkpoint-every 100] [--size small] [--out results/goodput.json]
+    python benchmarks/goodput.py [--groups 3] [--steps 800] [--sync 25] [--every 15,30] [--restart-after 5]
+                                 [--checkpoint-every 100] [--size small] [--rounds 3] [--budget 600]
+                                 [--out results/goodput.json]
 
 Workload: the charlm task (``--size``), ``--groups`` groups of 1 rank, ``--steps`` optimizer steps each, param
 mode with a sync every ``--sync`` steps. Two ways to run it, each first without failures and then with a failure
@@ -20,7 +21,11 @@ fault-tolerant run a killed group loses its steps since its last sync and its re
 (:func:`useful_steps`): ``goodput_ft_useful`` counts only useful samples; ``goodput_ft`` is the plain time ratio
 (on a machine with fewer cores than groups it flatters: a dead group leaves its core to the others). Quality: the final eval loss against the run without failures. Failures start F
 s after the first launch and stop once a group (or the job) has reached 70 % of its steps, so that no failure
-restarts a group whose peers have finished (it would train alone from the start). Writes the JSON (``--out``, default a fresh temp directory) and a
+restarts a group whose peers have finished (it would train alone from the start). Each run is repeated
+``--rounds`` times (round r draws its failures with seed + r, against its own runs without failures): the
+figures are the median over the rounds and their range. A run still going after ``--budget`` seconds is ended
+there and counts the useful work it had made (a restarted job whose start-up under load is near F can make none:
+each life dies before its next checkpoint). Writes the JSON (``--out``, default a fresh temp directory) and a
 PNG next to it when matplotlib is installed (``pip install 'distkit[bench]'``).
 """
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -108,9 +114,13 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
     failures: list[dict[str, Any]] = []
     next_failure = t0 + every if every else float("inf")
     down: Optional[tuple[int, float]] = None  # (group, when to start it again)
+    finished = True
     try:
         while True:
             now = time.monotonic()
+            if now - t0 > args.budget:  # ended here: its goodput is what it had made useful by now
+                finished = False
+                break
             if down is not None and now >= down[1]:
                 procs[down[0]] = _start(cmds[down[0]], logs[down[0]])
                 down = None
@@ -136,19 +146,24 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
             if p.poll() is None:
                 _kill(p)
         _kill(lh)
+    if not finished:
+        ends = [_progress(os.path.join(out, f"group-{i}")) for i in range(args.groups)]
+        return {"wall_s": wall, "finished": False, "failures": failures, "eval_loss": None,
+                "useful_steps": useful_steps(logs, failures, ends, args.sync), "same_model": None, "heals": None}
     sums = [_summary(os.path.join(out, f"group-{i}")) for i in range(args.groups)]
-    return {"wall_s": wall, "failures": failures, "eval_loss": sums[0]["eval_loss"],
-            "useful_steps": useful_steps(logs, failures, args.steps, args.sync),
+    return {"wall_s": wall, "finished": True, "failures": failures, "eval_loss": sums[0]["eval_loss"],
+            "useful_steps": useful_steps(logs, failures, [args.steps] * args.groups, args.sync),
             "same_model": len({s["param_checksum"] for s in sums}) == 1,
             "heals": sum(s["fault_tolerance"]["heals"] for s in sums),
             "membership": sums[0]["fault_tolerance"]["membership"]}
 
 
-def useful_steps(logs: list[str], failures: list[dict[str, Any]], steps: int, sync: int) -> int:
+def useful_steps(logs: list[str], failures: list[dict[str, Any]], ends: list[int], sync: int) -> int:
     """Optimizer steps whose work reached the final model, over the groups, from each group's log (every life of
     it, appended) and the failures: a life counts from its start (step 0, or the step it healed at) to its last
     sync before it was killed (the step of the kill, read from metrics.jsonl every 50 steps, rounded down to a
-    sync), or to ``steps`` for the life that finished. What a restarted life trained before its heal was replaced,
+    sync), or for each group's last life to its ``ends`` entry (the run's steps when it finished; its last logged
+    step, rounded down to a sync, when the budget ended it). What a restarted life trained before its heal was replaced,
     and what a killed life trained after its last sync was lost: neither counts."""
     total = 0
     for g, log in enumerate(logs):
@@ -162,7 +177,7 @@ def useful_steps(logs: list[str], failures: list[dict[str, Any]], steps: int, sy
                 lives[-1] = int(line.split()[4].rstrip(":"))
         kills = [f["step"] for f in failures if f["group"] == g]
         for i, start in enumerate(lives):
-            end = (kills[i] // sync) * sync if i < len(kills) else steps
+            end = (kills[i] // sync) * sync if i < len(kills) else (ends[g] // sync) * sync
             total += max(0, end - start)
     return total
 
@@ -179,9 +194,13 @@ def restart(args: argparse.Namespace, work: str, every: Optional[float]) -> dict
     failures: list[dict[str, Any]] = []
     next_failure = t0 + every if every else float("inf")
     proc = _start(cmd, log)
+    finished = True
     try:
         while True:
             now = time.monotonic()
+            if now - t0 > args.budget:
+                finished = False
+                break
             code = proc.poll()
             if code == 0:
                 break
@@ -203,7 +222,20 @@ def restart(args: argparse.Namespace, work: str, every: Optional[float]) -> dict
     finally:
         if proc.poll() is None:
             _kill(proc)
-    return {"wall_s": wall, "failures": failures, "eval_loss": _summary(out)["eval_loss"]}
+    if not finished:  # the job's useful work is what its last checkpoint holds
+        return {"wall_s": wall, "finished": False, "failures": failures, "eval_loss": None,
+                "useful_steps": _checkpoint_step(out)}
+    return {"wall_s": wall, "finished": True, "failures": failures, "eval_loss": _summary(out)["eval_loss"],
+            "useful_steps": args.steps}
+
+
+def _checkpoint_step(out: str) -> int:
+    """The step of the checkpoint ``out/checkpoints/latest`` names (0 when none)."""
+    try:
+        with open(os.path.join(out, "checkpoints", "latest")) as f:
+            return int(f.read().strip().rsplit("-", 1)[-1])
+    except (OSError, ValueError):
+        return 0
 
 
 def _rank_pids(parent: int) -> list[int]:
@@ -226,8 +258,11 @@ def plot(rows: list[dict[str, Any]], out: str, restart_after: float) -> None:
         return
     fig, ax = plt.subplots(figsize=(5, 3.5))
     xs = [r["every_s"] for r in rows]
-    ax.plot(xs, [r["goodput_ft_useful"] for r in rows], "o-", label="fault-tolerant groups (torchft)")
-    ax.plot(xs, [r["goodput_restart"] for r in rows], "s-", label="restart from checkpoint")
+    for key, mark, label in (("goodput_ft_useful", "o-", "fault-tolerant groups (torchft)"),
+                             ("goodput_restart", "s-", "restart from checkpoint")):
+        med = [r[key]["median"] for r in rows]  # the median over the rounds, the bar their range
+        err = [[m - r[key]["min"] for m, r in zip(med, rows)], [r[key]["max"] - m for m, r in zip(med, rows)]]
+        ax.errorbar(xs, med, yerr=err, fmt=mark, capsize=3, label=label)
     ax.set_xlabel(f"seconds between failures (back after {restart_after:g} s)")
     ax.set_ylabel("goodput")
     ax.set_ylim(0, 1.05)
@@ -236,43 +271,83 @@ def plot(rows: list[dict[str, Any]], out: str, restart_after: float) -> None:
     fig.savefig(os.path.splitext(out)[0] + ".png", dpi=120)
 
 
+def _rate(run: dict[str, Any]) -> float:
+    return run["useful_steps"] / run["wall_s"]
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    """Median and range of one figure over the rounds."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--sync", type=int, default=25)
-    p.add_argument("--every", default="20,40", help="seconds between failures, a comma-separated sweep")
+    p.add_argument("--every", default="15,30", help="seconds between failures, a comma-separated sweep")
     p.add_argument("--restart-after", dest="restart_after", type=float, default=5.0)
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=100)
     p.add_argument("--size", choices=["small", "medium"], default="small")
-    p.add_argument("--seed", type=int, default=0, help="which group or rank each failure hits")
+    p.add_argument("--rounds", type=int, default=3, help="every run repeated this often (its own failure draws): "
+                                                         "the spread")
+    p.add_argument("--budget", type=float, default=600.0, metavar="S",
+                   help="a run still going after S seconds is ended there; its goodput is the useful work it had "
+                        "made by then (a restarted job can make none when F is near its start-up time)")
+    p.add_argument("--seed", type=int, default=0, help="which group or rank each failure hits (round r: seed + r)")
     p.add_argument("--out", default=None, help="result JSON (default: a fresh temp directory)")
     args = p.parse_args()
+    if min(args.groups, args.steps, args.sync, args.rounds) < 1 or args.budget <= 0:
+        p.error("--groups, --steps, --sync and --rounds must be >= 1, --budget > 0")
+    everys = [float(x) for x in args.every.split(",")]
     work = tempfile.mkdtemp(prefix="distkit-goodput-")
-    result: dict[str, Any] = {"args": vars(args), "fault_tolerant": {}, "restart": {}}
-    base_ft, base_rs = fault_tolerant(args, work, None), restart(args, work, None)
-    result["fault_tolerant"]["none"], result["restart"]["none"] = base_ft, base_rs
-    print(f"no failures: fault-tolerant {base_ft['wall_s']:.1f} s, one job {base_rs['wall_s']:.1f} s", flush=True)
+    result: dict[str, Any] = {"args": vars(args), "rounds": []}
+    per_f: dict[float, list[dict[str, Any]]] = {f: [] for f in everys}
+    for r in range(args.rounds):
+        rargs = argparse.Namespace(**{**vars(args), "seed": args.seed + r})
+        rwork = os.path.join(work, f"round-{r}")
+        base_ft, base_rs = fault_tolerant(rargs, rwork, None), restart(rargs, rwork, None)
+        if not (base_ft["finished"] and base_rs["finished"]):
+            raise SystemExit(f"goodput: round {r}: a run without failures did not finish within --budget "
+                             f"{args.budget:g} s: give a larger budget or fewer --steps")
+        print(f"round {r + 1}/{args.rounds}, no failures: fault-tolerant {base_ft['wall_s']:.1f} s, one job "
+              f"{base_rs['wall_s']:.1f} s", flush=True)
+        rnd: dict[str, Any] = {"none": {"fault_tolerant": base_ft, "restart": base_rs}}
+        for every in everys:
+            ft, rs = fault_tolerant(rargs, rwork, every), restart(rargs, rwork, every)
+            row = {"round": r, "every_s": every, "goodput_ft": base_ft["wall_s"] / ft["wall_s"],
+                   # useful samples per second over those of the run without failures (a healed group's skipped
+                   # steps and its discarded first period are not useful); the restarted job recomputes what it lost
+                   "goodput_ft_useful": _rate(ft) / _rate(base_ft), "goodput_restart": _rate(rs) / _rate(base_rs),
+                   "finished_ft": ft["finished"], "finished_restart": rs["finished"],
+                   "failures_ft": len(ft["failures"]), "failures_restart": len(rs["failures"]),
+                   "eval_loss_ratio_ft": ft["eval_loss"] / base_ft["eval_loss"] if ft["finished"] else None,
+                   "eval_loss_ratio_restart": rs["eval_loss"] / base_rs["eval_loss"] if rs["finished"] else None,
+                   "same_model_ft": ft["same_model"]}
+            rnd[f"{every:g}"] = {"fault_tolerant": ft, "restart": rs}
+            per_f[every].append(row)
+            print(json.dumps(row), flush=True)
+        result["rounds"].append(rnd)
     rows = []
-    for every in [float(x) for x in args.every.split(",")]:
-        ft, rs = fault_tolerant(args, work, every), restart(args, work, every)
-        result["fault_tolerant"][f"{every:g}"], result["restart"][f"{every:g}"] = ft, rs
-        row = {"every_s": every, "goodput_ft": base_ft["wall_s"] / ft["wall_s"],
-               # useful samples per second over those of the run without failures (a healed group's skipped steps
-               # and its discarded first period are not useful); the restarted job recomputes what it lost
-               "goodput_ft_useful": (ft["useful_steps"] / ft["wall_s"]) / (base_ft["useful_steps"] / base_ft["wall_s"]),
-               "goodput_restart": base_rs["wall_s"] / rs["wall_s"], "failures_ft": len(ft["failures"]),
-               "failures_restart": len(rs["failures"]), "eval_loss_ratio_ft": ft["eval_loss"] / base_ft["eval_loss"],
-               "eval_loss_ratio_restart": rs["eval_loss"] / base_rs["eval_loss"], "same_model_ft": ft["same_model"]}
+    for every, rs_ in per_f.items():
+        row = {"every_s": every, "rounds": len(rs_),
+               "goodput_ft_useful": _spread([x["goodput_ft_useful"] for x in rs_]),
+               "goodput_restart": _spread([x["goodput_restart"] for x in rs_]),
+               "goodput_ft": _spread([x["goodput_ft"] for x in rs_]),
+               "unfinished_ft": sum(not x["finished_ft"] for x in rs_),
+               "unfinished_restart": sum(not x["finished_restart"] for x in rs_)}
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(f"F = {every:g} s over {len(rs_)} round(s): goodput fault-tolerant {row['goodput_ft_useful']['median']:.3f} "
+              f"({row['goodput_ft_useful']['min']:.3f}-{row['goodput_ft_useful']['max']:.3f}), restart "
+              f"{row['goodput_restart']['median']:.3f} ({row['goodput_restart']['min']:.3f}-"
+              f"{row['goodput_restart']['max']:.3f})", flush=True)
     result["sweep"] = rows
+    result["load"] = os.getloadavg()
     out = args.out or os.path.join(work, "goodput.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     plot(rows, out, args.restart_after)
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     main()
