@@ -10,6 +10,7 @@ Cost: one process start per (engine, mode, run kind); each start runs many idiom
 from __future__ import annotations
 
 import functools
+import pickle
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -108,7 +109,13 @@ def launch(engine: str, mode: str, kind: str, out: str) -> dict[str, Any]:
     dist = "{" + ENGINES[engine] + MODES[mode] + suffix + "}"
     res = run([PY, SCRIPT, "--out", out, "--phases", ",".join(phases), *flags, "--nprocs", "2",
                "++distributed", dist, "++progress_bar", "False"], timeout=240)
-    ranks = [torch.load(p, weights_only=False) for p in sorted(Path(out).glob("rank-*.pt"))]
+    ranks = []
+    for p in sorted(Path(out).glob("rank-*.pt")):
+        try:
+            ranks.append(torch.load(p, weights_only=False))
+        except (EOFError, RuntimeError, pickle.UnpicklingError) as e:  # say what the run did, not only the file
+            raise AssertionError(f"{p} unreadable ({type(e).__name__}: {e}) after the run ended with exit "
+                                 f"{res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}") from e
     return {"rc": res.returncode, "out": res.stdout + res.stderr, "ranks": ranks, "dir": out}
 
 

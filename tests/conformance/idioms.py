@@ -331,7 +331,7 @@ def main() -> None:
         r.phase = i + 1
         error = None
         if name in UNCAUGHT:
-            torch.save(record, path)  # what ran so far, before the process may end here
+            _save(record, path)  # what ran so far, before the process may end here
             PHASES[name](r)
         else:
             from distkit.errors import DistkitError
@@ -346,15 +346,22 @@ def main() -> None:
                     # the error ends the process (exit 2, one line): the refusal is not recoverable.
                     r.step()
         record["phases"][name] = {"error": error, **r.state()}
-        torch.save(record, path)
+        _save(record, path)
     record["mlflow_ran"] = "mlflow.version" in sys.modules  # DeepSpeed imports it; distkit defers it (unused here)
     if r.dk is not None:
         r.dk.finish()  # param mode: the final sync, after which ranks_in_sync must hold
         summary = r.dk.summary()
         record["ranks_in_sync"] = summary["ranks_in_sync"]
-        torch.save(record, path)
+        _save(record, path)
         r.dk.close()
     sys.stdout.flush()
+
+
+def _save(record: dict[str, Any], path: str) -> None:
+    """Replace the rank's record whole (a reader never sees half of one: a process ended mid-save leaves the last
+    complete record, whose missing phases the test then names)."""
+    torch.save(record, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
