@@ -27,6 +27,7 @@ first sync, where it heals: its first period is lost (torchft's LocalSGD does th
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import hashlib
 import logging
@@ -179,10 +180,12 @@ class FaultTolerance:
             # torchft calls this inside should_commit on the ranks whose fetch succeeded: a rank whose source died
             # mid-heal has none. So nothing collective here: the group applies it after a committed should_commit
             # (which every rank of the group reaches, and which fails for all of them if one rank's fetch failed)
-            self._received = _owned(state)
+            # copied (deepcopy keeps tensors that share memory shared): the tensors arrive over the HTTP
+            # response's read-only bytes, and the optimizer's load keeps CPU tensors as they are, then steps them
+            self._received = copy.deepcopy(state)
 
         # torchft's HTTP transport builds the received tensors on the response's bytes (torch.frombuffer), which
-        # torch warns are not writable: _owned copies them before anything writes into them (the optimizer's state)
+        # torch warns are not writable: load() copies them before anything writes into them (the optimizer's state)
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                                 module=r"torch\.distributed\._serialization")
         os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently
@@ -354,19 +357,6 @@ def _quiet_heal_server(manager: Any, who: str) -> None:
         print(f"distkit: {who}, heal server: {format % args}", file=sys.stderr, flush=True)
 
     handler.log_message = log_message
-
-
-def _owned(x: Any) -> Any:
-    """``x`` with every tensor in its dicts, lists and tuples copied into memory of its own (a heal's state arrives
-    as tensors over one read-only buffer; the optimizer's load keeps CPU tensors as they are and then steps them
-    in place)."""
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, dict):
-        return {k: _owned(v) for k, v in x.items()}
-    if type(x) in (list, tuple):
-        return type(x)(_owned(v) for v in x)
-    return x
 
 
 def _groups(replica_ids: list[str]) -> list[int]:
