@@ -244,10 +244,7 @@ class ParamAverager:
             self._sync_fragments(fragments)
             return
         t0 = time.perf_counter()
-        self.strategy.average_parameters(self.tensors)
-        # the kept modules: over every rank (all_reduce), also where the model's tensors go over replica groups;
-        # in float32, as they may hold integer buffers
-        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        self._average(list(range(len(self.tensors))))
         self.wait_s += time.perf_counter() - t0  # the exchange, counted as waiting on communication
         if self._outer is not None:
             with torch.no_grad():
@@ -265,8 +262,7 @@ class ParamAverager:
         index = [i for k in fragments for i in self.fragment_tensors[k]]
         tensors = [self.tensors[i] for i in index]
         t0 = time.perf_counter()
-        self.strategy.average_parameters(tensors, [self.is_parameter(i) for i in index])
-        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        self._average(index)
         self.wait_s += time.perf_counter() - t0
         if self._outer is not None:
             with torch.no_grad():
@@ -295,6 +291,22 @@ class ParamAverager:
         buf = state["momentum_buffer"]
         a.add_(g.add(buf, alpha=momentum) if group["nesterov"] else buf, alpha=-lr)
 
+    def _average(self, index: list[int]) -> None:
+        """Collective: average ``self.tensors[i]`` for ``i`` in ``index`` and the kept modules
+        (``dk.keep_in_sync``) in one :meth:`Strategy.average_parameters` call. The kept modules go in as one
+        float32 buffer: averaged over every rank, with replica groups over the group then across the groups, and
+        under fault_tolerance across the groups in the same torchft exchange as the model (a second exchange would
+        be a second quorum). They are averaged at every sync, whatever fragment is due."""
+        tensors = [self.tensors[i] for i in index]
+        kinds = [self.is_parameter(i) for i in index]
+        kept = torch.cat([t.detach().reshape(-1).float() for t in self.extra]) if self.extra else None
+        if kept is not None:
+            tensors, kinds = [*tensors, kept], [*kinds, False]
+        if tensors:
+            self.strategy.average_parameters(tensors, kinds)
+        if kept is not None:
+            unflatten_into(kept, self.extra)
+
     def _synced(self, fragments: Optional[list[int]]) -> None:
         """The counters after a sync of ``fragments`` (None: the whole model), or the start of its exchange."""
         for k in fragments if fragments is not None else range(self.fragments):
@@ -315,10 +327,7 @@ class ParamAverager:
         indices of the parameter tensors this rank holds a part of, which the exchange then sends."""
         index = list(range(len(self.tensors))) if fragments is None else \
             [i for k in fragments for i in self.fragment_tensors[k]]
-        buffers = [i for i in index if not self.is_parameter(i)]
-        if buffers:
-            self.strategy.average_parameters([self.tensors[i] for i in buffers], [False] * len(buffers))
-        flat_mean(self.extra, lambda flat: self.strategy.all_reduce(flat, op="mean"), torch.float32)
+        self._average([i for i in index if not self.is_parameter(i)])
         return [i for i in index if self.is_parameter(i) and self.tensors[i].numel() > 0]
 
     # -- param_sync_overlap: exchanges in the background ----------------------------------------------------

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 
 from distkit import procfs
 
@@ -179,6 +180,38 @@ def test_two_ranks_per_group_equal_one_job_of_replica_groups(lighthouse: str, tm
         for r in range(2):
             diff = max_abs_diff(final_params(tmp_path / "ft" / f"group-{i}", r), final_params(replica_groups_on_ddp, 2 * i + r))
             assert diff == 0.0, f"group {i} rank {r}: {diff:g} from one DDP job of replica groups"
+
+
+@pytest.mark.min_replicas(2)
+def test_a_module_kept_in_sync_is_averaged_across_the_groups(lighthouse: str, tmp_path: Path) -> None:
+    # an own loop (the conformance script's EMA phase: AveragedModel given to dk.keep_in_sync), two groups of one
+    # rank, each drawing the batches its rank takes in one job of the two: the final sync averages the EMA copies
+    # across the groups with the model, as one job averages them over its ranks. (It was averaged inside each group
+    # only: the groups ended with different EMAs.)
+    script, param = str(ROOT / "tests" / "conformance" / "idioms.py"), PARAM % "ddp"
+    common = ["--phases", "ema", "++progress_bar", "False", "++distributed", param]
+    groups = []
+    for i in range(2):
+        ft = f"{{'lighthouse': '{lighthouse}', 'replica_id': {i}, 'num_replicas': 2}}"
+        p = subprocess.Popen([sys.executable, script, "--out", str(tmp_path / f"group-{i}"), "--rank-offset", str(i),
+                              "--nprocs", "1", *common, "++fault_tolerance", ft,
+                              "++output_dir", str(tmp_path / f"group-{i}" / "run")], env=base_env(), cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _STARTED[p] = lighthouse
+        groups.append(p)
+    for p in groups:
+        ok(_wait(p))
+    ok(run([sys.executable, script, "--out", str(tmp_path / "one_job"), "--nprocs", "2", *common,
+                "++output_dir", str(tmp_path / "one_job" / "run")], timeout=120))
+    ema = [torch.load(tmp_path / f"group-{i}" / "rank-0.pt", weights_only=False)["phases"]["ema"] for i in range(2)]
+    one = [torch.load(tmp_path / "one_job" / f"rank-{r}.pt", weights_only=False)["phases"]["ema"] for r in range(2)]
+    for i in range(2):
+        assert ema[i]["error"] is None, ema[i]["error"]
+        for name, t in ema[i]["ema"].items():
+            assert torch.equal(t, ema[1 - i]["ema"][name]), f"group {i}'s EMA {name} differs from group {1 - i}'s"
+            assert torch.equal(t, one[i]["ema"][name]), f"group {i}'s EMA {name} differs from one job's rank {i}"
+        for name, t in ema[i]["params"].items():
+            assert torch.equal(t, one[i]["params"][name]), name
 
 
 @pytest.mark.min_replicas(2)

@@ -306,6 +306,34 @@ def test_dataloader_same_global_order_at_any_world_size_and_equal_lengths(tmp_pa
     assert two[0][1] == two[1][1] == 3  # min(40 // 8, 24 // 8): neither rank waits for a batch the other lacks
 
 
+def _wrapper_dropped_after_close(rank: int, world: int) -> int:
+    import gc
+
+    from distkit.backends import ddp
+
+    env = detect({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    dk = distkit.init({"seed": 5}, env=env)
+    model = torch.nn.Linear(2, 2)
+    model, opt = dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    dk.backward(model(torch.ones(3, 2)).sum())
+    dk.step()
+    group = model.process_group
+    dk.close()
+    del model, opt
+    gc.collect()
+    return sum(g is group for g in ddp._KEPT_GROUPS)
+
+
+def test_a_ddp_wrapper_freed_after_close_never_destroys_its_process_group(tmp_path: Path) -> None:
+    """A whole test run hung once in a rank that had trained to the end: the Trainer, freed after ``fit``, freed
+    DDP's reducer, the gloo group's last owner, whose destructor then joined gloo's worker threads holding the GIL
+    while a worker waited for the GIL to free a finished broadcast's tensors (py-spy of both threads). The
+    groups DDP's wrappers reduce over stay referenced by distkit until the process ends, so no reducer destroys
+    one (DDPStrategy, _KEPT_GROUPS)."""
+    assert run_ranks(_wrapper_dropped_after_close, 2, tmp_path) == [1, 1]
+
+
 # -- failures and configuration -------------------------------------------------------------------
 ONE_SIDED_BARRIER = '''
 import sys, time, distkit

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import sys
-import time
 from typing import Any, Optional
 
 import torch
@@ -32,8 +31,18 @@ from distkit.watchdog import ranks_text
 
 from .base import Strategy, bare_module, param_averager
 
-#: seconds the GIL is left to gloo's worker threads before the process group is torn down (see teardown)
-_DRAIN_S = 0.05
+#: Every process group a DDP wrapper of this process reduces over, referenced from here until the process ends.
+#: A gloo group's destructor joins its worker threads, and a worker that is dropping a completed work frees
+#: tensors Python saw, which takes the GIL. Destroyed from Python (its own object, torch's registry in
+#: ``destroy_process_group``) the destructor runs with the GIL released; destroyed because DDP's reducer, its last
+#: owner, was freed (the Trainer or a script dropping the wrapper after ``close``), it runs holding the GIL and
+#: deadlocks if a worker is still dropping work. Seen once in a whole test run (py-spy of the hung rank, a run
+#: that had ended well: ``~ProcessGroupGloo`` in ``thread::join`` <- ``~Reducer`` <- the wrapper freed after
+#: ``Trainer.fit``; the worker in ``~AsyncBroadcastWork`` -> ``decref_pyobject`` -> take the GIL), where a
+#: 50 ms sleep before the teardown was meant to let the workers drain. Kept here, the reducer never holds the
+#: last reference; the groups end with the process (a ``distkit`` rank ends by ``os._exit``; a script's
+#: interpreter frees them from Python at exit, long after their last work).
+_KEPT_GROUPS: list[Any] = []
 #: the store key prefix each rank sets once it reached the rendezvous store (see init); per torchrun
 #: restart, as its agent's store outlives the workers it restarts
 _ARRIVED = f"distkit/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
@@ -160,16 +169,7 @@ class DDPStrategy(Strategy):
 
     def teardown(self) -> None:
         if dist.is_initialized():
-            # Let gloo's worker threads finish releasing completed work before the group can be destroyed.
-            # A completed work object is destroyed on its worker thread (under the group's mutex; a barrier's
-            # work also holds the works in flight when it was queued), and freeing a tensor that Python saw
-            # takes the GIL. The group itself is often destroyed later, when DDP's reducer lets go of it at
-            # interpreter exit, by the main thread holding the GIL and joining those workers: a deadlock
-            # (gdb: ~ProcessGroupGloo in thread::join; pt_gloo_runloop in ~AsyncBarrierWork ->
-            # ~AsyncAllgatherWork -> decref_pyobject -> take_gil), or "terminate called without an active
-            # exception" when it happens during static destruction. Sleeping releases the GIL so the
-            # workers drain now; torch offers no call that waits for them with the GIL released.
-            time.sleep(_DRAIN_S)
+            # (the groups DDP's wrappers hold stay referenced from _KEPT_GROUPS: see there)
             dist.destroy_process_group()
         if hasattr(self, "_default_timeouts"):
             c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = self._default_timeouts
@@ -190,6 +190,7 @@ class DDPStrategy(Strategy):
             # DDP broadcasts rank 0's parameters and buffers in its constructor.
             ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DistributedDataParallel(model, device_ids=ids, **d.options)
+            _KEPT_GROUPS.append(wrapped.process_group)
             self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
             if self.world_size > 1:  # that broadcast counts as the other engines' start-up broadcast does
                 self.comm_bytes += sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -206,6 +207,7 @@ class DDPStrategy(Strategy):
         self._group, self._cross = groups[self.replicas.index], crosses[self.replicas.position]
         ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids, process_group=self._group, **d.options)
+        _KEPT_GROUPS.append(wrapped.process_group)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return wrapped, optimizer
 

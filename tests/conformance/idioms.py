@@ -103,7 +103,7 @@ class Runner:
         return self.model if self.dk is None else self.dk.unwrap(self.model)
 
     def loss(self, step: int, micro: int) -> torch.Tensor:
-        x, y = batch(self.phase, step, micro, self.rank, self.device)
+        x, y = batch(self.phase, step, micro, self.rank + self.args.rank_offset, self.device)
         return nn.functional.cross_entropy(self.model(x), y)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -313,6 +313,9 @@ def main() -> None:
     parser.add_argument("--scheduler", choices=["object", "factory"], default="object")
     parser.add_argument("--accum-api", type=int, default=0, help="dk.set_accumulation(N) after init")
     parser.add_argument("--plain", action="store_true", help="no distkit: plain PyTorch, one process")
+    parser.add_argument("--rank-offset", type=int, default=0,
+                        help="draw the batches of rank r + N (a fault-tolerant group i of 1 rank: N = i, the batches "
+                             "rank i takes in one job of the groups)")
     args, rest = parser.parse_known_args()
     if not args.plain:
         import distkit
