@@ -49,15 +49,16 @@ pdsh:
 pytest = $(VENV)/bin/pytest -q -p no:cacheprovider $(2) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "$(1): no tests ran" >&2; exit 1; fi
 
-# Everything, in one run on four workers (pytest-xdist, --dist loadgroup): two take the tests marked serial one at a
+# Everything, in one run on five workers (pytest-xdist, --dist loadgroup): two take the tests marked serial one at a
 # time, from the start: one those that build hosts or SLURM daemons (machine-wide names), the other the rest (a
-# lighthouse, kill trials, timeouts, asserted durations: they time what they observe); the two others take the rest
-# file by file (tests/conftest.py groups them). The serial tests mostly wait (for a timeout, a stalled rank, a
-# daemon): beside them the machine's two cores stay busy. Exit 5 (no tests ran) is a failure. --max-worker-restart 0: a worker that dies ends the run
+# lighthouse, kill trials, timeouts, asserted durations: they time what they observe); the three others take the
+# rest file by file (tests/conftest.py groups them). The serial tests mostly wait (for a timeout, a stalled rank, a
+# daemon): beside them the machine's two cores stay busy (with four workers they were 12 % idle: 175 % CPU of a
+# whole run, 155-175 % for the 12 minutes the serial lanes spent waiting). Exit 5 (no tests ran) is a failure. --max-worker-restart 0: a worker that dies ends the run
 # at once naming its test (pytest-xdist 3.8 replaces a crashed worker under loadgroup/loadfile and can then wait
 # forever for work it lost: pytest-xdist issues 1323, 1378); tests/conftest.py makes the worker say who ended it.
 test: $(STAMP) horovod slurm pdsh
-	$(call pytest,make test,--durations=25 -n 4 --dist loadgroup --max-worker-restart 0); exit $$rc
+	$(call pytest,make test,--durations=25 -n 5 --dist loadgroup --max-worker-restart 0); exit $$rc
 
 # The fast tier for the edit-test loop (tests/tiers.py): every test that starts no process, one real 2-rank parity
 # run of every engine x mode, the conformance suite's core rows, config, bad-input, checkpoint and CLI tests. It leaves
