@@ -323,7 +323,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, store: str, q: Any
 
         dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
         q.put((rank, "ok", _as_bytes(fn(rank, world, *args))))
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (fn may have closed a distkit session, which destroys the group)
+            dist.destroy_process_group()
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
 

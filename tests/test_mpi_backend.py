@@ -265,10 +265,24 @@ def test_nprocs_starts_the_mpi_engine_under_mpirun(tmp_path: Path) -> None:
     assert (s["backend"], s["launcher"], s["world_size"], s["ranks_in_sync"]) == ("mpi", "openmpi", 2, True)
 
 
+def test_a_rank_stopped_inside_its_start_up_guard_is_named_as_the_stopped_one() -> None:
+    """The guard of a rank that is itself stopped (SIGSTOP) names it as stopped, not as a rank that waited for
+    another; either way it ends the rank (SIGKILL) after the timeout."""
+    code = ("import os, signal\nfrom distkit.backends.startup import startup_guard\n"
+            "with startup_guard(1, 1.0, 'MPI start-up (MPI_Init, MPI_Comm_dup)'):\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    res = run([sys.executable, "-c", code], timeout=60)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    assert res.stderr.strip() == ("distkit: rank 1: stopped (SIGSTOP, a debugger) during MPI start-up (MPI_Init, "
+                                  "MPI_Comm_dup) for 1 s (distributed.startup_timeout_s): ending this rank"), res.stderr
+
+
 def test_a_rank_stopped_during_start_up_ends_the_job(tmp_path: Path) -> None:
-    """Rank 1 stops (SIGSTOP) before MPI_Init: rank 0 waited in MPI's start-up forever (5 of 5 runs). Now its
-    start-up guard ends it after startup_timeout_s naming what it waited for, and mpirun ends the job (the stopped
-    rank too): non-zero, well inside timeout_s + start-up, nothing written."""
+    """Rank 1 stops (SIGSTOP) before MPI_Init: rank 0 waited in MPI's start-up forever (5 of 5 runs). Now the
+    start-up guards end it after startup_timeout_s and mpirun ends the job: non-zero, well inside timeout_s +
+    start-up, nothing written. Each rank's guard is a process of its own, so the stopped rank's fires too, and
+    whichever fires first ends the job (a whole run with five workers saw rank 1's first): rank 0's names what it
+    waited for, rank 1's that it was stopped, and neither blames another rank for rank 1's stop."""
     t0 = time.monotonic()
     res = mpirun("train", "configs/returnn_ddp.py", "++output_dir", str(tmp_path / "out"), *SHORT, *MPI,
                  "++distributed.timeout_s", "6", "++distributed.startup_timeout_s", "6", DISTKIT_FAULT="1:0:stop:init",
@@ -276,7 +290,11 @@ def test_a_rank_stopped_during_start_up_ends_the_job(tmp_path: Path) -> None:
     wall = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-2000:]
-    assert ("distkit: rank 0: MPI start-up (MPI_Init, MPI_Comm_dup) did not complete within 6 s "
-            "(distributed.startup_timeout_s)") in out
+    waited = ("distkit: rank 0: MPI start-up (MPI_Init, MPI_Comm_dup) did not complete within 6 s "
+              "(distributed.startup_timeout_s)")
+    stopped = ("distkit: rank 1: stopped (SIGSTOP, a debugger) during MPI start-up (MPI_Init, MPI_Comm_dup) for 6 s "
+               "(distributed.startup_timeout_s): ending this rank")
+    assert waited in out or stopped in out, out[-3000:]
+    assert "distkit: rank 1: MPI start-up" not in out, out[-3000:]  # (the stopped rank never says it waited)
     assert wall < 45, f"{wall:.1f}s"
     assert not (tmp_path / "out" / "summary.json").exists()

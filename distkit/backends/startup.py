@@ -9,12 +9,18 @@ from typing import Iterator
 
 
 #: the guard process of :func:`startup_guard`: waits for its stdin to close (the block finished, or the rank
-#: died); after the timeout it prints the rank's line and SIGKILLs the rank
+#: died); after the timeout it prints the rank's line (the second one if the rank itself is stopped: state T in
+#: /proc/PID/stat, after the parenthesised command name) and SIGKILLs the rank
 _GUARD = """
 import os, select, signal, sys
-pid, timeout, line = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+pid, timeout, line, stopped = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
 if not select.select([sys.stdin], [], [], timeout)[0]:
-    sys.stderr.write(line + chr(10))
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        state = ""
+    sys.stderr.write((stopped if state in ("T", "t") else line) + chr(10))
     sys.stderr.flush()
     os.kill(pid, signal.SIGKILL)
 """
@@ -32,7 +38,11 @@ def startup_guard(rank: int, timeout_s: float, what: str, hint: str = "") -> Ite
     extension module, which holds the GIL, so no Python thread of this process could run meanwhile."""
     line = (f"distkit: rank {rank}: {what} did not complete within {timeout_s:g} s (distributed.startup_timeout_s) "
             f"(another rank did not start, is stopped, hangs or died{hint}): ending this rank")
-    guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), str(timeout_s), line],
+    # the guard is not stopped with its rank: a rank stopped during its start-up is named as the cause, not as
+    # one that waited for another (its line and a waiting peer's race: whichever guard fires first ends the job)
+    stopped = (f"distkit: rank {rank}: stopped (SIGSTOP, a debugger) during {what} for {timeout_s:g} s "
+               "(distributed.startup_timeout_s): ending this rank")
+    guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), str(timeout_s), line, stopped],
                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=sys.__stderr__ or sys.stderr)
     try:
         yield
