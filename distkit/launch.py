@@ -3,8 +3,9 @@
 Each rank is a fresh copy of the command (``python -m distkit ...`` for the CLI, the user's
 ``python train.py ...`` for a script calling :func:`distkit.init`) with torchrun's
 environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus
-``DISTKIT_SPAWN_ID``; for the CLI, where it is safe, a fork of this process that runs the command
-in place instead (:mod:`distkit.forkrank`: no second import of torch per rank). The parent
+``DISTKIT_SPAWN_ID``; where it is safe, a fork of this process that runs the command in place
+instead (:mod:`distkit.forkrank`: no second import of torch per rank; a script runs again from its
+first line, :func:`script_target`). The parent
 watches them: when one exits non-zero or is killed, it names that rank, stops the others
 (SIGTERM, then SIGKILL after a grace period) and returns non-zero. A rank that stopped
 responding (:mod:`distkit.watchdog`: another rank recorded it) is named instead of the rank that
@@ -215,6 +216,70 @@ def relaunch_command() -> list[str]:
         name = spec.name[:-len(".__main__")] if spec.name.endswith(".__main__") else spec.name
         return [sys.executable, "-m", name, *sys.argv[1:]]
     return [sys.executable, *sys.argv]
+
+
+#: interpreter options that take the next argument as their value (``python -W error script.py``)
+_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def script_target() -> Optional[Callable[[], int]]:
+    """What :func:`relaunch_command` starts, as a function a fork of this process can call instead: the user's
+    script (``python script.py ARGS``) or module (``python -m name ARGS``) run again from its first line as
+    ``__main__`` (:mod:`runpy`) with the original arguments, as the new interpreter would, but with torch, distkit
+    and the engine's modules already imported (about 1.5 s of CPU per rank for torch alone, paid by every rank at
+    once on the same cores). :func:`spawn` forks only where :func:`distkit.forkrank.can_fork` allows it: in
+    particular not once the script has imported a module of the user's own (a file beside it: its import-time code
+    ran here, without the rank's environment), which is left to a new interpreter. None where the command is not
+    a script or module (``python -c``, standard input, an interactive session) or is not the one running here."""
+    orig = list(getattr(sys, "orig_argv", None) or [])
+    main = sys.modules.get("__main__")
+    i = 1
+    while i < len(orig) and orig[i].startswith("-") and orig[i] not in ("-", "-m", "-c"):
+        i += 2 if orig[i] in _OPTIONS_WITH_VALUE else 1
+    if main is None or i >= len(orig) or orig[i] in ("-", "-c", "-i") or "i" in "".join(
+            a[1:] for a in orig[1:i] if a.startswith("-") and not a.startswith("--")):
+        return None  # (-i: the new interpreter would stay interactive after the script)
+    import runpy
+
+    if orig[i] == "-m":
+        spec = getattr(main, "__spec__", None)
+        if i + 1 >= len(orig) or spec is None or spec.name not in (orig[i + 1], orig[i + 1] + ".__main__"):
+            return None
+        name, args = orig[i + 1], orig[i + 2:]
+
+        def run_module() -> int:
+            sys.argv = [getattr(main, "__file__", None) or name, *args]
+            return _as_main(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True),
+                            getattr(main, "__file__", None))
+        return run_module
+    path, args = orig[i], orig[i + 1:]
+    here = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or not isinstance(here, str) or not os.path.isfile(path) \
+            or os.path.realpath(here) != os.path.realpath(path):
+        return None
+
+    def run_script() -> int:
+        sys.argv = [path, *args]
+        return _as_main(lambda: runpy.run_path(path, run_name="__main__"), path)
+    return run_script
+
+
+def _as_main(run: Callable[[], Any], path: Optional[str]) -> int:
+    """Run ``run`` (the script, by runpy) and return 0, or hand an uncaught exception to ``sys.excepthook`` with
+    the traceback starting at the script's own first frame (a new interpreter shows no frame of runpy, the
+    spawner or this function) and return 1, as the interpreter does. SystemExit and KeyboardInterrupt go up."""
+    try:
+        run()
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - what the interpreter does with any uncaught exception
+        tb = e.__traceback__
+        while tb is not None and path is not None and \
+                os.path.realpath(tb.tb_frame.f_code.co_filename) != os.path.realpath(path):
+            tb = tb.tb_next
+        sys.excepthook(type(e), e, tb if tb is not None else e.__traceback__)
+        return 1
+    return 0
 
 
 def _threads(nprocs: int) -> str:

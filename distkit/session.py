@@ -88,11 +88,14 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
     if env.launcher == "openmpi" and env.local_rank == 0:  # so a killed mpirun's pid can serve the next one
         ompi_leftovers.clear()
     if env.launcher == "single" and cfg.nprocs > 1:
-        from distkit.launch import relaunch_command, run_local
+        from distkit.launch import relaunch_command, run_local, script_target
 
         # The ranks resolve their config again from the same command line; they check that they chose this engine.
         os.environ[LAUNCH_ENGINE_VAR] = cfg.distributed.backend
-        code = run_local(relaunch_command(), cfg.nprocs, strategy_class(cfg.distributed.backend).local_launcher)
+        engine = strategy_class(cfg.distributed.backend)
+        # each rank a fork that runs the script again, where that is safe (launch.script_target), else a new one
+        code = run_local(relaunch_command(), cfg.nprocs, engine.local_launcher, target=script_target(),
+                         preimport=engine.before_forks(cfg) if engine.local_launcher == "spawn" else ())
         sys.stdout.flush()
         sys.exit(code)
     chosen = os.environ.get(LAUNCH_ENGINE_VAR)

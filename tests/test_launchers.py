@@ -189,3 +189,44 @@ def test_what_the_launcher_imports_for_its_forked_ranks_leaves_it_able_to_fork()
              "forkrank.preimport(); print('torch._dynamo' in sys.modules, threading.active_count(), forkrank.can_fork())")
     res = ok(run([str(BIN / "python"), "-c", probe]))
     assert res.stdout.split() == ["True", "1", "True"], res.stdout
+
+
+#: a user's script that calls distkit.init with nprocs 2, and records in each rank (init returns only there) what
+#: it runs with: its rank, the environment, torch's thread count, whether the process was exec'd, its arguments and
+#: module name, and how many times its first lines ran in this process (1: a fork runs the script again from its
+#: first line in a fresh __main__, as a new interpreter does)
+SCRIPT_PROBE = """\
+import json, os, sys, torch
+{own}import distkit
+RUNS = globals().get("RUNS", 0) + 1
+ARGS = sys.argv[1:]
+with open("/proc/self/environ", "rb") as _f:
+    exec_started = b"\\0RANK=" in b"\\0" + _f.read()
+sys.argv = sys.argv[:1]  # nanoGPT's habit: the script strips its arguments before init (ranks get them again)
+dk = distkit.init({{"nprocs": 2, "progress_bar": False}})
+with open(os.path.join({where!r}, f"probe-{{dk.rank}}.json"), "w") as f:
+    json.dump({{"rank": dk.rank, "env_rank": os.environ.get("RANK"), "threads": torch.get_num_threads(),
+               "exec": exec_started, "name": __name__, "runs": RUNS, "args": ARGS}}, f)
+"""
+
+
+@pytest.mark.parametrize("form,forked", [("script", True), ("module", True), ("own_module", False)])
+def test_a_scripts_ranks_are_forks_that_run_it_again_or_new_interpreters(tmp_path: Path, form: str,
+                                                                        forked: bool) -> None:
+    """``python train.py --nprocs 2`` (or ``python -m train``): each rank is a fork of the launching process that
+    runs the script again from its first line with the rank's environment (torch imported once, not per rank),
+    or a new interpreter where the script imported a module of the user's own (its import-time code ran in the
+    launcher). Either way the rank sees its own RANK and thread count, the original arguments, and runs as
+    ``__main__``."""
+    import os
+
+    own = "import helper  # the user's own module, beside the script\n" if form == "own_module" else ""
+    (tmp_path / "train.py").write_text(SCRIPT_PROBE.format(own=own, where=str(tmp_path)))
+    (tmp_path / "helper.py").write_text("VALUE = 1\n")
+    cmd = [str(BIN / "python"), *(["-m", "train"] if form == "module" else [str(tmp_path / "train.py")]), "a", "b"]
+    res = ok(run(cmd, cwd=tmp_path, timeout=120))
+    probes = [json.loads((tmp_path / f"probe-{r}.json").read_text()) for r in range(2)]
+    for r, p in enumerate(probes):
+        assert (p["rank"], p["env_rank"], p["name"], p["runs"], p["args"]) == (r, str(r), "__main__", 1, ["a", "b"]), p
+        assert p["exec"] is not forked, (p, res.stderr[-2000:])
+        assert p["threads"] == max(1, (os.cpu_count() or 1) // 2), p
