@@ -185,7 +185,7 @@ class FaultTolerance:
             self._received = copy.deepcopy(state)
 
         # torchft's HTTP transport builds the received tensors on the response's bytes (torch.frombuffer), which
-        # torch warns are not writable: load() copies them before anything writes into them (the optimizer's state)
+        # torch warns are not writable: the heal's callback copies them (copy.deepcopy) before anything writes into them
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                                 module=r"torch\.distributed\._serialization")
         os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently

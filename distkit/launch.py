@@ -236,7 +236,7 @@ def script_target() -> Optional[Callable[[], int]]:
     i = 1
     while i < len(orig) and orig[i].startswith("-") and orig[i] not in ("-", "-m", "-c"):
         i += 2 if orig[i] in _OPTIONS_WITH_VALUE else 1
-    if main is None or i >= len(orig) or orig[i] in ("-", "-c", "-i") or "i" in "".join(
+    if main is None or i >= len(orig) or orig[i] in ("-", "-c") or "i" in "".join(
             a[1:] for a in orig[1:i] if a.startswith("-") and not a.startswith("--")):
         return None  # (-i: the new interpreter would stay interactive after the script)
     import runpy
