@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import datetime
 import hashlib
 import logging
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
+from distkit import faults
 from distkit.averaging import unflatten_into
 from distkit.errors import BackendUnavailable, ConfigError, HealMismatch, LighthouseLost
 from distkit.ft_lighthouse import INSTALL_HINT
@@ -59,6 +61,17 @@ WATCH_INTERVAL_S = 2.0
 #: default ``fault_tolerance.connect_timeout_s``: how long the members of a new quorum wait for each other to
 #: connect (torchft's gloo group is rebuilt at every quorum change)
 CONNECT_TIMEOUT_S = 30.0
+#: seconds between two looks, while a rank is inside a sync, at the clock (and at whether its exchange completed):
+#: a look that comes :data:`FROZEN_S` late means this process was stopped (or not run) meanwhile
+TICK_S = 0.25
+#: seconds a rank may have been stopped inside a sync (SIGSTOP, a debugger, a starved machine) before it gives that
+#: sync up. Below the lighthouse's heartbeat timeout (5 s by default, ``distkit lighthouse --heartbeat-timeout``),
+#: after which the other groups may have found it gone and given the exchange up themselves: were it to complete
+#: the exchange with what they left behind and commit, it would hold a model they do not
+FROZEN_S = 2.0
+#: a heartbeat on the lighthouse's /status page: the replica, how long ago it was seen, and the ``old`` class that
+#: marks one the lighthouse counts as gone (older than its heartbeat timeout)
+_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*([^\s<]+): seen ([^\s<]+) ago')
 
 
 def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> None:
@@ -116,6 +129,23 @@ def lighthouse_answers(url: str) -> Optional[str]:
         return None  # something answered: the lighthouse (its page may differ between versions)
     except (OSError, ValueError) as e:
         return str(getattr(e, "reason", e))
+
+
+def lighthouse_status(url: str) -> tuple[Optional[str], str]:
+    """(None, the lighthouse's /status page) when the lighthouse at ``url`` answers, else (why not, "")."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=PROBE_TIMEOUT_S) as answer:
+            return None, answer.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError:
+        return None, ""  # something answered: the lighthouse (its pages may differ between versions)
+    except (OSError, ValueError) as e:
+        return str(getattr(e, "reason", e)), ""
+
+
+def stale_heartbeats(status: str) -> dict[str, str]:
+    """The replicas a lighthouse's /status page marks as gone (no heartbeat for longer than its heartbeat
+    timeout), each with how long ago it was last seen as the page says it (``6.2s``)."""
+    return {m.group(2): m.group(3) for m in _HEARTBEAT.finditer(status) if m.group(1)}
 
 
 def probe_lighthouse(url: str) -> None:
@@ -190,8 +220,9 @@ class FaultTolerance:
                                 module=r"torch\.distributed\._serialization")
         os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently
         connect = datetime.timedelta(seconds=min(float(ft.get("connect_timeout_s", CONNECT_TIMEOUT_S)), float(timeout_s)))
+        self._pg = _quorum_gloo(ProcessGroupGloo, timeout, connect)
         self.manager = Manager(
-            pg=_quorum_gloo(ProcessGroupGloo, timeout, connect), load_state_dict=load, state_dict=state_dict,
+            pg=self._pg, load_state_dict=load, state_dict=state_dict,
             # async quorum: a healing group takes no part in the average of the sync it joins at (its tensors are
             # zeroed and not counted), receives it, and gets the rest of a live group's state at should_commit
             min_replica_size=int(ft.get("min_replicas", 1)), use_async_quorum=True, timeout=timeout,
@@ -225,10 +256,16 @@ class FaultTolerance:
         if why is not None:
             raise self._lost(why)
         before = {"step": self.manager.current_step(), "batches_committed": self.manager.batches_committed()}
-        with torch.no_grad(), self._watching_lighthouse():
+        with torch.no_grad(), self._watching_lighthouse(self._quorums.count) as watch:
             self.manager.start_quorum()
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            self.manager.allreduce(flat).wait()  # AVG: sum over the participants, divided by their number
+            self.manager.wait_quorum()  # (allreduce's first act; here so that a test can freeze a group after it)
+            faults.maybe_fire(self._rank, self._step_of(), "exchange")
+            work = self.manager.allreduce(flat)  # AVG: sum over the participants, divided by their number
+            gave_up = self._wait_exchange(work, watch)
+            if gave_up is not None:  # the sync fails on every rank of this group (should_commit agrees so)
+                self.manager.report_error(RuntimeError(gave_up))
+                self._pg.keep_alive()
             committed = self.manager.should_commit()
             received, self._received = self._received, None
             quorum = self._quorums.last
@@ -250,8 +287,36 @@ class FaultTolerance:
                 unflatten_into(flat, tensors)
         self.wait_s += time.perf_counter() - t0
         self.syncs.append({"step": self._step_of(), "groups": self.manager.num_participants(), "members": members,
-                           "committed": bool(committed), "healed": self.heals > heals, "healed_from": healed_from})
+                           "committed": bool(committed), "healed": self.heals > heals, "healed_from": healed_from,
+                           "gave_up": gave_up})
         return committed
+
+    def _wait_exchange(self, work: Any, watch: "_Watch") -> Optional[str]:
+        """Wait for this sync's exchange across the groups to complete, or give it up: None when it completed
+        (or failed, which torchft records: a group that died closes its connections), else why it was given up.
+
+        Given up when a group of the quorum stopped heartbeating (the lighthouse counts it as gone: a frozen
+        group keeps its connections open, and the exchange would wait for ``distributed.timeout_s``), or when
+        this process itself was stopped inside the sync for :data:`FROZEN_S` or more (the others may have given
+        it up meanwhile). Gloo cannot cancel the exchange: it stays pending on this rank (``keep_alive``)."""
+        inner = getattr(work, "_work", None)  # the gloo work inside torchft's _ManagedWork
+        future = inner.get_future() if hasattr(inner, "get_future") else None
+        if future is None:  # torchft's no-op work (this sync had already failed), or another torchft
+            work.wait()
+            return None
+        ended = threading.Event()
+        future.add_done_callback(lambda _: ended.set())
+        while True:
+            done = ended.wait(TICK_S)
+            stopped = watch.stopped_s()
+            if stopped >= FROZEN_S:
+                return (f"this group was stopped for {stopped:.1f} s inside it (SIGSTOP, a debugger or a starved "
+                        "machine) and may have been left out: it heals from the others at its next sync")
+            if done:
+                work.wait()  # (returns at once: torchft's continuation, the division by the participants)
+                return None
+            if watch.lost is not None:
+                return watch.lost
 
     def _lost(self, why: str) -> LighthouseLost:
         return LighthouseLost(f"rank {self._rank} of replica group {self.replica_id}: the lighthouse {self.url} stopped "
@@ -260,28 +325,55 @@ class FaultTolerance:
                               "the groups still running heal it")
 
     @contextlib.contextmanager
-    def _watching_lighthouse(self) -> Iterator[None]:
-        """While this rank waits in a quorum or an exchange: a lighthouse that stops answering (two probes
-        :data:`WATCH_INTERVAL_S` apart) ends this rank with :meth:`_lost`'s line (the quorum would wait for
-        ``quorum_timeout_s``). Pure Python in the watcher thread: nothing of torch's runs in it."""
+    def _watching_lighthouse(self, quorums_before: int) -> Iterator["_Watch"]:
+        """While this rank is inside a sync (a quorum, an exchange), two threads of pure Python (nothing of
+        torch's runs in them):
+
+        * every :data:`WATCH_INTERVAL_S` the lighthouse's /status page: a lighthouse that stops answering (two
+          probes in a row) ends this rank with :meth:`_lost`'s line (the quorum would wait for
+          ``quorum_timeout_s``); a group of this sync's quorum (the first one the lighthouse answered after
+          ``quorums_before``) that the page marks as gone sets ``lost``, and the exchange is given up;
+        * every :data:`TICK_S` the clock: how long this process was stopped (``stopped_s``)."""
+        state = _Watch()
         done = threading.Event()
 
         def watch() -> None:
             misses = 0
             while not done.wait(WATCH_INTERVAL_S):
-                why = lighthouse_answers(self.url)
+                why, status = lighthouse_status(self.url)
                 misses = misses + 1 if why is not None else 0
                 if why is not None and misses >= 2 and not done.is_set():
                     print(f"distkit: error: {self._lost(why)}", file=sys.__stderr__ or sys.stderr, flush=True)
                     self._end_job(1)
+                quorum = self._quorums.last if self._quorums.count > quorums_before else None
+                if quorum is not None and state.lost is None:
+                    stale = stale_heartbeats(status)
+                    gone = [(g, stale[r]) for g, r in zip(_groups(quorum.replica_ids), quorum.replica_ids)
+                            if r in stale and g != self.replica_id]
+                    if gone:
+                        state.lost = (f"{_groups_named_ago(gone)} stopped heartbeating inside it (the lighthouse "
+                                      "counts it as gone): the groups still alive go on without it")
 
-        thread = threading.Thread(target=watch, name="distkit-lighthouse-watch", daemon=True)
-        thread.start()
+        def tick() -> None:
+            while not done.wait(TICK_S):
+                now, cpu = time.monotonic(), time.process_time()
+                stopped = state.off(now, cpu)
+                # written in this order, read in the other by stopped_s(): who sees the new ``last`` sees the rest
+                if stopped > state.stopped:
+                    state.stopped = stopped
+                state.last_cpu = cpu
+                state.last = now
+
+        threads = [threading.Thread(target=watch, name="distkit-lighthouse-watch", daemon=True),
+                   threading.Thread(target=tick, name="distkit-stop-watch", daemon=True)]
+        for thread in threads:
+            thread.start()
         try:
-            yield
+            yield state
         finally:
             done.set()
-            thread.join()
+            for thread in threads:
+                thread.join()
 
     def membership_changes(self) -> list[dict[str, Any]]:
         """The syncs at which the groups changed (their number or which; and the first), with heals and skipped
@@ -300,6 +392,39 @@ class FaultTolerance:
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             pass
         return None
+
+
+class _Watch:
+    """What the threads of :meth:`FaultTolerance._watching_lighthouse` found while this rank is inside a sync."""
+
+    def __init__(self) -> None:
+        #: why the exchange is to be given up (a group of the quorum stopped heartbeating), else None
+        self.lost: Optional[str] = None
+        #: time.monotonic() and time.process_time() at the clock thread's last look (seconds)
+        self.last, self.last_cpu = time.monotonic(), time.process_time()
+        #: the longest this process was stopped between two looks (seconds)
+        self.stopped = 0.0
+
+    def off(self, now: float, cpu: float) -> float:
+        """Seconds this process was stopped since the last look, as seen at ``now`` (monotonic) with ``cpu``
+        seconds of CPU used by all its threads: how late the look is, less the CPU its threads used meanwhile.
+        A stopped process uses none; one whose clock thread only waited for the GIL (a long pickling, say) used
+        about as much as the wait took, and is not counted as stopped (its heartbeat, sent by torchft's threads
+        outside the GIL, went on)."""
+        return (now - self.last - TICK_S) - (cpu - self.last_cpu)
+
+    def stopped_s(self) -> float:
+        """The longest time (seconds) this process was stopped since the sync began, as far as is known now: the
+        clock thread's findings, or the stop it has not yet looked at (woken, it may not have run yet). ``last``
+        is read first: the clock thread writes it last."""
+        last = self.last
+        since = (time.monotonic() - last - TICK_S) - (time.process_time() - self.last_cpu)
+        return max(self.stopped, since)
+
+
+def _groups_named_ago(gone: list[tuple[int, str]]) -> str:
+    """``group 2 (last heard from 6.1s ago)``, several joined by commas."""
+    return ", ".join(f"group {g} (last heard from {ago} ago)" for g, ago in gone)
 
 
 class _TorchftLines(logging.Filter):
@@ -332,12 +457,15 @@ class _QuorumsSeen:
 
     def __init__(self, client: Any) -> None:
         self._client, self.last = client, None
+        #: how many quorums the lighthouse answered so far (``last`` is then set)
+        self.count = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         self.last = self._client._quorum(*args, **kwargs)
+        self.count += 1
         return self.last
 
 
@@ -385,6 +513,14 @@ def _quorum_gloo(base: type, timeout: datetime.timedelta, connect: datetime.time
             finally:
                 self._timeout = timeout
             self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+
+        def keep_alive(self) -> None:
+            """Never free the current gloo group: an exchange given up is still pending in it (gloo cannot cancel
+            it), and freeing the group (torchft drops it at the next quorum's configure; Python at a script's
+            exit) waits for that exchange to end, up to ``distributed.timeout_s``, with the GIL held. A group is
+            given up only when another froze inside a sync: what is kept (its threads, its sockets) is small."""
+            if self._pg is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._pg))
 
     return QuorumGloo(timeout=timeout)
 

@@ -14,7 +14,8 @@ complete, not renamed), ``checkpoint`` (this rank's file in place, before the ma
 in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced), or ``init``
 (with STEP 0: the mpi engine's start-up, before ``MPI_Init``), or ``close`` (the end of the run:
 ``Session.close`` after its last barrier; STEP = the steps taken), or ``left`` (later in ``Session.close``: the
-rank has marked itself as leaving, the engine torn down, its exit next). Read once
+rank has marked itself as leaving, the engine torn down, its exit next), or ``exchange`` (fault tolerance: inside the
+sync of step STEP across replica groups, its quorum formed, the exchange not yet started). Read once
 at import; unset in normal runs, where it costs one comparison.
 
 ``DISTKIT_FAULT_UNTIL=PATH``: a ``delay`` ends as soon as PATH exists (a test's "wait until the other job is
@@ -22,6 +23,8 @@ up", checked every 0.1 s; still at most its S seconds).
 
 ``DISTKIT_FAULT_STAMP=PATH``: just before firing, the rank writes ``PID TIME`` (``time.time()``,
 seconds) to PATH, so a test can time the job's end from the fault and check that the process is gone.
+
+In both paths ``{step}`` stands for the fault's step: several delays of one rank, each released by its own file.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def maybe_fire(rank: int, step: int, point: str = "step") -> None:
 def _fire(kind: str, step: int) -> None:
     """Fire one fault of kind ``kind`` (the module's docstring) now, at step ``step``."""
     if _STAMP:
-        with open(_STAMP, "w") as f:
+        with open(_STAMP.replace("{step}", str(step)), "w") as f:
             f.write(f"{os.getpid()} {time.time():.3f}\n")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -60,7 +63,8 @@ def _fire(kind: str, step: int) -> None:
             time.sleep(3600)
     elif kind.startswith("delay"):
         end = time.monotonic() + float(kind.partition("=")[2] or DELAY_S)
-        while time.monotonic() < end and not (_UNTIL and os.path.exists(_UNTIL)):
+        until = _UNTIL.replace("{step}", str(step))
+        while time.monotonic() < end and not (until and os.path.exists(until)):
             time.sleep(min(0.1, max(0.0, end - time.monotonic())))
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)

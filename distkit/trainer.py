@@ -472,7 +472,7 @@ def sync_line(sync: dict[str, Any], group: int, before: Optional[list[int]]) -> 
         src = sync.get("healed_from") or []
         changes.append(f"group {group} (this one) healed from {_groups_named(src) if src else 'a live group'}")
     if not sync["committed"]:
-        changes.append("not committed (a group failed in it)")
+        changes.append(f"not committed ({sync.get('gave_up') or 'a group failed in it'})")
     return line + (": " + "; ".join(changes) if changes else "")
 
 

@@ -149,7 +149,7 @@ def test_without_failures_two_groups_equal_one_job_bit_for_bit(lighthouse: str, 
         ft = s["fault_tolerance"]
         assert (ft["replica_id"], ft["num_replicas"], ft["syncs"], ft["committed"], ft["heals"]) == (i, 2, 4, 4, 0)
         assert ft["membership"] == [{"step": 5, "groups": 2, "members": [0, 1], "committed": True, "healed": False,
-                                     "healed_from": []}]
+                                     "healed_from": [], "gave_up": None}]
 
 
 @pytest.fixture(scope="module")
@@ -459,6 +459,55 @@ def test_a_stopped_group_is_left_out_and_the_others_go_on(lighthouse: str, tmp_p
         assert ft["committed"] == ft["syncs"] == 8 and ft["last_syncs_alone"] == 0, ft
         assert [m["groups"] for m in ft["membership"]][-1] == 2 and ft["membership"][-1]["step"] <= 15, ft
     assert summary(out / "group-0")["param_checksum"] == summary(out / "group-1")["param_checksum"]
+
+
+@pytest.mark.min_replicas(2)
+def test_a_group_frozen_inside_a_sync_costs_the_others_seconds_and_heals_when_woken(lighthouse: str,
+                                                                                    tmp_path: Path) -> None:
+    """Issue 36 items 9 and 10. Three groups of one rank wait for each other at step 4, so the quorums of steps 5
+    and 10 hold all three. Group 2 stops itself (SIGSTOP: every thread, its heartbeat too) inside the sync of
+    step 10, its quorum formed: the others are in the exchange with it, whose connections stay open, and
+    ``distributed.timeout_s`` is the default 300 s, longer than this test waits for anything. They give that
+    sync up once the lighthouse counts group 2 as gone (its heartbeat timeout, 5 s), sync at step 15 without it
+    and wait at step 17. Woken (SIGCONT), group 2 finds that it was stopped inside the sync, gives it up too
+    (the others may hold what it would average with), trains on to step 15 and asks for a quorum; the others,
+    released, ask at step 20, and group 2 heals from them: all three end at step 30 with one model."""
+    out = tmp_path / "ft"
+    env = {"DISTKIT_FAULT_UNTIL": str(tmp_path / "go-{step}")}
+    frozen = _group(lighthouse, 2, 3, out, "++max_steps", "30", DISTKIT_FAULT="0:4:delay=300,0:10:stop:exchange",
+                    DISTKIT_FAULT_STAMP=str(tmp_path / "at-2-{step}"), **env)
+    survivors = [_group(lighthouse, i, 3, out, "++max_steps", "30", DISTKIT_FAULT="0:4:delay=300,0:17:delay=300",
+                        DISTKIT_FAULT_STAMP=str(tmp_path / f"at-{i}-{{step}}"), **env) for i in range(2)]
+    procs = [frozen, *survivors]
+    _until(lambda: all((tmp_path / f"at-{i}-4").exists() for i in range(3)), procs, "the groups never reached step 4")
+    (tmp_path / "go-4").touch()
+    _until_exists(tmp_path / "at-2-10", procs)
+    _until(lambda: procfs.is_stopped(frozen.pid), survivors, "group 2 never stopped")
+    # the others went on without it: before the fix they waited timeout_s (300 s) in the exchange of step 10
+    _until(lambda: all((tmp_path / f"at-{i}-17").exists() for i in range(2)), survivors,
+           "the others never reached step 17 (stuck in the exchange with the stopped group?)")
+    assert procfs.is_stopped(frozen.pid)
+    for i in range(2):
+        at10 = [r for r in _syncs(out / f"group-{i}") if r["step"] == 10]
+        assert len(at10) == 1 and at10[0]["members"] == [0, 1, 2] and not at10[0]["committed"], _syncs(out / f"group-{i}")
+        assert re.match(r"group 2 \(last heard from [0-9.]+m?s ago\) stopped heartbeating inside it",
+                        at10[0]["gave_up"]), at10
+    asked = _asked(lighthouse.log, 2)  # type: ignore[attr-defined]
+    os.killpg(frozen.pid, signal.SIGCONT)
+    # the others go on once group 2 waits in its next quorum (else they would sync among themselves at once,
+    # the lighthouse's fast quorum of the previous members, and might end before it asks)
+    _until_asked(lighthouse.log, 2, procs, more_than=asked)  # type: ignore[attr-defined]
+    (tmp_path / "go-17").touch()
+    ends = [ok(_wait(p)) for p in procs]
+    syncs2 = _syncs(out / "group-2")
+    at10 = [r for r in syncs2 if r["step"] == 10]
+    assert len(at10) == 1 and not at10[0]["committed"], syncs2
+    assert re.match(r"this group was stopped for [0-9.]+ s inside it", at10[0]["gave_up"]), at10
+    assert re.search(r"^distkit: sync at step 10: .*not committed \(this group was stopped for", ends[0].stdout, re.M)
+    ft = [summary(out / f"group-{i}")["fault_tolerance"] for i in range(3)]
+    assert ft[2]["heals"] == 1 and ft[0]["heals"] == ft[1]["heals"] == 0, ft
+    assert all(summary(out / f"group-{i}")["steps"] == 30 for i in range(3))
+    assert len({summary(out / f"group-{i}")["param_checksum"] for i in range(3)}) == 1
 
 
 def test_a_group_that_never_meets_another_says_so_in_its_summary_and_last_line(lighthouse: str, tmp_path: Path) -> None:
