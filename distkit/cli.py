@@ -254,12 +254,19 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
     except Exception as e:  # a bug or a runtime failure: the traceback helps, the rank must be named
         record_failure(env.rank, e)
         lost = lost_peer_error(e)
-        if lost is None:  # a peer that is gone is the cause, not where this rank noticed it: no traceback then
+        timed_out = lost is None and ("timed out" in str(e).lower() or "timeout" in type(e).__name__.lower())
+        if lost is None and not (timed_out and cfg.fault_tolerance):
+            # a peer that is gone is the cause, not where this rank noticed it: no traceback then; nor in a
+            # fault-tolerant group, whose timed-out collective is one line naming the group and how to go on
             traceback.print_exc()
         e = lost or e  # a peer is gone: name it, not the address the engine's message has
-        if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
+        if timed_out:
+            ft = cfg.fault_tolerance
             e = CollectiveTimeout(f"a collective timed out after distributed.timeout_s={cfg.distributed.timeout_s:g} s: "
-                                  f"another rank hung or died (see its output)")
+                                  "another rank hung or died (see its output)" + (
+                                      f", or this replica group ({ft['replica_id']}) was stopped longer than that: run "
+                                      "its command again with ++resume auto, and it heals from the live groups at its "
+                                      "first sync" if ft else ""))
         print(f"distkit: rank {env.rank} failed: {describe(e)}", file=sys.stderr, flush=True)
         settle_if_peer(e, env.world_size)
         return 1

@@ -510,6 +510,21 @@ def test_a_group_frozen_inside_a_sync_costs_the_others_seconds_and_heals_when_wo
     assert len({summary(out / f"group-{i}")["param_checksum"] for i in range(3)}) == 1
 
 
+def test_a_timed_out_collective_inside_a_group_names_the_group_and_how_to_go_on(lighthouse: str, tmp_path: Path) -> None:
+    """Issue 36 item 10: a group whose collective timed out (a rank hung, or the whole group was stopped longer than
+    ``distributed.timeout_s`` and woken) printed a traceback and a line that named neither the group nor how to go
+    on. Rank 0 of a 2-rank group hangs after step 8: rank 1's next gradient reduction times out (5 s) with one
+    line naming the group and ``++resume auto``, and no traceback."""
+    dist = "{'backend': '%s', 'reduce_type': 'param', 'param_sync_step': 5, 'timeout_s': 5}"
+    res = _wait(_group(lighthouse, 1, 2, tmp_path / "ft", "++max_steps", "30", "--nprocs", "2", distributed=dist,
+                       DISTKIT_FAULT="0:8:hang"))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert ("distkit: rank 1 failed: CollectiveTimeout: a collective timed out after distributed.timeout_s=5 s: another "
+            "rank hung or died (see its output), or this replica group (1) was stopped longer than that: run its "
+            "command again with ++resume auto, and it heals from the live groups at its first sync") in res.stderr, \
+        res.stderr[-3000:]
+
+
 def test_a_group_that_never_meets_another_says_so_in_its_summary_and_last_line(lighthouse: str, tmp_path: Path) -> None:
     """Issue 36 item 11: a group of two (replica 1) whose partner never starts trains alone to the end (min_replicas
     1): it exited 0 saying only "sync at step 5: 1 group(s)". Its summary counts the syncs it made alone, and its
