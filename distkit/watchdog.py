@@ -67,7 +67,8 @@ _LOOKED = False  # lost_peer_error looked already (it waits once per process)
 
 
 #: a pause of the judge's own thread of this many heartbeat intervals (it wakes every half interval) means this
-#: process itself did not run: its view of the peers' heartbeats restarts then
+#: process itself did not run: each peer then has :data:`LOST_AFTER_INTERVALS` intervals from that moment to be seen
+#: beating (a live peer beats once per interval) before it can be named
 OWN_GAP = 3
 
 
@@ -268,10 +269,14 @@ class Watchdog:
             if now - woke >= OWN_GAP * self.interval_s:
                 # This process did not run for several intervals (frozen itself: SIGSTOP of its whole group or
                 # host, then SIGCONT; or starved): every peer's age grew while nobody here could read their beats.
-                # They are not blamed for it: each gets a full timeout_s from now (issue 36 item 10: a fault-tolerant
-                # group woken after a freeze blamed its own rank 1 and exited instead of healing).
-                self._changed = [now] * self.world_size
-                self._last_ok = now
+                # They are not blamed for it (issue 36 item 10: a fault-tolerant group woken after a freeze blamed
+                # its own rank 1 and exited instead of healing): each gets LOST_AFTER_INTERVALS intervals from now
+                # to be seen beating, time for its beater and this rank's to run once. Not a whole timeout_s: on a
+                # starved machine such pauses recur, and each would put off naming a rank that really stopped by
+                # timeout_s (300 s by default) again.
+                grace = now - max(0.0, self.timeout_s - LOST_AFTER_INTERVALS * self.interval_s)
+                self._changed = [max(c, grace) for c in self._changed]
+                self._last_ok = max(self._last_ok, grace)
             woke = now
             ranks = self.stalled()
             if ranks:

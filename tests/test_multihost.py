@@ -16,9 +16,10 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import pytest
 
@@ -250,8 +251,12 @@ def test_deepspeeds_launcher_ends_on_every_host_when_a_host_is_lost(tmp_path: Pa
     at a known step (rank 1 hangs there, its heartbeat going on; then the test takes the host away): its link
     cut, its ranks frozen (SIGSTOP), every process on it SIGKILLed. A sweep saw both launchers still running
     180 s after a freeze or a link cut, and 55 s after a host death. Every launcher that can still act ends
-    non-zero within timeout_s + 10 s, its ranks naming the lost one (a frozen rank's own launcher waits for it:
-    the launcher's behaviour; a real frozen host freezes it too). Measured by hand (timeout_s 5): 6.1-7.5 s."""
+    non-zero, its ranks naming the lost one within timeout_s + 5 s (a frozen rank's own launcher waits for it:
+    the launcher's behaviour; a real frozen host freezes it too). Measured by hand (timeout_s 5): 6.1-7.5 s to the
+    launchers' end, of which DeepSpeed's launcher takes 1-2 s after its rank's line (it polls its ranks once a
+    second, then exits an interpreter that imported torch). That part is CPU work outside distkit, which a loaded
+    machine stretches (16.6 s seen beside two CPU hogs and the suite's other workers): bounded here by
+    ``_finish``'s limit, the launchers' output with each line's time since the loss printed on any failure."""
     timeout_s, stamp = 5, tmp_path / "fault"
     zero2 = ZERO2[:-1] + f', "timeout_s": {timeout_s}}}'
     for how in ("link down", "SIGSTOP", "SIGKILL"):
@@ -267,29 +272,64 @@ def test_deepspeeds_launcher_ends_on_every_host_when_a_host_is_lost(tmp_path: Pa
                              start_new_session=True, env=base_env(DISTKIT_FAULT="1:3:hang",
                                                                   DISTKIT_FAULT_STAMP=str(stamp)))
                      for i in range(h.n)]
+            lines = [_Lines(p) for p in procs]
             try:
                 deadline = time.monotonic() + 120
                 while not stamp.exists():
                     assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no fault ({how})"
                     time.sleep(0.05)
-                time.sleep(0.5)  # rank 0 is inside the next collective now
                 lose_host_1(h, how)
                 lost = time.monotonic()
-                acting = procs if how == "link down" else procs[:1]
-                results = [_finish(p, timeout_s + 10 + 30) for p in acting]
-                took = time.monotonic() - lost
+                acting = procs[:2 if how == "link down" else 1]
+                for p, out in zip(acting, lines):
+                    out.wait(timeout_s + 10 + 30, lost, how)
             finally:
                 h.kill(1)
                 for p in procs:
                     if p.poll() is None:
                         os.killpg(p.pid, signal.SIGKILL)
                         p.communicate()
-        assert took <= timeout_s + 10, f"a launcher ran {took:.1f} s after {how}"
-        assert all(r.returncode != 0 for r in results), (how, [r.returncode for r in results])
+        timeline = f"{how}, each line's time since the loss:\n" + "\n".join(out.since(lost) for out in lines)
+        assert all(p.returncode != 0 for p in acting), (how, [p.returncode for p in acting], timeline)
         named = ("distkit: rank 1 stopped responding", "RankLost: rank 1 ")  # (a killed peer's sockets close)
-        assert any(n in results[0].stdout for n in named[:1 + (how == "SIGKILL")]), results[0].stdout[-3000:]
+        at = lines[0].first(named[:1 + (how == "SIGKILL")])
+        assert at is not None and at - lost <= timeout_s + 5, timeline
         if how == "link down":  # host 1's rank names rank 0, whose store it can no longer reach
-            assert "distkit: rank 0 stopped responding" in results[1].stdout, results[1].stdout[-3000:]
+            at = lines[1].first(("distkit: rank 0 stopped responding",))
+            assert at is not None and at - lost <= timeout_s + 5, timeline
+
+
+class _Lines:
+    """A launcher's merged output, read as it comes, each line with its arrival time (time.monotonic())."""
+
+    def __init__(self, p: "subprocess.Popen[str]") -> None:
+        self.p, self.lines = p, []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait(self, timeout: float, lost: float, how: str) -> None:
+        """Wait for the launcher and its output's end; past ``timeout`` s, fail with the stacks and timeline."""
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = stacks_of_marked()
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+            self._reader.join(10)
+            raise AssertionError(f"timed out after {timeout}s ({how}): {self.p.args}\n{self.since(lost)}\n{stacks}")
+        self._reader.join(10)
+
+    def first(self, texts: Sequence[str]) -> Optional[float]:
+        """When the first line holding one of ``texts`` came, or None."""
+        return next((t for t, line in self.lines if any(x in line for x in texts)), None)
+
+    def since(self, t0: float) -> str:
+        return "\n".join(f"{t - t0:+7.2f} {line[:300]}" for t, line in self.lines if t >= t0 - 2)
 
 
 def lose_host_1(h: nethosts.Hosts, how: str) -> None:

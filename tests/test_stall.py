@@ -208,8 +208,9 @@ def test_ranks_frozen_together_do_not_blame_each_other_when_woken() -> None:
     """Issue 36 item 10: a whole fault-tolerant group frozen (SIGSTOP) and woken (SIGCONT) exited 1 blaming its own
     rank 1 ("stopped responding"): after the wake-up each judge saw the other's heartbeat many timeouts old, though
     nobody here could beat while frozen. A judge that did not run for several intervals restarts its view of the
-    peers: they get a full timeout from the wake-up. Both ranks' watchdogs in one process (frozen together), frozen
-    for 4 timeouts; after the wake-up both go on beating and neither fires in 4 more."""
+    peers: they get LOST_AFTER_INTERVALS intervals from the wake-up to be seen beating. Both ranks' watchdogs in one
+    process (frozen together), frozen for 4 timeouts; after the wake-up both go on beating and neither fires in 4
+    more."""
     p = subprocess.Popen([sys.executable, "-c", _FROZEN_TOGETHER], env=base_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
@@ -224,6 +225,61 @@ def test_ranks_frozen_together_do_not_blame_each_other_when_woken() -> None:
             p.communicate()
     assert p.returncode == 0 and "FIRED" not in out and "woke" in out, (p.returncode, out, err[-2000:])
     assert "survived [[], []]" in out and "stopped responding" not in err, (out, err[-2000:])
+
+
+#: rank 0's watchdog (timeout 12 s, 1 s beats) and rank 1's in one process; rank 1's stops beating (and rank 0 has
+#: seen its last beat), and the process is frozen right after (the test's SIGSTOP); woken, it prints how old rank 1's
+#: heartbeat is to rank 0's judge once that judge has run after the wake-up (it wakes every half interval)
+_PEER_STOPPED_WHILE_FROZEN = """
+import datetime, sys, time
+import torch.distributed as dist
+from distkit.watchdog import Watchdog, _key
+
+delta = datetime.timedelta(seconds=1.0)
+server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=delta)
+w0, w1 = Watchdog(server, 0, 2, 12.0, lambda code: print("FIRED", flush=True)), Watchdog(client, 1, 2, 12.0, sys.exit)
+w0.run()
+w1.run()
+while not w0._values[1]:
+    time.sleep(0.05)
+w1.stop()
+final = server.get(_key(1))
+while w0._values[1] != final:  # else rank 0 would see rank 1's last beat only after the wake-up
+    time.sleep(0.05)
+last = time.monotonic()
+print("ready", flush=True)
+while time.monotonic() - last < 2.0:
+    last = time.monotonic()
+    time.sleep(0.05)
+time.sleep(1.5)
+print("age", w0.ages()[1], flush=True)
+w0.stop()
+"""
+
+
+def test_a_peer_that_stopped_while_this_rank_was_frozen_is_named_within_a_few_beats() -> None:
+    """The other side of the test above: a rank whose own process did not run for a while (frozen, or starved on a
+    loaded machine) gave every peer a whole timeout_s from its wake-up (300 s by default), so a peer that had really
+    stopped was named that much later, and again after every such pause. Now a peer gets LOST_AFTER_INTERVALS
+    intervals from the wake-up, at most: rank 1 stopped beating before a 4 s freeze, so 1.5 s after the wake-up its
+    heartbeat is at least 4 + 1.5 s old to rank 0's judge (before: 1.5, the judge's view restarted at the wake-up),
+    and less than timeout_s (12 s), when it would be named."""
+    p = subprocess.Popen([sys.executable, "-c", _PEER_STOPPED_WHILE_FROZEN], env=base_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(4.0)  # the freeze itself (its length is the input here, not a wait for an event)
+        os.kill(p.pid, signal.SIGCONT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    ages = [float(ln.split()[1]) for ln in out.splitlines() if ln.startswith("age ")]
+    assert p.returncode == 0 and len(ages) == 1 and "FIRED" not in out, (p.returncode, out, err[-2000:])
+    assert 5.5 <= ages[0] < 12.0, ages
 
 
 def test_a_run_shorter_than_a_heartbeat_still_sees_a_stopped_peer_out() -> None:
