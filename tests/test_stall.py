@@ -204,6 +204,24 @@ print("survived", [w.stalled() for w in ws], flush=True)
 """
 
 
+def _frozen_for(seconds: float, script: str) -> tuple["subprocess.Popen[str]", str, str]:
+    """Run ``script`` in a process of its own, SIGSTOP it for ``seconds`` once it printed "ready", wake it; its
+    process, stdout and stderr once it ended."""
+    p = subprocess.Popen([sys.executable, "-c", script], env=base_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(seconds)  # the freeze itself (its length is the input here, not a wait for an event)
+        os.kill(p.pid, signal.SIGCONT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return p, out, err
+
+
 def test_ranks_frozen_together_do_not_blame_each_other_when_woken() -> None:
     """Issue 36 item 10: a whole fault-tolerant group frozen (SIGSTOP) and woken (SIGCONT) exited 1 blaming its own
     rank 1 ("stopped responding"): after the wake-up each judge saw the other's heartbeat many timeouts old, though
@@ -211,18 +229,7 @@ def test_ranks_frozen_together_do_not_blame_each_other_when_woken() -> None:
     peers: they get LOST_AFTER_INTERVALS intervals from the wake-up to be seen beating. Both ranks' watchdogs in one
     process (frozen together), frozen for 4 timeouts; after the wake-up both go on beating and neither fires in 4
     more."""
-    p = subprocess.Popen([sys.executable, "-c", _FROZEN_TOGETHER], env=base_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        os.kill(p.pid, signal.SIGSTOP)
-        time.sleep(4.0)  # the freeze itself (its length is the input here, not a wait for an event)
-        os.kill(p.pid, signal.SIGCONT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+    p, out, err = _frozen_for(4.0, _FROZEN_TOGETHER)
     assert p.returncode == 0 and "FIRED" not in out and "woke" in out, (p.returncode, out, err[-2000:])
     assert "survived [[], []]" in out and "stopped responding" not in err, (out, err[-2000:])
 
@@ -265,18 +272,7 @@ def test_a_peer_that_stopped_while_this_rank_was_frozen_is_named_within_a_few_be
     intervals from the wake-up, at most: rank 1 stopped beating before a 4 s freeze, so 1.5 s after the wake-up its
     heartbeat is at least 4 + 1.5 s old to rank 0's judge (before: 1.5, the judge's view restarted at the wake-up),
     and less than timeout_s (12 s), when it would be named."""
-    p = subprocess.Popen([sys.executable, "-c", _PEER_STOPPED_WHILE_FROZEN], env=base_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        os.kill(p.pid, signal.SIGSTOP)
-        time.sleep(4.0)  # the freeze itself (its length is the input here, not a wait for an event)
-        os.kill(p.pid, signal.SIGCONT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+    p, out, err = _frozen_for(4.0, _PEER_STOPPED_WHILE_FROZEN)
     ages = [float(ln.split()[1]) for ln in out.splitlines() if ln.startswith("age ")]
     assert p.returncode == 0 and len(ages) == 1 and "FIRED" not in out, (p.returncode, out, err[-2000:])
     assert 5.5 <= ages[0] < 12.0, ages
