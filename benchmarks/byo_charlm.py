@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import distkit
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments
+from workload import add_workload_arguments, pin_rank
 
 
 def main() -> None:
@@ -42,6 +42,7 @@ def main() -> None:
     add_workload_arguments(ap, seed=False)  # the seed is distkit's own (++seed)
     distkit.add_arguments(ap)  # --config, ++key value, --nprocs, --deepspeed, --deepspeed_config, --local_rank
     args = ap.parse_args()
+    pin_rank()
 
     # batch_size also goes into the config: DeepSpeed's train_micro_batch_size_per_gpu is taken from it.
     dk = distkit.init(args, batch_size=args.batch_size)

@@ -47,6 +47,10 @@ run never overwrites the committed results; ``--out PATH`` writes where asked (t
 ``benchmarks/README.md`` that regenerate ``benchmarks/results/`` pass it). Another backend = one more
 entry in ``BACKENDS`` with its baseline script, launcher and distkit ``distributed`` section.
 
+``--pin`` (each rank on its own core, both sides), ``--warmup auto`` (:func:`auto_warmup`), ``--budget S`` (more
+pairs while they fit) and ``--aa`` (distkit against itself) are for resolving small differences; every result
+has the median of the per-pair ratios with a 95 % bootstrap interval (``pair_ratio``).
+
 Each run (one side of one pair) has ``--run-timeout`` seconds (default 600). A run past it is killed
 with everything it started (its process group, and the ranks torchrun puts in sessions of their own);
 the script names the run, prints its captured output's tail and exits with status 124 (as
@@ -139,6 +143,8 @@ def _env(args: argparse.Namespace) -> dict[str, str]:
     env.pop("DISTKIT_FAULT", None)
     if getattr(args, "what_if", None):
         env["DISTKIT_BENCH_WHAT_IF"] = args.what_if
+    if getattr(args, "pin", False):
+        env["DISTKIT_BENCH_PIN"] = "1"  # each rank to its own core (workload.pin_rank), on both sides
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without these
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -361,6 +367,9 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
     """Per rank, under the launcher: time every ``TrainingRun.train_step`` call, then run the real CLI."""
     from time import perf_counter, process_time
 
+    from workload import pin_rank
+
+    pin_rank()  # (--pin) as the hand-written scripts do, before torch starts threads
     import torch
 
     from distkit import cli, trainer
@@ -406,6 +415,34 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 METRICS = ("iter", "step", "cpu")
+
+
+def auto_warmup(rec: dict[str, Any], window: int = 5, within: float = 1.1) -> int:
+    """The warm-up rule (``--warmup auto``): the steps before the first window of ``window`` steps whose median
+    step time (start to end) is within ``within`` times the median of the run's second half, the steady state.
+    At most half the run."""
+    s, e = rec["starts"], rec["ends"]
+    steps = [b - a for a, b in zip(s, e)]
+    half = len(steps) // 2
+    steady = statistics.median(steps[half:])
+    for w in range(half):
+        if statistics.median(steps[w:w + window]) <= within * steady:
+            return w
+    return half
+
+
+def bootstrap_ci(values: list[float], level: float = 0.95, resamples: int = 4000,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the median of ``values`` (``level`` of the resampled medians, seeded:
+    the same values give the same interval)."""
+    import random
+
+    rng = random.Random(seed)
+    n = len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
 
 
 def step_series(rec: dict[str, Any], warmup: int) -> dict[str, list[float]]:
@@ -525,7 +562,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "ratio = B / A, so < 1 means the mpi engine is faster")
     ap.add_argument("--repeats", type=int, default=5, help="A/B pairs (at least 5 for the issue's numbers)")
     ap.add_argument("--steps", type=int, default=100, help="optimizer steps per run, warm-up included")
-    ap.add_argument("--warmup", type=int, default=10, help="leading steps of each run left out of the stats")
+    ap.add_argument("--warmup", default="10", help="leading steps of each run left out of the stats: a number, or "
+                    "'auto' (auto_warmup: until a 5-step window's median is within 1.1x the run's second half)")
+    ap.add_argument("--pin", action="store_true", help="each rank bound to its own core, on both sides (pin_rank)")
+    ap.add_argument("--budget", type=float, default=None, metavar="S",
+                    help="after --repeats pairs, more pairs while the next one fits into S seconds in all")
+    ap.add_argument("--aa", action="store_true",
+                    help="A/A: distkit against itself (the B side on both sides): the ratio must be 1 within its "
+                         "interval, which shows what the measurement can resolve")
     ap.add_argument("--size", default="small", choices=["small", "medium", "large"], help="charlm model size")
     ap.add_argument("--nprocs", type=int, default=2, help="ranks")
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -558,10 +602,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                          f"with status {TIMEOUT_EXIT}, writing no result (default 600)")
     ap.add_argument("--keep", action="store_true", help="keep the per-run work directory (logs, configs, times)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if not args.run_timeout > 0:
         ap.error("--run-timeout must be > 0 seconds")
-    if args.steps < args.warmup + 10:
+    if args.warmup != "auto" and not args.warmup.isdigit():
+        ap.error(f"--warmup must be a number of steps or 'auto', got {args.warmup!r}")
+    if args.warmup != "auto" and args.steps < int(args.warmup) + 10:
         ap.error("--steps must exceed --warmup by at least 10")
+    if args.aa and args.compare:
+        ap.error("--aa runs one side against itself: it does not combine with --compare")
     if args.path == "byo" and args.compare:
         ap.error("--path byo compares against a hand-written script: it does not combine with --compare")
     if args.path == "byo" and args.what_if:
@@ -605,6 +655,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         name = f"overhead_{args.backend}{suffix}.json"
         side_desc = {"raw": f"{baseline} ({be.transport})", "distkit": f"distkit {be.name} grad ({be.transport})"}
         dk_configs = {"distkit": distkit_config(be, args, "<tmp>")}
+    if args.aa:  # the B side twice, under two names: A/A
+        b_run = runners[sides[1]]
+        sides = (f"{sides[1]}_a", f"{sides[1]}_b")
+        runners = {sides[0]: b_run, sides[1]: b_run}
+        side_desc = {side: side_desc[side.rsplit("_", 1)[0]] for side in sides}
+        name = name.replace(".json", "_aa.json")
     a_side, b_side = sides
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # a bad path fails before the runs
@@ -612,7 +668,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs: list[dict[str, Any]] = []
     t_all = time.perf_counter()
     try:
-        for pair in range(args.repeats):
+        pair = 0
+        while pair < args.repeats or (args.budget is not None and
+                                      time.perf_counter() - t_all + (time.perf_counter() - t_all) / pair <= args.budget):
             order = (a_side, b_side) if pair % 2 == 0 else (b_side, a_side)  # A B, B A, ...
             for side in order:
                 tag = f"{pair:02d}-{side}"
@@ -620,8 +678,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 snap = cpu_snapshot()
                 rec = runners[side](tag)
                 load = foreign_load(snap, cpu_snapshot())
-                series = step_series(rec, args.warmup)
-                run = {"pair": pair, "side": side, **{m: describe(series[m]) for m in METRICS},
+                warmup = auto_warmup(rec) if args.warmup == "auto" else int(args.warmup)
+                series = step_series(rec, warmup)
+                run = {"pair": pair, "side": side, "warmup": warmup, **{m: describe(series[m]) for m in METRICS},
                        "process_wall_s": round(rec["process_wall_s"], 3),
                        "foreign_load_cpus": round(load, 3),
                        "foreign_load_before_cpus": None if load_before is None else round(load_before, 3),
@@ -633,6 +692,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"pair {pair} {side:15s}  iter p50 {run['iter']['p50_ms']:7.2f} ms  p95 {run['iter']['p95_ms']:7.2f} ms"
                       f"  cpu p50 {run['cpu']['p50_ms']:7.2f} ms  other load {load:4.2f} cpus"
                       f"  ({run['process_wall_s']:.1f}s)", flush=True)
+            pair += 1
     finally:
         if args.keep:
             print(f"work directory kept: {work}")
@@ -655,9 +715,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         res["pair_ratio_iter_p50_median"] = statistics.median(res["pair_ratios_iter_p50"])
         res["pair_ratios_cpu_p50"] = [by_pair(p, b_side)["cpu"]["p50_ms"] / by_pair(p, a_side)["cpu"]["p50_ms"]
                                       for p in pairs]
+        # the figure to quote: the median of the per-pair ratios with its 95 % bootstrap interval
+        res["pair_ratio"] = {m: {"median": statistics.median(res[f"pair_ratios_{m}_p50"]),
+                                 "ci95": bootstrap_ci(res[f"pair_ratios_{m}_p50"])} for m in ("iter", "cpu")}
         return res
 
-    all_pairs = list(range(args.repeats))
+    all_pairs = sorted({r["pair"] for r in runs})
     quiet_pairs = [p for p in all_pairs
                    if max(by_pair(p, a_side)["foreign_load_cpus"], by_pair(p, b_side)["foreign_load_cpus"]) <= args.noisy_load]
     every, quiet = compare(all_pairs), compare(quiet_pairs)
@@ -673,7 +736,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "machine": machine_info(),
         "config": {"task": "charlm", "size": args.size, "seq_len": args.seq_len, "nprocs": args.nprocs,
                    "batch_size_per_rank": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-                   "repeats": args.repeats, "bucket_cap_mb": args.bucket_cap_mb, "optimizer": "sgd", "lr": args.lr,
+                   "repeats": args.repeats, "pairs_run": len(all_pairs), "budget_s": args.budget, "pin": args.pin,
+                   "aa": args.aa, "bucket_cap_mb": args.bucket_cap_mb, "optimizer": "sgd", "lr": args.lr,
                    "seed": args.seed, "omp_num_threads": args.threads, "transport": be.transport,
                    "what_if": args.what_if,
                    **({"zero_stage": args.zero_stage} if be.name == "deepspeed" else {}),
@@ -700,6 +764,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         **({"target": "mpi engine faster than DDP over gloo: ratio_p50 < 1 and median per-pair p50 ratio < 1",
             "meets_target": every["iter"]["ratio"]["p50"] < 1.0 and every["pair_ratio_iter_p50_median"] < 1.0}
            if args.compare else
+           {"target": "A/A: 1 inside the median pair ratio's 95 % interval (iter)",
+            "meets_target": every["pair_ratio"]["iter"]["ci95"][0] <= 1.0 <= every["pair_ratio"]["iter"]["ci95"][1]}
+           if args.aa else
            {"target_ratio_p50": TARGET_P50_RATIO, "meets_target": every["iter"]["ratio"]["p50"] <= TARGET_P50_RATIO}),
         "noisy_pairs": [p for p in all_pairs if p not in quiet_pairs],
         "same_work": len(checksums) == 1,
@@ -726,8 +793,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"{b_side} p50 {it[b_side]['p50_ms']:.2f} / p95 {it[b_side]['p95_ms']:.2f} ms -> "
                 f"ratio p50 {it['ratio']['p50']:.4f}, p95 {it['ratio']['p95']:.4f}; "
                 f"per-pair p50 ratios {', '.join(f'{x:.3f}' for x in c['pair_ratios_iter_p50'])}; "
+                + "".join(f"median pair ratio, {m}: {c['pair_ratio'][m]['median']:.4f} "
+                          f"(95 % interval {c['pair_ratio'][m]['ci95'][0]:.4f}-{c['pair_ratio'][m]['ci95'][1]:.4f}); "
+                          for m in ("iter", "cpu")) +
                 f"cpu-time ratio p50 {cpu['ratio']['p50']:.4f}, p95 {cpu['ratio']['p95']:.4f}")
-    target = ("ratio p50 < 1 and median pair ratio < 1 (mpi faster)" if args.compare else f"ratio p50 <= {TARGET_P50_RATIO}")
+    target = ("ratio p50 < 1 and median pair ratio < 1 (mpi faster)" if args.compare else
+              "A/A: 1 inside the interval" if args.aa else f"ratio p50 <= {TARGET_P50_RATIO}")
     print("\n" + line("all pairs", every) + "\n" + line("quiet pairs", quiet) +
           f"\nforeign load: mean {result['foreign_load_cpus']['mean']:.2f}, max {result['foreign_load_cpus']['max']:.2f} cpus"
           f"\ntarget: {target} -> {'met' if result['meets_target'] else 'NOT met'}"

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments
+from workload import add_workload_arguments, pin_rank
 
 
 
@@ -41,6 +41,7 @@ def main() -> None:
     add_workload_arguments(ap)
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     args = ap.parse_args()
+    pin_rank()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments
+from workload import add_workload_arguments, pin_rank
 
 
 
@@ -47,6 +47,7 @@ def main() -> None:
                          "on both sides")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help="passed by the deepspeed launcher")
     args = ap.parse_args()
+    pin_rank()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments
+from workload import add_workload_arguments, pin_rank
 
 
 
@@ -38,6 +38,7 @@ def main() -> None:
     add_workload_arguments(ap)
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="accepted for overhead.py's command line; unused")
     args = ap.parse_args()
+    pin_rank()
 
     hvd.init()
     rank, world = hvd.rank(), hvd.size()

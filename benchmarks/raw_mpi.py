@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments
+from workload import add_workload_arguments, pin_rank
 
 
 
@@ -39,6 +39,7 @@ def main() -> None:
     add_workload_arguments(ap)
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="accepted for overhead.py's command line; unused")
     args = ap.parse_args()
+    pin_rank()
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()

@@ -7,8 +7,24 @@ scripts run as ``python benchmarks/<script>.py``, which puts ``benchmarks/`` on 
 from __future__ import annotations
 
 import argparse
+import os
 
 from distkit.tasks.charlm import SIZES
+
+#: local-rank variables of the launchers the benchmarks use (torchrun, Open MPI, other MPIs)
+_LOCAL_RANK = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
+
+
+def pin_rank() -> None:
+    """With ``DISTKIT_BENCH_PIN=1`` (``overhead.py --pin``): bind this rank, and the threads it starts from now on,
+    to one core, local rank r to the r-th core it may run on (mod their number). Both sides of a comparison do
+    it the same way at the start of ``main``, before torch starts its thread pool, so neither loses time to a
+    rank moving between cores or two ranks sharing one."""
+    if os.environ.get("DISTKIT_BENCH_PIN") != "1":
+        return
+    local = next((int(os.environ[k]) for k in _LOCAL_RANK if os.environ.get(k, "").strip()), 0)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[local % len(cores)]})
 
 
 def add_workload_arguments(ap: argparse.ArgumentParser, seed: bool = True) -> argparse.ArgumentParser:
