@@ -422,9 +422,19 @@ class _Watch:
         return max(self.stopped, since)
 
 
+#: a duration as the lighthouse's /status page prints it (Rust's ``Duration`` debug form): ``5.99370436s``, ``350.2ms``
+_DURATION = re.compile(r"^([0-9.]+)(s|ms|µs|us|ns)$")
+_UNIT_S = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
+
+
 def _groups_named_ago(gone: list[tuple[int, str]]) -> str:
-    """``group 2 (last heard from 6.1s ago)``, several joined by commas."""
-    return ", ".join(f"group {g} (last heard from {ago} ago)" for g, ago in gone)
+    """``group 2 (last heard from 6.0 s ago)``, several joined by commas (a duration the page wrote in another
+    form is kept as it was)."""
+    def ago(text: str) -> str:
+        m = _DURATION.match(text)
+        return f"{float(m.group(1)) * _UNIT_S[m.group(2)]:.1f} s" if m else text
+
+    return ", ".join(f"group {g} (last heard from {ago(text)} ago)" for g, text in gone)
 
 
 class _TorchftLines(logging.Filter):
