@@ -23,6 +23,9 @@ sync, and each survivor's sync in flight when it died (skipped, not lost: the lo
 Cross-rank contract: every rank of every group calls :meth:`FaultTolerance.average` at every sync (collective
 across the groups through torchft). A group that starts later, or restarts, trains from the start until its
 first sync, where it heals: its first period is lost (torchft's LocalSGD does the same).
+
+Beside it: :mod:`distkit.ft_watch` (what a rank inside a sync watches: the lighthouse, its own clock) and
+:mod:`distkit.ft_state` (the training state a heal carries, and each group's data slices).
 """
 from __future__ import annotations
 
@@ -30,16 +33,13 @@ import contextlib
 import copy
 import ctypes
 import datetime
-import hashlib
 import logging
 import os
 import re
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -47,31 +47,19 @@ import torch
 
 from distkit import faults
 from distkit.averaging import unflatten_into
-from distkit.errors import BackendUnavailable, ConfigError, HealMismatch, LighthouseLost
+from distkit.errors import BackendUnavailable, ConfigError, LighthouseLost
 from distkit.ft_lighthouse import INSTALL_HINT
+from distkit.ft_state import load_training_state, training_state
+from distkit.ft_watch import (FROZEN_S, PROBE_TIMEOUT_S, TICK_S, WATCH_INTERVAL_S, Watch, groups_named_ago,
+                              lighthouse_answers, lighthouse_status, stale_heartbeats)
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
     from distkit.session import Session
 
-#: seconds a rank waits for the lighthouse to answer at start before it says it is unreachable
-PROBE_TIMEOUT_S = 5.0
-#: seconds between probes of the lighthouse while a rank waits for a quorum
-WATCH_INTERVAL_S = 2.0
 #: default ``fault_tolerance.connect_timeout_s``: how long the members of a new quorum wait for each other to
 #: connect (torchft's gloo group is rebuilt at every quorum change)
 CONNECT_TIMEOUT_S = 30.0
-#: seconds between two looks, while a rank is inside a sync, at the clock (and at whether its exchange completed):
-#: a look that comes :data:`FROZEN_S` late means this process was stopped (or not run) meanwhile
-TICK_S = 0.25
-#: seconds a rank may have been stopped inside a sync (SIGSTOP, a debugger, a starved machine) before it gives that
-#: sync up. Below the lighthouse's heartbeat timeout (5 s by default, ``distkit lighthouse --heartbeat-timeout``),
-#: after which the other groups may have found it gone and given the exchange up themselves: were it to complete
-#: the exchange with what they left behind and commit, it would hold a model they do not
-FROZEN_S = 2.0
-#: a heartbeat on the lighthouse's /status page: the replica, how long ago it was seen, and the ``old`` class that
-#: marks one the lighthouse counts as gone (older than its heartbeat timeout)
-_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*([^\s<]+): seen ([^\s<]+) ago')
 
 
 def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> None:
@@ -118,42 +106,6 @@ def import_torchft() -> Any:
     except ImportError as e:
         raise BackendUnavailable(f"fault_tolerance needs torchft ({e}): {INSTALL_HINT}") from None
     return torchft
-
-
-def lighthouse_answers(url: str) -> Optional[str]:
-    """None when the lighthouse at ``url`` answers (its web page, GET /), else why not."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/", timeout=PROBE_TIMEOUT_S):
-            return None
-    except urllib.error.HTTPError:
-        return None  # something answered: the lighthouse (its page may differ between versions)
-    except (OSError, ValueError) as e:
-        return str(getattr(e, "reason", e))
-
-
-def lighthouse_status(url: str) -> tuple[Optional[str], str]:
-    """(None, the lighthouse's /status page) when the lighthouse at ``url`` answers, else (why not, "")."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=PROBE_TIMEOUT_S) as answer:
-            return None, answer.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError:
-        return None, ""  # something answered: the lighthouse (its pages may differ between versions)
-    except (OSError, ValueError) as e:
-        return str(getattr(e, "reason", e)), ""
-
-
-def stale_heartbeats(status: str) -> dict[str, str]:
-    """The replicas a lighthouse's /status page marks as gone (no heartbeat for longer than its heartbeat
-    timeout), each with how long ago it was last seen as the page says it (``6.2s``)."""
-    return {m.group(2): m.group(3) for m in _HEARTBEAT.finditer(status) if m.group(1)}
-
-
-def probe_lighthouse(url: str) -> None:
-    """Raise ConfigError when nothing answers at the lighthouse's address."""
-    why = lighthouse_answers(url)
-    if why is not None:
-        raise ConfigError(f"fault_tolerance.lighthouse {url} does not answer ({why}): start it first "
-                          "(`distkit lighthouse --port PORT`), or give its address")
 
 
 class FaultTolerance:
@@ -291,7 +243,7 @@ class FaultTolerance:
                            "gave_up": gave_up})
         return committed
 
-    def _wait_exchange(self, work: Any, watch: "_Watch") -> Optional[str]:
+    def _wait_exchange(self, work: Any, watch: "Watch") -> Optional[str]:
         """Wait for this sync's exchange across the groups to complete, or give it up: None when it completed
         (or failed, which torchft records: a group that died closes its connections), else why it was given up.
 
@@ -325,7 +277,7 @@ class FaultTolerance:
                               "the groups still running heal it")
 
     @contextlib.contextmanager
-    def _watching_lighthouse(self, quorums_before: int) -> Iterator["_Watch"]:
+    def _watching_lighthouse(self, quorums_before: int) -> Iterator["Watch"]:
         """While this rank is inside a sync (a quorum, an exchange), two threads of pure Python (nothing of
         torch's runs in them):
 
@@ -334,7 +286,7 @@ class FaultTolerance:
           ``quorum_timeout_s``); a group of this sync's quorum (the first one the lighthouse answered after
           ``quorums_before``) that the page marks as gone sets ``lost``, and the exchange is given up;
         * every :data:`TICK_S` the clock: how long this process was stopped (``stopped_s``)."""
-        state = _Watch()
+        state = Watch()
         done = threading.Event()
 
         def watch() -> None:
@@ -351,7 +303,7 @@ class FaultTolerance:
                     gone = [(g, stale[r]) for g, r in zip(_groups(quorum.replica_ids), quorum.replica_ids)
                             if r in stale and g != self.replica_id]
                     if gone:
-                        state.lost = (f"{_groups_named_ago(gone)} stopped heartbeating inside it (the lighthouse "
+                        state.lost = (f"{groups_named_ago(gone)} stopped heartbeating inside it (the lighthouse "
                                       "counts it as gone): the groups still alive go on without it")
 
         def tick() -> None:
@@ -392,49 +344,6 @@ class FaultTolerance:
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             pass
         return None
-
-
-class _Watch:
-    """What the threads of :meth:`FaultTolerance._watching_lighthouse` found while this rank is inside a sync."""
-
-    def __init__(self) -> None:
-        #: why the exchange is to be given up (a group of the quorum stopped heartbeating), else None
-        self.lost: Optional[str] = None
-        #: time.monotonic() and time.process_time() at the clock thread's last look (seconds)
-        self.last, self.last_cpu = time.monotonic(), time.process_time()
-        #: the longest this process was stopped between two looks (seconds)
-        self.stopped = 0.0
-
-    def off(self, now: float, cpu: float) -> float:
-        """Seconds this process was stopped since the last look, as seen at ``now`` (monotonic) with ``cpu``
-        seconds of CPU used by all its threads: how late the look is, less the CPU its threads used meanwhile.
-        A stopped process uses none; one whose clock thread only waited for the GIL (a long pickling, say) used
-        about as much as the wait took, and is not counted as stopped (its heartbeat, sent by torchft's threads
-        outside the GIL, went on)."""
-        return (now - self.last - TICK_S) - (cpu - self.last_cpu)
-
-    def stopped_s(self) -> float:
-        """The longest time (seconds) this process was stopped since the sync began, as far as is known now: the
-        clock thread's findings, or the stop it has not yet looked at (woken, it may not have run yet). ``last``
-        is read first: the clock thread writes it last."""
-        last = self.last
-        since = (time.monotonic() - last - TICK_S) - (time.process_time() - self.last_cpu)
-        return max(self.stopped, since)
-
-
-#: a duration as the lighthouse's /status page prints it (Rust's ``Duration`` debug form): ``5.99370436s``, ``350.2ms``
-_DURATION = re.compile(r"^([0-9.]+)(s|ms|µs|us|ns)$")
-_UNIT_S = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
-
-
-def _groups_named_ago(gone: list[tuple[int, str]]) -> str:
-    """``group 2 (last heard from 6.0 s ago)``, several joined by commas (a duration the page wrote in another
-    form is kept as it was)."""
-    def ago(text: str) -> str:
-        m = _DURATION.match(text)
-        return f"{float(m.group(1)) * _UNIT_S[m.group(2)]:.1f} s" if m else text
-
-    return ", ".join(f"group {g} (last heard from {ago(text)} ago)" for g, text in gone)
 
 
 class _TorchftLines(logging.Filter):
@@ -544,89 +453,3 @@ def join(session: "Session") -> FaultTolerance:
                         lambda: session.num_steps + 1)
     session._strategy.ft = ft
     return ft
-
-
-def training_state(session: "Session") -> dict[str, Any]:
-    """This rank's training state for the same rank of a group that heals (read while this rank waits in a sync:
-    nothing changes it meanwhile). The engine-neutral form of the portable checkpoint part (model and optimizer
-    state by name). Must not be collective (torchft asks one rank of a group at a time, from its quorum thread):
-    an engine that shards the state over a group's ranks refuses fault_tolerance before start (DeepSpeed's
-    ``check_config``)."""
-    s, scheduler = session._strategy, session._scheduler
-    model, optim, groups = s.portable_state(session._model, session._optimizer, lambda name: True)  # type: ignore[arg-type]
-    state = {"model": model, "optimizer": optim, "groups": groups,
-             "scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
-             "averager": s.averager.state_dict() if s.averager is not None else None,
-             "distkit": {"num_steps": session.num_steps, "num_samples": session.num_samples}}
-    state["digests"] = digests(state)
-    return state
-
-
-#: the parts of a training state whose restore a heal checks (the scheduler's state may hold functions)
-CHECKED = ("model", "optimizer", "averager", "distkit")
-
-
-def digests(state: dict[str, Any]) -> dict[str, str]:
-    """sha256 of each :data:`CHECKED` part of a training state: every tensor's dtype, shape and bytes, every other
-    value's repr, dict keys in sorted order."""
-    out = {}
-    for part in CHECKED:
-        h = hashlib.sha256()
-
-        def walk(x: Any) -> None:
-            if torch.is_tensor(x):
-                t = x.detach().cpu().contiguous().reshape(-1)
-                h.update(f"{t.dtype}{tuple(x.shape)}".encode())
-                h.update(t.view(torch.uint8).numpy().tobytes())
-            elif isinstance(x, dict):
-                for k in sorted(x, key=repr):
-                    h.update(repr(k).encode())
-                    walk(x[k])
-            elif isinstance(x, (list, tuple)):
-                h.update(b"[")
-                for v in x:
-                    walk(v)
-                h.update(b"]")
-            else:
-                h.update(repr(x).encode())
-
-        walk(state.get(part))
-        out[part] = h.hexdigest()
-    return out
-
-
-def load_training_state(session: "Session", state: dict[str, Any]) -> None:
-    """Collective over this group: take a live group's state (:func:`training_state`); this group heals (inside
-    a sync, before its result is applied; the step and sample counters jump to that group's).
-
-    torchft picks each rank's source by its rank (rank ``r`` of the group heals from live group ``(k + r) mod
-    live groups``), so with several live groups the ranks of this group receive different groups' states: the
-    same model (every live group committed the same syncs), different optimizer states (each group's own local
-    steps). Every rank takes rank 0's, so the group's ranks stay identical, as DDP keeps them."""
-    s, scheduler = session._strategy, session._scheduler
-    if s.world_size > 1:  # every rank of a group heals at the same sync (the step is the group's): all call this
-        state = s.broadcast_object(state if s.rank == 0 else None, 0)
-    s.load_portable_state(session._model, session._optimizer, state["model"], state["optimizer"],  # type: ignore[arg-type]
-                          state["groups"])
-    if state.get("scheduler") is not None and hasattr(scheduler, "load_state_dict"):
-        scheduler.load_state_dict(state["scheduler"])
-    if state.get("averager") is not None and s.averager is not None:
-        s.averager.load_state_dict(state["averager"])
-    session.num_steps, session.num_samples = int(state["distkit"]["num_steps"]), int(state["distkit"]["num_samples"])
-    # what this group now holds must be what the live group sent, part by part: an engine that restored only part
-    # of it would train on unseen (the next syncs average the models, not the optimizer states)
-    held = training_state(session)["digests"]
-    wrong = [part for part in CHECKED if held[part] != state["digests"][part]]
-    if wrong:
-        raise HealMismatch(f"rank {s.rank} of replica group {session.cfg.fault_tolerance['replica_id']} "  # type: ignore[index]
-                           f"healed from a live group, but its {', '.join(wrong)} state differs from what that group "
-                           f"sent (the {s.name} engine restored it only in part): report it; meanwhile run this "
-                           "engine without fault_tolerance, or another engine inside the groups")
-
-
-def data_place(ft: Optional[dict[str, Any]], rank: int, world_size: int) -> tuple[int, int]:
-    """(rank, world size) this rank takes its data slices as: in group ``replica_id`` of ``num_replicas``,
-    what rank ``replica_id * world_size + rank`` of one job of ``num_replicas * world_size`` ranks takes."""
-    if not ft:
-        return rank, world_size
-    return int(ft["replica_id"]) * world_size + rank, int(ft["num_replicas"]) * world_size

@@ -166,13 +166,14 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"preemption must be True or False, got {cfg.preemption!r}")
     if cfg.fault_tolerance is not None:
         from distkit import fault_tolerance
+        from distkit.ft_watch import probe_lighthouse
 
         if not isinstance(cfg.fault_tolerance, dict):
             raise ConfigError(f"fault_tolerance must be a dict like {{'lighthouse': 'http://HOST:29510', 'replica_id': 0, "
                               f"'num_replicas': 2}}, got {cfg.fault_tolerance!r}")
         fault_tolerance.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff)
         fault_tolerance.import_torchft()
-        fault_tolerance.probe_lighthouse(cfg.fault_tolerance["lighthouse"])  # before anything is written
+        probe_lighthouse(cfg.fault_tolerance["lighthouse"])  # before anything is written
     if cfg.device == "cuda":
         import torch
 

@@ -1,0 +1,100 @@
+"""A fault-tolerant group's training state, as a live group serves it to one that heals and as that group takes
+it (the Session's side of :mod:`distkit.fault_tolerance`, which knows the Session only as a type), and where a
+group's ranks take their data."""
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from distkit.errors import HealMismatch
+
+if TYPE_CHECKING:
+    from distkit.session import Session
+
+
+def training_state(session: "Session") -> dict[str, Any]:
+    """This rank's training state for the same rank of a group that heals (read while this rank waits in a sync:
+    nothing changes it meanwhile). The engine-neutral form of the portable checkpoint part (model and optimizer
+    state by name). Must not be collective (torchft asks one rank of a group at a time, from its quorum thread):
+    an engine that shards the state over a group's ranks refuses fault_tolerance before start (DeepSpeed's
+    ``check_config``)."""
+    s, scheduler = session._strategy, session._scheduler
+    model, optim, groups = s.portable_state(session._model, session._optimizer, lambda name: True)  # type: ignore[arg-type]
+    state = {"model": model, "optimizer": optim, "groups": groups,
+             "scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
+             "averager": s.averager.state_dict() if s.averager is not None else None,
+             "distkit": {"num_steps": session.num_steps, "num_samples": session.num_samples}}
+    state["digests"] = digests(state)
+    return state
+
+
+#: the parts of a training state whose restore a heal checks (the scheduler's state may hold functions)
+CHECKED = ("model", "optimizer", "averager", "distkit")
+
+
+def digests(state: dict[str, Any]) -> dict[str, str]:
+    """sha256 of each :data:`CHECKED` part of a training state: every tensor's dtype, shape and bytes, every other
+    value's repr, dict keys in sorted order."""
+    out = {}
+    for part in CHECKED:
+        h = hashlib.sha256()
+
+        def walk(x: Any) -> None:
+            if torch.is_tensor(x):
+                t = x.detach().cpu().contiguous().reshape(-1)
+                h.update(f"{t.dtype}{tuple(x.shape)}".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes())
+            elif isinstance(x, dict):
+                for k in sorted(x, key=repr):
+                    h.update(repr(k).encode())
+                    walk(x[k])
+            elif isinstance(x, (list, tuple)):
+                h.update(b"[")
+                for v in x:
+                    walk(v)
+                h.update(b"]")
+            else:
+                h.update(repr(x).encode())
+
+        walk(state.get(part))
+        out[part] = h.hexdigest()
+    return out
+
+
+def load_training_state(session: "Session", state: dict[str, Any]) -> None:
+    """Collective over this group: take a live group's state (:func:`training_state`); this group heals (inside
+    a sync, before its result is applied; the step and sample counters jump to that group's).
+
+    torchft picks each rank's source by its rank (rank ``r`` of the group heals from live group ``(k + r) mod
+    live groups``), so with several live groups the ranks of this group receive different groups' states: the
+    same model (every live group committed the same syncs), different optimizer states (each group's own local
+    steps). Every rank takes rank 0's, so the group's ranks stay identical, as DDP keeps them."""
+    s, scheduler = session._strategy, session._scheduler
+    if s.world_size > 1:  # every rank of a group heals at the same sync (the step is the group's): all call this
+        state = s.broadcast_object(state if s.rank == 0 else None, 0)
+    s.load_portable_state(session._model, session._optimizer, state["model"], state["optimizer"],  # type: ignore[arg-type]
+                          state["groups"])
+    if state.get("scheduler") is not None and hasattr(scheduler, "load_state_dict"):
+        scheduler.load_state_dict(state["scheduler"])
+    if state.get("averager") is not None and s.averager is not None:
+        s.averager.load_state_dict(state["averager"])
+    session.num_steps, session.num_samples = int(state["distkit"]["num_steps"]), int(state["distkit"]["num_samples"])
+    # what this group now holds must be what the live group sent, part by part: an engine that restored only part
+    # of it would train on unseen (the next syncs average the models, not the optimizer states)
+    held = training_state(session)["digests"]
+    wrong = [part for part in CHECKED if held[part] != state["digests"][part]]
+    if wrong:
+        raise HealMismatch(f"rank {s.rank} of replica group {session.cfg.fault_tolerance['replica_id']} "  # type: ignore[index]
+                           f"healed from a live group, but its {', '.join(wrong)} state differs from what that group "
+                           f"sent (the {s.name} engine restored it only in part): report it; meanwhile run this "
+                           "engine without fault_tolerance, or another engine inside the groups")
+
+
+def data_place(ft: Optional[dict[str, Any]], rank: int, world_size: int) -> tuple[int, int]:
+    """(rank, world size) this rank takes its data slices as: in group ``replica_id`` of ``num_replicas``,
+    what rank ``replica_id * world_size + rank`` of one job of ``num_replicas * world_size`` ranks takes."""
+    if not ft:
+        return rank, world_size
+    return int(ft["replica_id"]) * world_size + rank, int(ft["num_replicas"]) * world_size
