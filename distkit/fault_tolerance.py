@@ -24,18 +24,17 @@ Cross-rank contract: every rank of every group calls :meth:`FaultTolerance.avera
 across the groups through torchft). A group that starts later, or restarts, trains from the start until its
 first sync, where it heals: its first period is lost (torchft's LocalSGD does the same).
 
-Beside it: :mod:`distkit.ft_watch` (what a rank inside a sync watches: the lighthouse, its own clock) and
-:mod:`distkit.ft_state` (the training state a heal carries, and each group's data slices).
+Beside it: :mod:`distkit.ft_watch` (what a rank inside a sync watches: the lighthouse, its own clock),
+:mod:`distkit.ft_state` (the training state a heal carries, and each group's data slices) and
+:mod:`distkit.ft_torchft` (torchft's parts, adapted: log lines, quorums, heal server, gloo group).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import datetime
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -50,6 +49,7 @@ from distkit.averaging import unflatten_into
 from distkit.errors import BackendUnavailable, ConfigError, LighthouseLost
 from distkit.ft_lighthouse import INSTALL_HINT
 from distkit.ft_state import load_training_state, training_state
+from distkit.ft_torchft import QuorumsSeen, TorchftLines, groups_of, quiet_heal_server, quorum_gloo
 from distkit.ft_watch import (FROZEN_S, PROBE_TIMEOUT_S, TICK_S, WATCH_INTERVAL_S, Watch, groups_named_ago,
                               lighthouse_answers, lighthouse_status, stale_heartbeats)
 
@@ -141,7 +141,7 @@ class FaultTolerance:
             logging.getLogger(name).setLevel(logging.WARNING)
         # torchft's Manager logs: a warning at every new quorum that means nothing without NCCL (CPU) is dropped,
         # a handled failure's traceback becomes one distkit line (its real warnings stay)
-        logging.getLogger("torchft.manager").addFilter(_TorchftLines(self))
+        logging.getLogger("torchft.manager").addFilter(TorchftLines(self))
         # The group's store for torchft (its manager's address; the cross-group gloo group of a quorum meets in
         # the store of one member, so it must be reachable from the other groups' hosts): served by this group's
         # rank 0, found by the others with one broadcast.
@@ -172,7 +172,7 @@ class FaultTolerance:
                                 module=r"torch\.distributed\._serialization")
         os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently
         connect = datetime.timedelta(seconds=min(float(ft.get("connect_timeout_s", CONNECT_TIMEOUT_S)), float(timeout_s)))
-        self._pg = _quorum_gloo(ProcessGroupGloo, timeout, connect)
+        self._pg = quorum_gloo(ProcessGroupGloo, timeout, connect)
         self.manager = Manager(
             pg=self._pg, load_state_dict=load, state_dict=state_dict,
             # async quorum: a healing group takes no part in the average of the sync it joins at (its tensors are
@@ -186,9 +186,9 @@ class FaultTolerance:
             # at step 0, which would replace the other groups' first period by one group's
             init_sync=False)
         # torchft's Manager drops each quorum's answer once it has configured itself: kept, for the groups' names
-        self._quorums = _QuorumsSeen(self.manager._client)
+        self._quorums = QuorumsSeen(self.manager._client)
         self.manager._client = self._quorums
-        _quiet_heal_server(self.manager, f"group {self.replica_id} rank {strategy.rank}")
+        quiet_heal_server(self.manager, f"group {self.replica_id} rank {strategy.rank}")
         #: every sync's outcome: {"step", "groups" (how many took part), "members" (the quorum's groups, healing ones
         #: included), "committed", "healed" (this group healed), "healed_from" (the groups its ranks' states came from)}
         self.syncs: list[dict[str, Any]] = []
@@ -221,14 +221,14 @@ class FaultTolerance:
             committed = self.manager.should_commit()
             received, self._received = self._received, None
             quorum = self._quorums.last
-            members = _groups(quorum.replica_ids) if quorum is not None else []
+            members = groups_of(quorum.replica_ids) if quorum is not None else []
             healed_from: list[int] = []
             if committed and received is not None:  # every rank of this group received a live group's state
                 self._load_state_dict(received)  # collective over this group
                 self.heals += 1
                 # torchft spreads a group's ranks over the live groups: each rank's source, named (a heal is rare)
                 src = quorum.recover_src_replica_rank if quorum is not None else None
-                mine = _groups([quorum.replica_ids[src]])[0] if src is not None else -1
+                mine = groups_of([quorum.replica_ids[src]])[0] if src is not None else -1
                 gathered = self._strategy.all_gather_object(mine) if self._strategy.world_size > 1 else [mine]
                 healed_from = sorted({g for g in gathered if g >= 0})
             elif not committed and self.manager.current_step() != before["step"]:
@@ -300,7 +300,7 @@ class FaultTolerance:
                 quorum = self._quorums.last if self._quorums.count > quorums_before else None
                 if quorum is not None and state.lost is None:
                     stale = stale_heartbeats(status)
-                    gone = [(g, stale[r]) for g, r in zip(_groups(quorum.replica_ids), quorum.replica_ids)
+                    gone = [(g, stale[r]) for g, r in zip(groups_of(quorum.replica_ids), quorum.replica_ids)
                             if r in stale and g != self.replica_id]
                     if gone:
                         state.lost = (f"{groups_named_ago(gone)} stopped heartbeating inside it (the lighthouse "
@@ -344,104 +344,6 @@ class FaultTolerance:
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             pass
         return None
-
-
-class _TorchftLines(logging.Filter):
-    """torchft's Manager logs each failure it handles (a sync's exchange or quorum failed: the sync is not
-    committed, which distkit's sync line reports) with its traceback, labelled with torchft's own count of syncs
-    (``[distkit_group_1:<uuid>/1 - step 0] got exception in pg configure: ...``). Here such a record becomes one
-    line, labelled with the group, the rank and the training step (issue 36 item 12); the "flight recorder"
-    warning that every new quorum logs without NCCL is dropped."""
-
-    def __init__(self, ft: "FaultTolerance") -> None:
-        super().__init__()
-        self._ft = ft
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if "flight recorder" in text:
-            return False
-        if record.exc_info or record.levelno >= logging.ERROR:
-            lines = re.sub(r"^\[[^\]]*\]\s*", "", text).splitlines()  # without torchft's label
-            text = lines[0] if lines else "an error"
-            record.msg, record.args = (f"distkit: group {self._ft.replica_id} rank {self._ft._rank}, sync at step "
-                                       f"{self._ft._step_of()}: torchft: {text[:300]}"), ()
-            record.exc_info, record.exc_text, record.stack_info = None, None, None
-        return True
-
-
-class _QuorumsSeen:
-    """torchft's ``ManagerClient``, passed through, keeping the last quorum's answer (``last``: its members'
-    replica ids in rank order, this rank's heal source), which the Manager uses and drops."""
-
-    def __init__(self, client: Any) -> None:
-        self._client, self.last = client, None
-        #: how many quorums the lighthouse answered so far (``last`` is then set)
-        self.count = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        self.last = self._client._quorum(*args, **kwargs)
-        self.count += 1
-        return self.last
-
-
-def _quiet_heal_server(manager: Any, who: str) -> None:
-    """torchft's HTTP checkpoint server (what a live group serves a healing one from) is Python's http.server,
-    which writes an access line per request to stderr (``::ffff:127.0.0.1 - - [...] "GET /checkpoint/6/full
-    HTTP/1.1" 200 -``): a served heal is already named by the sync lines of both sides, so those go; anything else
-    it reports (a refused or failed request) becomes one distkit line naming ``who``."""
-    server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
-    handler = getattr(server, "RequestHandlerClass", None)
-    if handler is None:  # another transport, or a torchft that keeps it elsewhere: its lines stay as they are
-        return
-
-    def log_message(self: Any, format: str, *args: Any) -> None:
-        if format.startswith('"%s" %s') and len(args) >= 2 and str(args[1]).startswith("2"):
-            return  # the access line of a served request
-        print(f"distkit: {who}, heal server: {format % args}", file=sys.stderr, flush=True)
-
-    handler.log_message = log_message
-
-
-def _groups(replica_ids: list[str]) -> list[int]:
-    """distkit's group numbers of torchft replica ids (``distkit_group_<N>:<uuid of this start>``), in order."""
-    return [int(r.split(":")[0].rsplit("_", 1)[1]) for r in replica_ids]
-
-
-def _quorum_gloo(base: type, timeout: datetime.timedelta, connect: datetime.timedelta) -> Any:
-    """torchft's reconfigurable gloo group (``base``: :class:`torchft.process_group.ProcessGroupGloo`) whose
-    rendezvous at a new quorum is bounded by ``connect``, its exchanges by ``timeout``.
-
-    Why: a group that dies after it asked the lighthouse for a quorum is still in the quorum the others receive
-    (its heartbeat has not timed out yet). When that quorum is new, every member rebuilds the gloo group and
-    waits for the dead one to connect: with one timeout for both, ``distributed.timeout_s`` (300 s by default)
-    per such death, the survivors standing still. Connecting takes the members well under a second (all of them
-    start it the moment the lighthouse answers, from torchft's quorum thread), so ``connect`` can be short; an
-    exchange of a large model over a slow link cannot."""
-
-    class QuorumGloo(base):  # type: ignore[misc, valid-type]
-        def configure(self, *args: Any, **kwargs: Any) -> None:
-            # torchft connects to the quorum's store and creates the gloo backend (whose constructor is the
-            # rendezvous) with self._timeout: the connect bound for those, the exchange bound from then on
-            self._timeout = connect
-            try:
-                super().configure(*args, **kwargs)
-            finally:
-                self._timeout = timeout
-            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
-
-        def keep_alive(self) -> None:
-            """Never free the current gloo group: an exchange given up is still pending in it (gloo cannot cancel
-            it), and freeing the group (torchft drops it at the next quorum's configure; Python at a script's
-            exit) waits for that exchange to end, up to ``distributed.timeout_s``, with the GIL held. A group is
-            given up only when another froze inside a sync: what is kept (its threads, its sockets) is small."""
-            if self._pg is not None:
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._pg))
-
-    return QuorumGloo(timeout=timeout)
 
 
 # -- the Session's side (its own code, kept here; it knows the Session only as a type) --------------------------

@@ -1,0 +1,115 @@
+"""torchft, adapted for :mod:`distkit.fault_tolerance`: its Manager's log lines as one distkit line each, the
+quorums it drops kept, its heal server's access lines silenced, its reconfigurable gloo group with a connect
+bound apart from the exchange bound (and kept alive when an exchange is given up), distkit's group numbers from
+torchft's replica ids."""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import re
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from distkit.fault_tolerance import FaultTolerance
+
+
+class TorchftLines(logging.Filter):
+    """torchft's Manager logs each failure it handles (a sync's exchange or quorum failed: the sync is not
+    committed, which distkit's sync line reports) with its traceback, labelled with torchft's own count of syncs
+    (``[distkit_group_1:<uuid>/1 - step 0] got exception in pg configure: ...``). Here such a record becomes one
+    line, labelled with the group, the rank and the training step (issue 36 item 12); the "flight recorder"
+    warning that every new quorum logs without NCCL is dropped."""
+
+    def __init__(self, ft: "FaultTolerance") -> None:
+        super().__init__()
+        self._ft = ft
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "flight recorder" in text:
+            return False
+        if record.exc_info or record.levelno >= logging.ERROR:
+            lines = re.sub(r"^\[[^\]]*\]\s*", "", text).splitlines()  # without torchft's label
+            text = lines[0] if lines else "an error"
+            record.msg, record.args = (f"distkit: group {self._ft.replica_id} rank {self._ft._rank}, sync at step "
+                                       f"{self._ft._step_of()}: torchft: {text[:300]}"), ()
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+class QuorumsSeen:
+    """torchft's ``ManagerClient``, passed through, keeping the last quorum's answer (``last``: its members'
+    replica ids in rank order, this rank's heal source), which the Manager uses and drops."""
+
+    def __init__(self, client: Any) -> None:
+        self._client, self.last = client, None
+        #: how many quorums the lighthouse answered so far (``last`` is then set)
+        self.count = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        self.count += 1
+        return self.last
+
+
+def quiet_heal_server(manager: Any, who: str) -> None:
+    """torchft's HTTP checkpoint server (what a live group serves a healing one from) is Python's http.server,
+    which writes an access line per request to stderr (``::ffff:127.0.0.1 - - [...] "GET /checkpoint/6/full
+    HTTP/1.1" 200 -``): a served heal is already named by the sync lines of both sides, so those go; anything else
+    it reports (a refused or failed request) becomes one distkit line naming ``who``."""
+    server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
+    handler = getattr(server, "RequestHandlerClass", None)
+    if handler is None:  # another transport, or a torchft that keeps it elsewhere: its lines stay as they are
+        return
+
+    def log_message(self: Any, format: str, *args: Any) -> None:
+        if format.startswith('"%s" %s') and len(args) >= 2 and str(args[1]).startswith("2"):
+            return  # the access line of a served request
+        print(f"distkit: {who}, heal server: {format % args}", file=sys.stderr, flush=True)
+
+    handler.log_message = log_message
+
+
+def groups_of(replica_ids: list[str]) -> list[int]:
+    """distkit's group numbers of torchft replica ids (``distkit_group_<N>:<uuid of this start>``), in order."""
+    return [int(r.split(":")[0].rsplit("_", 1)[1]) for r in replica_ids]
+
+
+def quorum_gloo(base: type, timeout: datetime.timedelta, connect: datetime.timedelta) -> Any:
+    """torchft's reconfigurable gloo group (``base``: :class:`torchft.process_group.ProcessGroupGloo`) whose
+    rendezvous at a new quorum is bounded by ``connect``, its exchanges by ``timeout``.
+
+    Why: a group that dies after it asked the lighthouse for a quorum is still in the quorum the others receive
+    (its heartbeat has not timed out yet). When that quorum is new, every member rebuilds the gloo group and
+    waits for the dead one to connect: with one timeout for both, ``distributed.timeout_s`` (300 s by default)
+    per such death, the survivors standing still. Connecting takes the members well under a second (all of them
+    start it the moment the lighthouse answers, from torchft's quorum thread), so ``connect`` can be short; an
+    exchange of a large model over a slow link cannot."""
+
+    class QuorumGloo(base):  # type: ignore[misc, valid-type]
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            # torchft connects to the quorum's store and creates the gloo backend (whose constructor is the
+            # rendezvous) with self._timeout: the connect bound for those, the exchange bound from then on
+            self._timeout = connect
+            try:
+                super().configure(*args, **kwargs)
+            finally:
+                self._timeout = timeout
+            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+
+        def keep_alive(self) -> None:
+            """Never free the current gloo group: an exchange given up is still pending in it (gloo cannot cancel
+            it), and freeing the group (torchft drops it at the next quorum's configure; Python at a script's
+            exit) waits for that exchange to end, up to ``distributed.timeout_s``, with the GIL held. A group is
+            given up only when another froze inside a sync: what is kept (its threads, its sockets) is small."""
+            if self._pg is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._pg))
+
+    return QuorumGloo(timeout=timeout)
