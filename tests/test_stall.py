@@ -174,7 +174,9 @@ def test_watchdog_spares_live_ranks_and_names_a_silent_one(tmp_path: Path, monke
 
 
 #: a process holding two ranks' watchdogs (timeout 1 s) on a real TCPStore: it says "ready" once both beat, "woke"
-#: when its own clock jumped (it was frozen), "survived" after 4 more timeouts; a watchdog that fires says "FIRED"
+#: when its own clock jumped (it was frozen), "survived" after 4 more timeouts, then stops both; a watchdog that fires
+#: says "FIRED". (Without the stops, a loaded run saw it abort at exit: "terminate called without an active
+#: exception", exit -6, its beater inside a store call as the interpreter ended.)
 _FROZEN_TOGETHER = """
 import datetime, sys, threading, time
 import torch.distributed as dist
@@ -201,6 +203,8 @@ while time.monotonic() - last < 1.0:
 print("woke", flush=True)
 time.sleep(4.0)
 print("survived", [w.stalled() for w in ws], flush=True)
+for w in ws:  # (a beater still inside a store call when the interpreter ends aborts it: Watchdog.stop says why)
+    w.stop()
 """
 
 
