@@ -225,6 +225,18 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].detach().float() - b[k].detach().float()).abs().max()) for k in a)
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (/proc/PID/status SigCgt); False once it is gone.
+    distkit's preemption handler gives the signal its default action back when it first gets it, so a test sees
+    from here that a rank took the signal."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
+
+
 def seconds_since_last_metrics(out_dir: Path) -> float:
     """Seconds since rank 0 last wrote metrics.jsonl: with a fault a step or two after a log
     step, the time from the fault to now (start-up time on a busy machine excluded)."""

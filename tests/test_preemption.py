@@ -19,7 +19,7 @@ from typing import Optional
 
 import pytest
 
-from conftest import BIN, ROOT, base_env, distkit, ok, stacks_of_marked, summary
+from conftest import BIN, ROOT, base_env, catches, distkit, ok, stacks_of_marked, summary
 
 STEPS = 200
 ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", str(STEPS), "++log_every", "5",
@@ -46,17 +46,6 @@ def start(cmd: list[str], out: Path) -> "subprocess.Popen[str]":
                    DISTKIT_FAULT_STAMP=str(out.parent / "paused"))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-
-
-def catches(pid: int, sig: int) -> bool:
-    """Whether process ``pid`` has a handler for ``sig`` (/proc/PID/status SigCgt); False once it is gone.
-    distkit's preemption handler gives the signal its default action back when it first gets it."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
-    except (OSError, StopIteration):
-        return False
-    return bool(mask >> (sig - 1) & 1)
 
 
 def signal_when_paused(p: "subprocess.Popen[str]", out: Path, sig: int, named: Optional[str]) -> tuple[int, str, str]:

@@ -7,6 +7,7 @@ installed or the tests are not root, they fail with the reason (``scripts/instal
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from typing import Iterator
 import pytest
 
 import slurm as testslurm
-from conftest import BIN, ROOT, SHORT, distkit, ok, run, summary
+from conftest import BIN, ROOT, SHORT, catches, distkit, ok, run, summary
 from distkit.cli import main
 
 CONFIG = str(ROOT / "configs" / "returnn_ddp.py")
@@ -101,17 +102,27 @@ def test_sbatch_requeue_stops_with_a_checkpoint_on_usr1_and_the_requeued_job_con
     ref = tmp_path / "ref"
     ok(distkit("train", CONFIG, "--nprocs", "2", *steps, "++output_dir", str(ref)))
     runs = tmp_path / "runs"
+    # rank 0 waits at step 20 until the signal has reached it: the 200 steps take about a second, and a signal sent
+    # when the log showed step 15 arrived after the run's end under load (loaded run 3 at b629432: RUNNING,
+    # COMPLETED, no stop). The requeued attempt finds the release file and passes at once.
+    stamp, release = tmp_path / "paused", tmp_path / "release"
     sub = ok(distkit("sbatch", CONFIG, "--nodes", "1", "--ntasks-per-node", "2", "--requeue", "--submit", *steps,
-                     "++output_dir", str(runs), SLURM_CONF=cluster.conf))
+                     "++output_dir", str(runs), SLURM_CONF=cluster.conf, DISTKIT_FAULT="0:20:delay=120",
+                     DISTKIT_FAULT_STAMP=str(stamp), DISTKIT_FAULT_UNTIL=str(release)))
     text = (runs / "distkit-returnn_ddp.sbatch").read_text()
     assert "#SBATCH --requeue\n" in text and "#SBATCH --signal=B:USR1@90\n" in text and "++resume auto" in text
     job = re.search(r"submitted job (\d+)", sub.stdout).group(1)  # type: ignore[union-attr]
     out = runs / f"job-{job}"
     deadline = time.time() + 120
-    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+    while not stamp.exists():
         assert time.time() < deadline, cluster.job_state(job)
         time.sleep(0.1)
+    rank0 = int(stamp.read_text().split()[0])
     ok(run(["scancel", "--batch", "--signal=USR1", job], SLURM_CONF=cluster.conf))
+    while catches(rank0, signal.SIGUSR1):  # the batch shell passes it on; rank 0's handler takes it
+        assert time.time() < deadline, ("rank 0 never took SIGUSR1", cluster.job_state(job))
+        time.sleep(0.05)
+    release.touch()
     states = cluster.states_until_end(job, deadline + 120 - time.time())
     log = (runs / f"slurm-{job}.out").read_text()
     assert states[-1] == "COMPLETED" and "PENDING" in states, (states, log[-3000:])
