@@ -29,14 +29,8 @@ _HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*([^\s<]+): seen (
 
 
 def lighthouse_answers(url: str) -> Optional[str]:
-    """None when the lighthouse at ``url`` answers (its web page, GET /), else why not."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/", timeout=PROBE_TIMEOUT_S):
-            return None
-    except urllib.error.HTTPError:
-        return None  # something answered: the lighthouse (its page may differ between versions)
-    except (OSError, ValueError) as e:
-        return str(getattr(e, "reason", e))
+    """None when the lighthouse at ``url`` answers, else why not."""
+    return lighthouse_status(url)[0]
 
 
 def lighthouse_status(url: str) -> tuple[Optional[str], str]:
@@ -86,10 +80,8 @@ class Watch:
     def stopped_s(self) -> float:
         """The longest time (seconds) this process was stopped since the sync began, as far as is known now: the
         clock thread's findings, or the stop it has not yet looked at (woken, it may not have run yet). ``last``
-        is read first: the clock thread writes it last."""
-        last = self.last
-        since = (time.monotonic() - last - TICK_S) - (time.process_time() - self.last_cpu)
-        return max(self.stopped, since)
+        is read before ``last_cpu`` (in :meth:`off`): the clock thread writes it last."""
+        return max(self.stopped, self.off(time.monotonic(), time.process_time()))
 
 
 #: a duration as the lighthouse's /status page prints it (Rust's ``Duration`` debug form): ``5.99370436s``, ``350.2ms``
