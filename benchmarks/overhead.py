@@ -127,6 +127,14 @@ BACKENDS: dict[str, Backend] = {
 }
 
 #: ``--compare NAME``: two distkit configurations against each other (A = first, B = second), same launcher.
+#: --knob: one distkit feature off (side A) against on, as shipped (side B), the rest the same
+KNOBS: dict[str, str] = {
+    "preemption": "the preemption check: one MAX all-reduce of one number after every optimizer step "
+                  "(preemption = False on the off side)",
+    "watchdog": "the stall watchdog: a heartbeat thread per rank writing to rank 0's TCPStore every second "
+                "(not started on the off side, by the timing wrapper: no config key turns it off)",
+}
+
 COMPARES: dict[str, tuple[str, str, Callable[[int], list[str]], str]] = {
     # Both under mpirun (distkit's DDP runs under mpirun too), so the launcher and core binding are the same.
     "mpi-vs-ddp": ("ddp", "mpi", _mpirun, "mpirun --bind-to none"),
@@ -305,15 +313,21 @@ def distkit_config(be: Backend, args: argparse.Namespace, output_dir: str) -> di
 
 
 def run_distkit(be: Backend, args: argparse.Namespace, work: str, tag: str,
-                launcher: Optional[Callable[[int], list[str]]] = None) -> dict[str, Any]:
+                launcher: Optional[Callable[[int], list[str]]] = None, knob_off: Optional[str] = None) -> dict[str, Any]:
+    """One ``distkit train`` run; ``knob_off`` (a :data:`KNOBS` name) runs it with that feature turned off."""
     out_dir = os.path.join(work, f"{tag}.out")
     cfg_path = os.path.join(work, f"{tag}.config.json")
+    cfg, env = distkit_config(be, args, out_dir), _env(args)
+    if knob_off == "preemption":
+        cfg["preemption"] = False
+    elif knob_off == "watchdog":
+        env["DISTKIT_BENCH_NO_WATCHDOG"] = "1"  # distkit_worker starts no watchdog (no config key turns it off)
     with open(cfg_path, "w") as f:
-        json.dump(distkit_config(be, args, out_dir), f, indent=2)
+        json.dump(cfg, f, indent=2)
     times = os.path.join(work, f"{tag}.times.json")
     cmd = (launcher or be.launcher)(args.nprocs) + [os.path.abspath(__file__), "--distkit-worker", times, "--", "train", cfg_path]
     t0 = time.perf_counter()
-    _run(cmd, _env(args), os.path.join(work, f"{tag}.log"), args.run_timeout)
+    _run(cmd, env, os.path.join(work, f"{tag}.log"), args.run_timeout)
     with open(times) as f:
         rec = json.load(f)
     rec["process_wall_s"] = time.perf_counter() - t0
@@ -392,6 +406,10 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
     trainer.TrainingRun.train_step = timed  # type: ignore[method-assign]
     if os.environ.get("DISTKIT_BENCH_WHAT_IF") == "persistent-buffers":
         _what_if_persistent_buffers()
+    if os.environ.get("DISTKIT_BENCH_NO_WATCHDOG") == "1":  # --knob watchdog, its off side
+        from distkit import job
+
+        job.start_watchdog = lambda strategy, timeout_s: None  # type: ignore[assignment]
     rc = cli.main(argv)
     # torchrun sets RANK; mpirun sets OMPI_COMM_WORLD_RANK (PMIX_RANK for other MPIs) and no RANK.
     rank = next((int(os.environ[k]) for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -570,6 +588,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--aa", action="store_true",
                     help="A/A: distkit against itself (the B side on both sides): the ratio must be 1 within its "
                          "interval, which shows what the measurement can resolve")
+    ap.add_argument("--knob", default=None, choices=sorted(KNOBS),
+                    help="what one distkit feature costs: A = distkit with it off, B = as shipped (on); the ratio's "
+                         "interval holding 1 means no cost this measurement can resolve. " +
+                         "; ".join(f"{k}: {v}" for k, v in KNOBS.items()))
     ap.add_argument("--size", default="small", choices=["small", "medium", "large"], help="charlm model size")
     ap.add_argument("--nprocs", type=int, default=2, help="ranks")
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -612,6 +634,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("--steps must exceed --warmup by at least 10")
     if args.aa and args.compare:
         ap.error("--aa runs one side against itself: it does not combine with --compare")
+    if args.knob and (args.aa or args.compare or args.path == "byo" or args.what_if):
+        ap.error("--knob compares distkit train with and without one feature: it does not combine with --aa, "
+                 "--compare, --path byo or --what-if")
     if args.path == "byo" and args.compare:
         ap.error("--path byo compares against a hand-written script: it does not combine with --compare")
     if args.path == "byo" and args.what_if:
@@ -635,6 +660,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         baseline = None
         side_desc = {sides[0]: f"distkit {a_name} grad ({be_a.transport})", sides[1]: f"distkit {b_name} grad ({be_b.transport})"}
         dk_configs = {sides[0]: distkit_config(be_a, args, "<tmp>"), sides[1]: distkit_config(be_b, args, "<tmp>")}
+    elif args.knob:
+        be = BACKENDS[args.backend]
+        knob = args.knob
+        sides = (f"{knob}_off", f"{knob}_on")
+        runners = {sides[0]: lambda tag: run_distkit(be, args, work, tag, knob_off=knob),
+                   sides[1]: lambda tag: run_distkit(be, args, work, tag)}
+        title, launcher_name, baseline = args.backend, be.launcher_name, None
+        name = f"knob_{knob}_{args.backend}.json"
+        side_desc = {sides[0]: f"distkit {be.name} grad without {KNOBS[knob]}", sides[1]: f"distkit {be.name} grad as shipped"}
+        dk_configs = {sides[1]: distkit_config(be, args, "<tmp>")}
     elif args.path == "byo":
         be = BACKENDS[args.backend]
         sides = ("raw", "byo")
@@ -727,7 +762,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     checksums = {r["param_checksum"] for r in runs}
     loads = [r["foreign_load_cpus"] for r in runs]
     result = {
-        "benchmark": "compare" if args.compare else "overhead", "backend": title, "mode": "grad",
+        "benchmark": "compare" if args.compare else f"knob {args.knob}" if args.knob else "overhead", "backend": title, "mode": "grad",
         **({} if args.compare else {"path": args.path}),
         "sides": list(sides), "side_descriptions": side_desc,
         "ratio_definition": f"{b_side} / {a_side}",
@@ -737,7 +772,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "config": {"task": "charlm", "size": args.size, "seq_len": args.seq_len, "nprocs": args.nprocs,
                    "batch_size_per_rank": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                    "repeats": args.repeats, "pairs_run": len(all_pairs), "budget_s": args.budget, "pin": args.pin,
-                   "aa": args.aa, "bucket_cap_mb": args.bucket_cap_mb, "optimizer": "sgd", "lr": args.lr,
+                   "aa": args.aa, "knob": args.knob, "bucket_cap_mb": args.bucket_cap_mb, "optimizer": "sgd", "lr": args.lr,
                    "seed": args.seed, "omp_num_threads": args.threads, "transport": be.transport,
                    "what_if": args.what_if,
                    **({"zero_stage": args.zero_stage} if be.name == "deepspeed" else {}),
@@ -764,9 +799,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         **({"target": "mpi engine faster than DDP over gloo: ratio_p50 < 1 and median per-pair p50 ratio < 1",
             "meets_target": every["iter"]["ratio"]["p50"] < 1.0 and every["pair_ratio_iter_p50_median"] < 1.0}
            if args.compare else
-           {"target": "A/A: 1 inside the median pair ratio's 95 % interval (iter)",
+           {"target": f"{'A/A' if args.aa else args.knob + ' off/on'}: 1 inside the median pair ratio's 95 % interval (iter)",
             "meets_target": every["pair_ratio"]["iter"]["ci95"][0] <= 1.0 <= every["pair_ratio"]["iter"]["ci95"][1]}
-           if args.aa else
+           if args.aa or args.knob else
            {"target_ratio_p50": TARGET_P50_RATIO, "meets_target": every["iter"]["ratio"]["p50"] <= TARGET_P50_RATIO}),
         "noisy_pairs": [p for p in all_pairs if p not in quiet_pairs],
         "same_work": len(checksums) == 1,
@@ -798,7 +833,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                           for m in ("iter", "cpu")) +
                 f"cpu-time ratio p50 {cpu['ratio']['p50']:.4f}, p95 {cpu['ratio']['p95']:.4f}")
     target = ("ratio p50 < 1 and median pair ratio < 1 (mpi faster)" if args.compare else
-              "A/A: 1 inside the interval" if args.aa else f"ratio p50 <= {TARGET_P50_RATIO}")
+              "A/A: 1 inside the interval" if args.aa else
+              f"{args.knob} costs nothing measurable: 1 inside the interval" if args.knob else f"ratio p50 <= {TARGET_P50_RATIO}")
     print("\n" + line("all pairs", every) + "\n" + line("quiet pairs", quiet) +
           f"\nforeign load: mean {result['foreign_load_cpus']['mean']:.2f}, max {result['foreign_load_cpus']['max']:.2f} cpus"
           f"\ntarget: {target} -> {'met' if result['meets_target'] else 'NOT met'}"
