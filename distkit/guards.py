@@ -122,8 +122,13 @@ def name_missing_module(model: nn.Module) -> None:
             finally:
                 self.__class__ = named
 
-        _NAMED_CLASSES[base] = type(base.__name__, (base,), {"__getattr__": __getattr__, "__reduce_ex__": __reduce_ex__,
-                                                             "__module__": base.__module__, "__qualname__": base.__qualname__})
+        attrs = {"__getattr__": __getattr__, "__reduce_ex__": __reduce_ex__,
+                 "__module__": base.__module__, "__qualname__": base.__qualname__}
+        if isinstance(getattr(base, "_orig_cls_mro_index", None), int):
+            # FSDP2's classes find the model's own class at this place of their MRO (to construct one, as
+            # nn.Sequential's slicing does): one further down below this subclass
+            attrs["_orig_cls_mro_index"] = base._orig_cls_mro_index + 1  # type: ignore[attr-defined]
+        _NAMED_CLASSES[base] = type(base.__name__, (base,), attrs)
     model.__class__ = _NAMED_CLASSES[base]
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distkit.backends.base import persistent_buffers
+from distkit.backends.parts import persistent_buffers
 from distkit.evaluation import param_checksum
 
 if TYPE_CHECKING:

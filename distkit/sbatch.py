@@ -32,9 +32,10 @@ import subprocess
 import sys
 from typing import Any
 
+from distkit.config.schema import KNOWN_BACKENDS
 from distkit.errors import ConfigError, UsageError
 
-ENGINES = ("ddp", "deepspeed", "mpi", "horovod")
+ENGINES = KNOWN_BACKENDS
 
 
 def add_parser(sub: Any) -> None:

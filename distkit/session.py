@@ -43,7 +43,7 @@ from torch import nn
 
 from distkit import checkpoint, ompi_leftovers, report
 from distkit.backends import check_backend, strategy_class
-from distkit.backends.base import float_state, persistent_buffers
+from distkit.backends.parts import float_state, persistent_buffers
 from distkit.components import check_device, check_stepped_scheduler, scheduler_and_interval
 from distkit.config import RunConfig
 from distkit.config.arguments import (  # noqa: F401 (distkit.session's names before the move)
@@ -142,7 +142,8 @@ class Session(Job):
         #: the run this session's checkpoints belong to (``distkit train`` sets it: recorded in each manifest,
         #: ``config.resolved.json`` and ``summary.json``); None in the own-loop API unless the script sets it
         self.run_id: Optional[str] = None
-        self._meter = StepMeter()  # samples, compute time, time blocked on the training collectives
+        # samples, compute time, time blocked on the training collectives
+        self._meter = StepMeter(lambda: self._strategy.blocked_s)
         self._t_created = self._t_start = time.perf_counter()
         self._setup_time_s = 0.0  # init to the end of setup (summary's setup_time_s)
         #: per checkpoint, in order: seconds this process was blocked in save (or save_async + commit)
@@ -261,10 +262,9 @@ class Session(Job):
         EMAs is the EMA of the average), and ``ranks_in_sync`` in :meth:`summary` covers them in every mode.
         Call it after :meth:`setup`, on every rank. Not collective."""
         self._require_setup("keep_in_sync()")
-        if self.forward_is_collective:
-            raise UsageError("dk.keep_in_sync: under ZeRO-3 the model's parameters are partitioned, so a copy made from "
-                             "it (AveragedModel, deepcopy) holds empty tensors: build the copy inside "
-                             "deepspeed.zero.GatheredParameters(model.parameters()), or use ZeRO stage 0-2")
+        refused = self._strategy.copies_refused(self._model)  # type: ignore[arg-type]
+        if refused:
+            raise UsageError(f"dk.keep_in_sync: {refused}")
         for m in modules:
             if not isinstance(m, nn.Module):
                 raise UsageError(f"dk.keep_in_sync(module): needs torch.nn.Module objects, got {type(m).__name__}")
@@ -369,10 +369,9 @@ class Session(Job):
         self._loss_watch.check(self._last_loss, self.num_steps + 1, self.rank)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
-        waited = self._strategy.blocked_s
         self._strategy.backward(loss, self._model)  # type: ignore[arg-type]
         self._micro += 1
-        self._meter.backward_ended(self._strategy.blocked_s - waited)
+        self._meter.backward_ended()
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """Context for gradient-accumulation micro-steps: backward inside it does not communicate;

@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, base_env, distkit, ok, venv_without
 
-ENGINES = {"ddp", "deepspeed", "mpi", "horovod"}
+ENGINES = {"ddp", "deepspeed", "mpi", "horovod", "fsdp"}
 
 
 def _report(*args: str, **env: str) -> dict[str, Any]:

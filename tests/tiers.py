@@ -72,7 +72,7 @@ STARTS_NAMES = ("Popen", "run_ranks", "check_output", "check_call")
 #: a parametrized case whose id starts with another engine than DDP (the reference: ``[mpi-grad]``, ``[zero2]``),
 #: unless it is a parity case (``pytest.mark.parity``): an engine sweep, whose DDP case stays in the fast tier
 SWEEP = "an engine sweep beyond DDP (its DDP case is in the fast tier)"
-OTHER_ENGINES = re.compile(r"mpi|horovod|hvd|deepspeed|zero\d?|z\d")
+OTHER_ENGINES = re.compile(r"mpi|horovod|hvd|deepspeed|zero\d?|z\d|fsdp")
 #: a case of a test parametrized over one of these whose value is not the first one listed (the first is the
 #: reference: DDP, ZeRO stage 0...): a sweep too
 SWEPT = ("engine", "stage")

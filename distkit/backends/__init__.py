@@ -20,6 +20,7 @@ REGISTRY: dict[str, str] = {
     "deepspeed": "distkit.backends.deepspeed:DeepSpeedStrategy",
     "mpi": "distkit.backends.mpi:MPIStrategy",
     "horovod": "distkit.backends.horovod:HorovodStrategy",
+    "fsdp": "distkit.backends.fsdp:FSDPStrategy",
 }
 
 

@@ -29,7 +29,8 @@ from distkit.launcher_guard import kill_stopped_siblings
 from distkit.netif import prepare_gloo
 from distkit.watchdog import ranks_text
 
-from .base import Strategy, bare_module, param_averager
+from .base import Strategy
+from .parts import bare_module, param_averager
 
 #: Every process group a DDP wrapper of this process reduces over, referenced from here until the process ends.
 #: A gloo group's destructor joins its worker threads, and a worker that is dropping a completed work frees

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import sys
 import threading
 import time
@@ -37,46 +36,16 @@ from distkit.errors import BackendUnavailable, UnsupportedCombination
 from distkit.netif import openmpi_interface_hint
 from distkit.watchdog import explain_stall
 
-from .base import Strategy, param_averager, persistent_buffers, report_failure
+from .base import Strategy
+from .parts import param_averager, persistent_buffers, report_failure
 from .buffers import DDPBufferRule
 from .startup import startup_guard
 from .mpi_reducer import GradReducer, _np, wait_all
+from .mpi_setup import INSTALL_HINT, import_mpi, mpi_impl
 
-INSTALL_HINT = "pip install 'distkit[mpi]' (mpi4py + the Open MPI wheel), then launch with mpirun -np N"
-
-
-#: Open MPI's all-reduce for large messages, chosen before MPI starts (unless the user chose, by
-#: ``mpirun --mca`` or the environment). Its non-blocking all-reduce (libnbc, the gradient buckets)
-#: picks by default, for 2 ranks, an algorithm that sends the data one way and then back: 1.1 s
-#: for 7.3 MB on a 100 Mbit/s link where gloo's ring takes 0.65 s; libnbc's ring takes 0.65 s too,
-#: and on one host (shared memory) 16 ms either way (measured: benchmarks/slow_link.py, and
-#: mpi4py ``Iallreduce`` between two network namespaces). The ring is bandwidth-optimal for
-#: any number of ranks. Large blocking all-reduces go through the same path (:data:`NONBLOCKING_MIN_BYTES`).
-MCA_DEFAULTS = {"OMPI_MCA_coll_libnbc_iallreduce_algorithm": "1"}  # 1 = ring
 #: all-reduces of at least this many bytes use ``Iallreduce`` + wait (libnbc's ring), smaller ones
 #: ``Allreduce`` (latency-bound: Open MPI's tuned choice is right for them)
 NONBLOCKING_MIN_BYTES = 1 << 16
-
-
-def import_mpi() -> Any:
-    """mpi4py's MPI module (initialises MPI on first import, with :data:`MCA_DEFAULTS` unless set), or
-    BackendUnavailable with the fix."""
-    for key, value in MCA_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    try:
-        from mpi4py import MPI
-    except ImportError as e:
-        raise BackendUnavailable(f"the mpi engine needs mpi4py ({e}): {INSTALL_HINT}") from None
-    return MPI
-
-
-def mpi_impl() -> str:
-    """e.g. "mpi4py 4.1.2 (Open MPI v5.0.11)"."""
-    import mpi4py
-
-    MPI = import_mpi()
-    lib = MPI.Get_library_version().strip().split(",")[0].splitlines()[0]
-    return f"mpi4py {mpi4py.__version__} ({lib})"
 
 
 def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -316,7 +285,7 @@ class MPIStrategy(Strategy):
         buf = tensor if direct else _host_buffer(tensor)
         self.comm_bytes += tensor.numel() * tensor.element_size()
         with self.watch(f"Allreduce({op}){what}"):
-            if buf.numel() * buf.element_size() >= NONBLOCKING_MIN_BYTES:  # libnbc's ring (MCA_DEFAULTS)
+            if buf.numel() * buf.element_size() >= NONBLOCKING_MIN_BYTES:  # libnbc's ring (mpi_setup.MCA_DEFAULTS)
                 wait_all(self.MPI, [comm.Iallreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))])
             else:
                 comm.Allreduce(self.MPI.IN_PLACE, _np(buf), op=self._op(op))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 
-from .base import drop_globally_unused, unused_parameters
+from .parts import drop_globally_unused, unused_parameters
 
 if TYPE_CHECKING:
     from .mpi import MPIStrategy

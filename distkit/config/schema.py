@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 #: Engines a config may name; the registry in :mod:`distkit.backends` says which are built.
-KNOWN_BACKENDS = ("ddp", "deepspeed", "horovod", "mpi")
+KNOWN_BACKENDS = ("ddp", "deepspeed", "horovod", "mpi", "fsdp")
 REDUCE_TYPES = ("grad", "param")
 DATA_DISTRIBUTIONS = ("shard", "random_seed_offset")
 DEVICES = ("auto", "cpu", "cuda")
@@ -28,7 +28,7 @@ STARTUP_FLOOR_S = 60.0
 class DistributedConfig:
     """The canonical ``distributed = {...}`` dict (DESIGN.md section 4)."""
 
-    #: the engine: "ddp" | "deepspeed" | "horovod" | "mpi"
+    #: the engine: "ddp" | "deepspeed" | "horovod" | "mpi" | "fsdp"
     backend: str = "ddp"
     #: "grad": mean gradient every step; "param": local steps + periodic parameter averaging.
     reduce_type: str = "grad"
@@ -63,6 +63,11 @@ class DistributedConfig:
     bucket_cap_mb: float = 25.0
     #: deepspeed: the DeepSpeed config (a dict, after loading the JSON file if a path was given)
     deepspeed_config: Optional[dict[str, Any]] = None
+    #: fsdp: FSDP2's options: ``units`` (module class names that get their own fully_shard unit; None = a Hugging
+    #: Face model's _no_split_modules, else each direct child holding parameters), ``reshard_after_forward``
+    #: (True), ``param_dtype`` / ``reduce_dtype`` (MixedPrecisionPolicy: "bfloat16" | "float16" | None),
+    #: ``cpu_offload`` (False), ``shard_group_size`` (hybrid sharding: ranks per shard group; None = all); docs/fsdp.md
+    fsdp: dict[str, Any] = field(default_factory=dict)
     #: param mode, every engine: ranks per replica group (gradients reduced inside a group every step, ZeRO
     #: shards inside it; the groups average every param_sync_step); 1 = every rank its own replica
     param_sync_group_size: int = 1

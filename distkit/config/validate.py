@@ -64,6 +64,9 @@ def _validate(cfg: RunConfig) -> None:
                           f"larger of timeout_s and {STARTUP_FLOOR_S:g}), got {d.startup_timeout_s!r}")
     if not isinstance(d.options, dict):
         raise ConfigError(f"'distributed.options' must be a dict of DistributedDataParallel kwargs, got {d.options!r}")
+    if d.fsdp and d.backend != "fsdp":
+        raise ConfigError(f"'distributed.fsdp' holds FSDP2's options and applies to backend 'fsdp' only: remove it or "
+                          f"set distributed.backend = 'fsdp' (it is {d.backend!r})")
     if d.pg_backend is not None:
         if d.pg_backend == "mpi":
             raise BackendUnavailable(

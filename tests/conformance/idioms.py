@@ -139,7 +139,8 @@ class Runner:
 
     def state(self) -> dict[str, Any]:
         bare = self.bare()
-        out: dict[str, Any] = {"params": {n: p.detach().cpu().clone().float() for n, p in bare.named_parameters()},
+        # (a sharded parameter, FSDP2's DTensor, gathered whole: a collective every rank runs in the same order)
+        out: dict[str, Any] = {"params": {n: _whole(p.detach()).cpu().clone().float() for n, p in bare.named_parameters()},
                                "lrs": [g["lr"] for g in self.optimizer.param_groups],
                                # each rank's own: DDP leaves the statistics of a rank's last forward on it
                                "buffers": {n: b.detach().cpu().clone().double() for n, b in bare.named_buffers()}}
@@ -358,6 +359,11 @@ def main() -> None:
         _save(record, path)
         r.dk.close()
     sys.stdout.flush()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (the fsdp engine's parameters) gathered whole; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
 
 
 def _save(record: dict[str, Any], path: str) -> None:

@@ -24,7 +24,7 @@ from distkit.averaging import flat_mean
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
 from distkit.replicas import ReplicaGroups
 
-from ..base import bare_module, persistent_buffers, unused_parameters
+from ..parts import bare_module, persistent_buffers, unused_parameters
 from ..buffers import DDPBufferRule
 from .config import RESOLVED_NAME, zero_section
 from .groups import _MasterAverager, _ReplicaGroups
@@ -295,6 +295,13 @@ class DeepSpeedStrategy(_DeepSpeedState):
     def forward_is_collective(self, model: nn.Module) -> bool:
         """ZeRO-3 all-gathers each layer's parameters inside the forward pass."""
         return self.zero_stage == 3
+
+    def copies_refused(self, model: nn.Module) -> Optional[str]:
+        if self.zero_stage != 3:
+            return None
+        return ("under ZeRO-3 the model's parameters are partitioned, so a copy made from it (AveragedModel, deepcopy) "
+                "holds empty tensors: build the copy inside deepspeed.zero.GatheredParameters(model.parameters()), or "
+                "use ZeRO stage 0-2")
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         # The engine manages accumulation itself (it knows the boundary from its micro-step counter).

@@ -1,0 +1,108 @@
+"""What the engines share besides the :class:`~distkit.backends.base.Strategy` interface: DDP's rules for unused
+parameters and buffers, the failure report, the bare module inside wrappers, and param mode's averager."""
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from distkit.averaging import ParamAverager
+from distkit.errors import DistkitError, UnusedParameters
+
+if TYPE_CHECKING:
+    from .base import Strategy
+
+
+#: the fix for a parameter without gradient where the engine follows DDP's rule (mpi, Horovod)
+FIND_UNUSED_FIX = ("as under DDP, set distributed.options = {'find_unused_parameters': True} (--find_unused_parameters) "
+                   "for parameters a step may leave unused, or freeze them (requires_grad_(False))")
+
+
+def unused_parameters(rank: int, names: list[str], fix: str = FIND_UNUSED_FIX) -> UnusedParameters:
+    """The error for trainable parameters ``names`` that got no gradient in this step on ``rank``."""
+    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    return UnusedParameters(f"rank {rank}: {len(names)} parameter(s) got no gradient in this step ({shown}): {fix}")
+
+
+def drop_globally_unused(strategy: "Strategy", params: list[torch.Tensor], seen: set[int],
+                         had_grad: dict[int, bool],
+                         all_reduce: Optional[Callable[[torch.Tensor, str], Any]] = None) -> None:
+    """Collective: DDP's rule with ``find_unused_parameters``: a parameter that no rank used (its id in no
+    rank's ``seen``) keeps no gradient, so the optimizer skips it (no weight decay, no momentum), unless an
+    earlier reduction of this step gave it one (``had_grad``). One small MAX all-reduce of a used-mask, over
+    the ranks that reduce gradients together: ``all_reduce(tensor, op)`` (default ``strategy.all_reduce``,
+    every rank; a replica group's own reduction with replica groups, as DDP on a process group)."""
+    used = torch.tensor([1.0 if id(p) in seen else 0.0 for p in params])
+    (all_reduce or strategy.all_reduce)(used, "max")
+    for p, u in zip(params, used.tolist(), strict=True):
+        if not u and not had_grad.get(id(p), False):
+            p.grad = None
+
+
+def report_failure(rank: int, world_size: int, engine: str) -> int:
+    """Print which rank failed and why (traceback for bugs, one line for DistkitErrors).
+
+    Called from a Strategy's ``abort`` inside an ``except`` block; returns the exit status
+    to abort the job with (the error's own for DistkitError, else 1).
+    """
+    from distkit.watchdog import lost_peer_error
+
+    exc = sys.exc_info()[1]
+    if exc is not None and not isinstance(exc, DistkitError):
+        traceback.print_exc()
+        exc = lost_peer_error(exc) or exc  # a peer is gone: name it
+    what = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
+    print(f"distkit: rank {rank} failed: {what} (aborting all {world_size} {engine} ranks)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    return exc.exit_code if isinstance(exc, DistkitError) else 1
+
+
+def bare_module(module: nn.Module) -> nn.Module:
+    """``module`` without ``torch.compile``'s wrapper (``OptimizedModule._orig_mod``): checkpoints, checksums
+    and averaging then use the model's own names (``fc.weight``, not ``_orig_mod.fc.weight``), so a
+    checkpoint of a compiled run loads into an uncompiled model and back. Training runs the compiled one."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
+def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """Buffers that are part of the model's state (``state_dict``): BatchNorm statistics, counters.
+    Non-persistent buffers (``register_buffer(..., persistent=False)``: causal masks, rotary caches)
+    are derived constants; rank 0's copy is broadcast once at setup and never again."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for mod in module.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+    return out
+
+
+def float_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s floating-point parameters and buffers by name (each tensor once): what parameter
+    averaging averages of a module registered with ``dk.keep_in_sync``."""
+    return [(n, t) for n, t in parameters_and_float_buffers(module) if t.is_floating_point()]
+
+
+def parameters_and_float_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What parameter averaging averages, with the model's names: every parameter and every
+    floating-point buffer (each tensor once: tied parameters under their first name)."""
+    yield from module.named_parameters()
+    for n, b in module.named_buffers():
+        if b.is_floating_point():
+            yield n, b
+
+
+def param_averager(strategy: "Strategy", module: nn.Module) -> ParamAverager:
+    """The :class:`~distkit.averaging.ParamAverager` of ``module``'s parameters and floating buffers,
+    configured from ``strategy.cfg.distributed`` (param mode on the ddp, mpi and Horovod engines)."""
+    named = list(parameters_and_float_buffers(bare_module(module)))
+    d = strategy.cfg.distributed
+    return ParamAverager(strategy, [t for _, t in named], d.param_sync_step, d.param_sync_time_diff,
+                         d.outer_optimizer, names=[n for n, _ in named], fragments=d.param_sync_fragments,
+                         compression=d.param_sync_compression, error_feedback=d.param_sync_error_feedback,
+                         overlap=d.param_sync_overlap)
