@@ -1,6 +1,7 @@
-"""The fsdp engine (FSDP2's ``fully_shard``, issue 38), grad mode: gradients against a one-process full-batch
-reference (the torch-version guard of item 9), ``distkit train`` against ddp number for number, checkpoints that
-resume on ddp and from ddp on another world size, and its bad input (one line, exit 2)."""
+"""The fsdp engine (FSDP2's ``fully_shard``, issue 38): one step against a one-process full-batch reference (the
+torch-version guard of item 9, also under hybrid sharding), ``distkit train`` against ddp number for number in grad
+and param mode, checkpoints that resume on ddp and from ddp on another world size, and its bad input (one line,
+exit 2)."""
 from __future__ import annotations
 
 import subprocess
