@@ -126,7 +126,6 @@ BACKENDS: dict[str, Backend] = {
                          baseline_args=lambda a: ["--zero-stage", str(a.zero_stage)]),
 }
 
-#: ``--compare NAME``: two distkit configurations against each other (A = first, B = second), same launcher.
 #: --knob: one distkit feature off (side A) against on, as shipped (side B), the rest the same
 KNOBS: dict[str, str] = {
     "preemption": "the preemption check: one MAX all-reduce of one number after every optimizer step "
@@ -135,6 +134,7 @@ KNOBS: dict[str, str] = {
                 "(not started on the off side, by the timing wrapper: no config key turns it off)",
 }
 
+#: ``--compare NAME``: two distkit configurations against each other (A = first, B = second), same launcher.
 COMPARES: dict[str, tuple[str, str, Callable[[int], list[str]], str]] = {
     # Both under mpirun (distkit's DDP runs under mpirun too), so the launcher and core binding are the same.
     "mpi-vs-ddp": ("ddp", "mpi", _mpirun, "mpirun --bind-to none"),
