@@ -98,10 +98,6 @@ class FSDPStrategy(DDPStrategy):
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         super().check_config(cfg)
-        if cfg.distributed.reduce_type == "param" and isinstance(cfg.distributed.fsdp, dict) \
-                and cfg.distributed.fsdp.get("shard_group_size") is not None:
-            raise ConfigError("'distributed.fsdp.shard_group_size' is grad mode's hybrid sharding; in param mode FSDP2 "
-                              "shards inside each replica group: set distributed.param_sync_group_size instead")
         if cfg.fault_tolerance:
             raise UnsupportedCombination("backend 'fsdp' does not run with fault_tolerance yet: use backend 'ddp' or "
                                          "'deepspeed' inside fault-tolerant replica groups")
@@ -110,7 +106,10 @@ class FSDPStrategy(DDPStrategy):
             raise ConfigError(f"'distributed.options' are DistributedDataParallel's keyword arguments ({other[0]!r}); "
                               "backend 'fsdp' takes its options in distributed.fsdp: "
                               f"{', '.join(OPTIONS)}")
-        fsdp_options(cfg)
+        opts = fsdp_options(cfg)  # (one line for an unknown key or a bad value, in both modes)
+        if cfg.distributed.reduce_type == "param" and opts["shard_group_size"] is not None:
+            raise ConfigError("'distributed.fsdp.shard_group_size' is grad mode's hybrid sharding; in param mode FSDP2 "
+                              "shards inside each replica group: set distributed.param_sync_group_size instead")
 
     def backend_impl(self) -> str:
         return f"torch {torch.__version__} FSDP2 fully_shard ({getattr(self, 'pg_backend', 'gloo')})"
