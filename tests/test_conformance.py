@@ -157,35 +157,30 @@ def _diff(a: dict[str, Any], b: dict[str, Any], per_rank: bool = True) -> float:
     return max(d, max(abs(x - y) for x, y in zip(a["lrs"], b["lrs"], strict=True)))
 
 
+def expected(idiom: str, engine: str) -> str:
+    """SAME, or the documented error's phrase, for ``idiom`` on ``engine``."""
+    return EXPECTED[idiom].get(engine, SAME)  # an engine a row does not name gives DDP's result
+
+
 CASES = [(idiom, engine, mode) for idiom in EXPECTED for engine in ENGINES for mode in MODES
          if not (mode == "param" and (WHERE[idiom][0] in GRAD_ONLY or idiom.startswith("model.module")))
-         and EXPECTED[idiom].get(engine, SAME) != "(torch)"]
+         and expected(idiom, engine) != "(torch)"]
 
 
 #: the core rows (the "main" run: nine idioms in one start per engine and mode) are the fast tier's parity case of
 #: every engine and mode (tests/tiers.py); the other runs of other engines than DDP are in the full tier
 PARITY = {"zero2": "deepspeed", "zero3": "deepspeed"}
-#: engine -> the one line every row gives in param mode, where the engine runs grad mode only
-GRAD_MODE_ONLY: dict[str, str] = {}
-
-
-def expected(idiom: str, engine: str, mode: str) -> str:
-    """SAME, or the documented error's phrase, for ``idiom`` on ``engine`` in ``mode``."""
-    if mode == "param" and engine in GRAD_MODE_ONLY:
-        return GRAD_MODE_ONLY[engine]
-    return EXPECTED[idiom].get(engine, SAME)  # an engine a row does not name gives DDP's result
 
 
 def _case(idiom: str, engine: str, mode: str) -> Any:
-    marks = ([pytest.mark.parity(PARITY.get(engine, engine), mode)]
-             if WHERE[idiom][0] == "main" and not (mode == "param" and engine in GRAD_MODE_ONLY) else [])
+    marks = [pytest.mark.parity(PARITY.get(engine, engine), mode)] if WHERE[idiom][0] == "main" else []
     return pytest.param(idiom, engine, mode, marks=marks, id=f"{engine}-{mode}-{WHERE[idiom][1]}-{WHERE[idiom][0]}")
 
 
 @pytest.mark.parametrize("idiom,engine,mode", [_case(*c) for c in CASES])
 def test_idiom_gives_ddp_result_or_the_documented_error(runs: Any, idiom: str, engine: str, mode: str) -> None:
     kind, phase = WHERE[idiom]
-    want = expected(idiom, engine, mode)
+    want = expected(idiom, engine)
     got = runs(engine, mode, kind)
     if not got["ranks"] or phase not in got["ranks"][0]["phases"]:
         # the process ended before recording the phase: only an uncaught documented error may do that
@@ -260,11 +255,9 @@ def render_table() -> str:
     rows = [head, "|" + "---|" * (len(ENGINES) + 1)]
     for idiom, cells in EXPECTED.items():
         shown = ["DDP's result" if c == SAME else "torch's error" if c == "(torch)" else f"error: \"...{c}...\""
-                 for c in (cells.get(e, SAME) for e in ENGINES)]
+                 for c in (expected(idiom, e) for e in ENGINES)]
         rows.append(f"| {idiom} | " + " | ".join(shown) + " |")
-    notes = [f"\n{e} runs grad mode only: in param mode every idiom gives the error \"...{line}...\" before start.\n"
-             for e, line in GRAD_MODE_ONLY.items()]
-    return "\n".join(rows) + "\n" + "".join(notes)
+    return "\n".join(rows) + "\n"
 
 
 def test_api_md_shows_the_table_this_suite_proves() -> None:
