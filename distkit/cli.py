@@ -13,6 +13,7 @@ import sys
 import traceback
 from typing import Any, NoReturn, Optional
 
+from distkit.backends import startup
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
 from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, describe, report_agreed
 from distkit.launch import record_failure, settle_if_peer
@@ -262,7 +263,7 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
         e = lost or e  # a peer is gone: name it, not the address the engine's message has
         if timed_out:
             ft = cfg.fault_tolerance
-            e = CollectiveTimeout(f"a collective timed out after distributed.timeout_s={cfg.distributed.timeout_s:g} s: "
+            e = CollectiveTimeout(f"a collective timed out after {startup.bound_text(cfg.distributed)}: "
                                   "another rank hung or died (see its output)" + (
                                       f", or this replica group ({ft['replica_id']}) was stopped longer than that: run "
                                       "its command again with ++resume auto, and it heals from the live groups at its "

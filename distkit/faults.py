@@ -12,7 +12,8 @@ complete, not renamed), ``checkpoint`` (this rank's file in place, before the ma
 ``manifest`` (rank 0: the manifest written, the directory still under its temporary name),
 ``swap`` (rank 0, re-saving an existing step: the old directory moved aside, the new one not yet
 in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced), or ``init``
-(with STEP 0: the mpi engine's start-up, before ``MPI_Init``), or ``close`` (the end of the run:
+(with STEP 0: the mpi engine's start-up, before ``MPI_Init``), or ``setup`` (with STEP 0: the trainer's set-up, the
+engine joined and the model set up, before rank 0 picks the checkpoint), or ``close`` (the end of the run:
 ``Session.close`` after its last barrier; STEP = the steps taken), or ``left`` (later in ``Session.close``: the
 rank has marked itself as leaving, the engine torn down, its exit next), or ``exchange`` (fault tolerance: inside the
 sync of step STEP across replica groups, its quorum formed, the exchange not yet started). Read once

@@ -4,13 +4,14 @@ the Job part knows nothing of models, so it holds what is true of every rank fro
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 from typing import Any, Iterator
 
 import torch
 
 from distkit import faults
-from distkit.backends import strategy_class
+from distkit.backends import startup, strategy_class
 from distkit.backends.base import Strategy
 from distkit.components import pick_device
 from distkit.config import RunConfig
@@ -28,8 +29,12 @@ class Job:
         self.cfg, self.env = cfg, env
         device = pick_device(cfg.device, env.local_rank, env.local_world_size)
         self._strategy: Strategy = strategy_class(cfg.distributed.backend)(cfg, env, device)
+        startup.begin()  # every wait is start-up's until the ranks meet after the first step (_end_startup)
         self._strategy.init()
-        self._watchdog = start_watchdog(self._strategy, cfg.distributed.timeout_s)  # names a stalled rank
+        d = cfg.distributed
+        self._watchdog = start_watchdog(self._strategy, d.timeout_s, d.startup_s())  # names a stalled rank
+        if self._watchdog is not None:  # where an engine's own start-up waits are bounded by timeout_s (Horovod)
+            self._strategy.meet = functools.partial(self._watchdog.meet, timeout_s=d.startup_s())
         # every rank's (host name, host identity), in rank order: one object all-gather at start-up; the
         # identity tells apart hosts that share a name (containers, network namespaces)
         me = (socket.gethostname(), host_identity())
@@ -85,6 +90,23 @@ class Job:
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
+    # -- the end of start-up (Session.step) ----------------------------------------------------------
+    def _end_startup(self) -> None:
+        """Collective, once (every rank after its first optimizer step): the ranks meet (through the heartbeat
+        store, bounded by ``distributed.startup_s()``; an engine barrier without a watchdog), and from then on every
+        collective and the watchdog's judge are bounded by ``timeout_s``. Until then start-up's bound holds
+        everywhere (:mod:`distkit.backends.startup`): the ranks drift apart by seconds in set-up on a loaded
+        machine (rank 0 alone picks the checkpoint and writes the run's first files), and in param mode that
+        drift lasts until the first sync, many steps on, unless they meet here."""
+        if self._watchdog is not None:
+            self._watchdog.meet("the end of start-up (the first optimizer step)", self.cfg.distributed.startup_s())
+        elif self.world_size > 1:
+            self._strategy.barrier()
+        startup.end()
+        self._strategy.end_startup()
+        if self._watchdog is not None:
+            self._watchdog.end_startup()
+
     # -- the end of the job (Session.close) ----------------------------------------------------------
     def _meet_at_end(self) -> bool:
         """Collective after a normal run: the ranks leave together (a barrier, bounded by ``timeout_s``), since a
@@ -124,7 +146,7 @@ class Job:
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise CollectiveTimeout(
-                    f"{what} timed out after distributed.timeout_s = {self.cfg.distributed.timeout_s:g} s: a rank "
+                    f"{what} timed out after {startup.bound_text(self.cfg.distributed)}: a rank "
                     "did not call it (every rank must call collectives in the same order) or hung or died") from e
             raise
         finally:

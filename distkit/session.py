@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from distkit import checkpoint, ompi_leftovers, report
-from distkit.backends import check_backend, strategy_class
+from distkit.backends import check_backend, startup, strategy_class
 from distkit.backends.parts import float_state, persistent_buffers
 from distkit.components import check_device, check_stepped_scheduler, scheduler_and_interval
 from distkit.config import RunConfig
@@ -418,6 +418,8 @@ class Session(Job):
             self._scheduler.step()
         self.num_steps += 1
         self.num_samples += self._meter.step_ended(s.blocked_s - waited) * self.world_size
+        if not startup.ended():
+            self._end_startup()  # collective: the ranks meet once; timeout_s bounds every wait from now on
         if self.num_steps % self.cfg.log_every == 0:
             self._loss_watch.raise_if_bad(self.rank)  # CUDA: the device-side record of backward's check
 

@@ -186,6 +186,7 @@ class TrainingRun:
         """Rank 0 picks the checkpoint (``resume``: "auto" = the newest verified complete one, falling
         back from a damaged ``latest`` and saying so; a directory; None/"none" = start fresh) and checks
         that it fits this world size and model; every rank then loads it or raises the same error."""
+        faults.maybe_fire(self.dk.rank, 0, "setup")  # (a rank whose set-up work takes long: tests of start-up's bound)
         choice: tuple[Optional[str], list[str], Optional[BaseException], str] = (None, [], None, "")
         if self.dk.is_main:
             try:

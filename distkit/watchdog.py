@@ -95,12 +95,21 @@ class Watchdog:
         timeout_s: ``distributed.timeout_s``: seconds without a heartbeat after which a rank is named.
         end_job: ends every rank of the job and does not return (``Strategy.end_job``); called with
             exit status 1 from the judge thread.
+        startup_s: ``distributed.startup_s()``: the judge's bound instead of ``timeout_s`` until
+            :meth:`end_startup` (a rank busy in start-up work on a loaded machine may not beat for seconds:
+            an import holds the GIL); None: ``timeout_s`` from the start.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
-                 end_job: Callable[[int], None]) -> None:
+                 end_job: Callable[[int], None], startup_s: Optional[float] = None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
+        #: the judge's bound now (seconds) and the config key that sets it; the heartbeat interval is timeout_s's
         self.timeout_s, self.interval_s = float(timeout_s), interval_for(timeout_s)
+        self.key = "distributed.timeout_s"
+        self._final_s = float(timeout_s)
+        if startup_s is not None:
+            self.timeout_s, self.key = float(startup_s), "distributed.startup_timeout_s"
+        self._meetings = 0  # meet() calls so far: the n-th call of every rank meets the others' n-th
         self.end_job = end_job
         now = time.monotonic()
         self._values: list[Optional[bytes]] = [None] * world_size
@@ -258,6 +267,33 @@ class Watchdog:
             return {0: now - self._last_ok}
         return {r: now - self._changed[r] for r in range(self.world_size) if r != self.rank}
 
+    def end_startup(self) -> None:
+        """Judge by ``timeout_s`` from now on (start-up has ended: ``Job._end_startup``). Not collective."""
+        self.timeout_s, self.key = self._final_s, "distributed.timeout_s"
+
+    def meet(self, what: str, timeout_s: float) -> None:
+        """Collective: return once every rank has called it (the n-th call of each rank meets the others' n-th),
+        through the heartbeat store. Used during start-up only (Horovod's collectives then, and the end of
+        start-up), where ranks legitimately drift by seconds: after the meeting the engine's own wait is short.
+        Raises :class:`RankStalled` naming the ranks that did not come within ``timeout_s`` seconds.
+
+        Polls (every 10 ms) rather than ``store.wait``: the store client is shared with the heartbeat thread,
+        and a blocking wait would hold its lock, so this rank's heartbeat would stop while it waits."""
+        self._meetings += 1
+        keys = [f"meet/{self._meetings}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], "1")
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                if not missing:
+                    return
+                raise RankStalled(f"{ranks_text(missing)} did not reach {what} within {timeout_s:g} s "
+                                  f"(distributed.startup_timeout_s; noticed by rank {self.rank}): it hangs, is stopped "
+                                  "or died, or its start-up work takes longer; its own output, if any, has the cause",
+                                  missing)
+            time.sleep(0.01)
+
     def stalled(self) -> list[int]:
         """The ranks without a heartbeat for ``timeout_s`` seconds (normally none)."""
         return sorted(r for r, age in self.ages().items() if age >= self.timeout_s)
@@ -301,7 +337,7 @@ class Watchdog:
             which = ranks_text(ranks)
             age = max(ages.get(r, self.timeout_s) for r in ranks)
             text = (f"{which} stopped responding: no heartbeat for {age:.1f} s (noticed by rank {self.rank}; "
-                    f"distributed.timeout_s = {self.timeout_s:g}); ending all {self.world_size} ranks")
+                    f"{self.key} = {self.timeout_s:g}); ending all {self.world_size} ranks")
             print(f"distkit: {text}", file=sys.__stderr__ or sys.stderr, flush=True)
             record_stall(self.rank, RankStalled(text, ranks))
             here = host_identity()  # (not the host name: hosts may share one)
@@ -351,7 +387,7 @@ class Watchdog:
             time.sleep(0.05)
 
 
-def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]:
+def start_watchdog(strategy: "Strategy", timeout_s: float, startup_s: Optional[float] = None) -> Optional[Watchdog]:
     """Collective (one ``strategy.broadcast_object``, one ``all_gather_object``): start this rank's
     watchdog; None for a single rank, or when the store cannot be served or reached (rank 0 and each
     rank that failed print one line; the job runs on without it, with the engines' own timeouts).
@@ -359,6 +395,7 @@ def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]
     Args:
         strategy: the engine, already initialised (its collectives work).
         timeout_s: ``distributed.timeout_s`` (seconds, > 0).
+        startup_s: ``distributed.startup_s()``: the judge's bound until start-up ends (:meth:`Watchdog.end_startup`).
     """
     global _ACTIVE
     if strategy.world_size == 1:
@@ -367,7 +404,8 @@ def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]
 
     from distkit.env import _my_address
 
-    timeout = datetime.timedelta(seconds=float(timeout_s))
+    # (connecting is start-up: its bound)
+    timeout = datetime.timedelta(seconds=max(float(timeout_s), float(startup_s or 0.0)))
     store, where, error = None, None, ""
     if strategy.rank == 0:
         try:
@@ -391,7 +429,7 @@ def start_watchdog(strategy: "Strategy", timeout_s: float) -> Optional[Watchdog]
             print(f"distkit: rank {strategy.rank}: no stall watchdog ({error or 'a rank cannot reach the store'}); "
                   f"a stopped rank is noticed only by the engine's timeout", file=sys.stderr, flush=True)
         return None
-    watchdog = Watchdog(store, strategy.rank, strategy.world_size, timeout_s, strategy.end_job)
+    watchdog = Watchdog(store, strategy.rank, strategy.world_size, timeout_s, strategy.end_job, startup_s)
     watchdog.run()
     _ACTIVE = watchdog
     return watchdog

@@ -519,7 +519,7 @@ def test_a_timed_out_collective_inside_a_group_names_the_group_and_how_to_go_on(
     res = _wait(_group(lighthouse, 1, 2, tmp_path / "ft", "++max_steps", "30", "--nprocs", "2", distributed=dist,
                        DISTKIT_FAULT="0:8:hang"))
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert ("distkit: rank 1 failed: CollectiveTimeout: a collective timed out after distributed.timeout_s=5 s: another "
+    assert ("distkit: rank 1 failed: CollectiveTimeout: a collective timed out after distributed.timeout_s = 5 s: another "
             "rank hung or died (see its output), or this replica group (1) was stopped longer than that: run its "
             "command again with ++resume auto, and it heals from the live groups at its first sync") in res.stderr, \
         res.stderr[-3000:]

@@ -337,7 +337,8 @@ def test_a_ddp_wrapper_freed_after_close_never_destroys_its_process_group(tmp_pa
 # -- failures and configuration -------------------------------------------------------------------
 ONE_SIDED_BARRIER = '''
 import sys, time, distkit
-dk = distkit.init({"distributed": {"timeout_s": 3}, "nprocs": 2})  # plain python: init starts the 2 ranks
+# (no step taken: start-up's bound, startup_timeout_s, holds)
+dk = distkit.init({"distributed": {"timeout_s": 30, "startup_timeout_s": 3}, "nprocs": 2})  # init starts the 2 ranks
 if dk.rank == 0:
     dk.barrier()
 else:
@@ -352,7 +353,8 @@ def test_barrier_on_one_rank_only_times_out_naming_it(tmp_path: Path) -> None:
     # whole run, start-up included, not on its duration: 19 s since the start was passed under load in fc13)
     res = run([PY, str(script)], timeout=120)
     assert res.returncode != 0
-    assert "distkit: error (rank 0): dk.barrier() timed out after distributed.timeout_s = 3 s" in res.stderr, \
+    assert ("distkit: error (rank 0): dk.barrier() timed out after distributed.startup_timeout_s = 3 s (start-up, "
+            "until the ranks' first optimizer step)") in res.stderr, \
         res.stderr[-2000:]
 
 

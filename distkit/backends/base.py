@@ -43,6 +43,10 @@ class Strategy(ABC):
     #: what the caller is doing while it runs a collective, for the engines' own timeout lines (set by
     #: ``Job._collective``; None elsewhere)
     doing: Optional[str] = None
+    #: collective: the ranks meet (``Watchdog.meet`` through the heartbeat store, bounded by
+    #: ``distributed.startup_s()``; the argument names the point in a timeout), for an engine whose own waits
+    #: cannot take start-up's bound (Horovod's stall inspector); set by the Job, None without a watchdog
+    meet: Optional[Callable[[str], None]] = None
 
     name: ClassVar[str]
     supported_modes: ClassVar[frozenset[str]] = frozenset({"grad", "param"})
@@ -139,6 +143,11 @@ class Strategy(ABC):
         """True where the engine's own config builds the optimizer (DeepSpeed's ``optimizer`` block):
         ``setup`` then takes ``optimizer=None``."""
         return False
+
+    def end_startup(self) -> None:
+        """Start-up has ended (:mod:`distkit.backends.startup`; the ranks just met): bound the engine's own waits
+        by ``distributed.timeout_s`` from now on, where they had start-up's bound. Not collective. Default:
+        nothing (an engine that reads :func:`distkit.backends.startup.bound` at each wait)."""
 
     def teardown(self) -> None:
         """Leave the process group; idempotent."""

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import sys
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -117,12 +118,12 @@ class DDPStrategy(Strategy):
         if self.pg_backend == "gloo":  # across hosts: the interface that reaches MASTER_ADDR, not the host name's
             prepare_gloo(addr)
         # A TCPStore on rank 0. distributed.startup_s() bounds the rendezvous (every rank's arrival: the
-        # others may still be importing torch), timeout_s every collective after it, so a vanished rank
-        # surfaces as an error instead of gloo's 30-minute default hang.
+        # others may still be importing torch) and every collective of start-up; timeout_s every collective after
+        # it (end_startup), so a vanished rank surfaces as an error instead of gloo's 30-minute default hang.
         # Under torchrun the agent already serves the store on MASTER_PORT; rank 0 only connects.
         master = self.rank == 0 and not self.env.agent_store
-        timeout = datetime.timedelta(seconds=d.timeout_s)
         startup_s = d.startup_s()
+        timeout = datetime.timedelta(seconds=startup_s)
         store = None
         try:
             # wait_for_workers=False: the arrivals are awaited below, and a rank that never arrives is then
@@ -141,7 +142,7 @@ class DDPStrategy(Strategy):
                                 "--rdzv-endpoint localhost:0, or MASTER_PORT=P)")
             store.set(f"{_ARRIVED}{self.rank}", "1")
             store.wait([f"{_ARRIVED}{r}" for r in range(self.world_size)])  # (the store's timeout: startup_s)
-            store.set_timeout(timeout)
+            self._store = store
             dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                                     timeout=timeout)
         except RuntimeError as e:  # DistNetworkError, DistStoreError: RuntimeErrors
@@ -162,11 +163,31 @@ class DDPStrategy(Strategy):
                               f"(distributed.startup_timeout_s; noticed by rank {self.rank}): it did not start, is stopped, hangs "
                               "or died; its own output, if any, has the cause", missing) from None
         # Groups created later without a timeout (DeepSpeed's clone of the world group that ZeRO reduces
-        # on, distkit's replica groups) would get torch's default (30 minutes for gloo): make it timeout_s.
+        # on, FSDP's mesh, distkit's replica groups) would get torch's default (30 minutes for gloo): make it
+        # start-up's bound now, timeout_s once start-up ends.
         self._default_timeouts = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
-        c10d.default_pg_timeout = datetime.timedelta(seconds=d.timeout_s)
+        self._set_default_timeout(timeout)
+
+    def _set_default_timeout(self, timeout: datetime.timedelta) -> None:
+        """``timeout`` for the groups created from now on without one of their own."""
+        c10d.default_pg_timeout = timeout
         if isinstance(c10d.default_pg_nccl_timeout, datetime.timedelta):
-            c10d.default_pg_nccl_timeout = c10d.default_pg_timeout
+            c10d.default_pg_nccl_timeout = timeout
+
+    def end_startup(self) -> None:
+        """timeout_s for every process group of this job (the world's, DDP's, DeepSpeed's, FSDP's mesh, the replica
+        groups), the rendezvous store and the groups created later; not for a process group the user's script
+        made itself (its timeout is the script's)."""
+        if not hasattr(self, "_default_timeouts"):
+            return
+        timeout = datetime.timedelta(seconds=self.cfg.distributed.timeout_s)
+        with warnings.catch_warnings():  # (a group of another backend: "only supported for nccl or gloo")
+            warnings.simplefilter("ignore")
+            for group in list(c10d._world.pg_map):
+                if not c10d._rank_not_in_group(group):
+                    c10d._set_pg_timeout(timeout, group)
+        self._store.set_timeout(timeout)
+        self._set_default_timeout(timeout)
 
     def teardown(self) -> None:
         if dist.is_initialized():

@@ -203,6 +203,7 @@ class HorovodEngine(HorovodCollectives, Strategy):
             # (a different result from DDP). A fresh optimizer has equal (empty) state everywhere.
             # Over every rank, as the parameters above: with replica groups every group starts as rank 0.
             opt.load_state_dict(optimizer.state_dict())
+            self._gate("broadcast_optimizer_state")
             hvd.broadcast_optimizer_state(opt, root_rank=0)
         per_elem = 2 if d.compression == "fp16" else None
         self._grad_bytes = sum(p.numel() * (per_elem or p.element_size()) for p in model.parameters() if p.requires_grad)
@@ -216,6 +217,7 @@ class HorovodEngine(HorovodCollectives, Strategy):
     def cross_group_mean(self, flat: torch.Tensor) -> None:
         """One ``hvd.allreduce`` (sum) over this rank's cross group, divided by the number of groups."""
         assert self.replicas is not None
+        self._gate("allreduce")
         hvd = self.hvd
         self.comm_bytes += flat.numel() * flat.element_size()
         # Named: the name the ranks of a set match on then does not depend on how many other Horovod ops each
@@ -230,12 +232,14 @@ class HorovodEngine(HorovodCollectives, Strategy):
         self._group_all_reduce(flat, "sum").div_(self.replicas.size)
 
     def start_all_to_all(self, rows: torch.Tensor) -> Any:
+        self._gate("alltoall")
         self.comm_bytes += rows.numel() * rows.element_size()
         handle = self.hvd.alltoall_async(rows.contiguous(), name=self._next_name("exchange.a2a"),
                                          process_set=self._cross_set)
         return _Handle(self.hvd, handle)
 
     def start_all_gather(self, row: torch.Tensor) -> Any:
+        self._gate("allgather")
         self.comm_bytes += row.numel() * row.element_size()
         handle = self.hvd.allgather_async(row.contiguous()[None], name=self._next_name("exchange.gather"),
                                           process_set=self._cross_set)
@@ -244,6 +248,7 @@ class HorovodEngine(HorovodCollectives, Strategy):
     def _group_all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """In place, over the ranks that reduce gradients together (this rank's replica group): the used-mask
         of find_unused_parameters (``drop_globally_unused``), as DDP's on its process group. op is max|min|sum."""
+        self._gate("allreduce")
         hvd = self.hvd
         self.comm_bytes += tensor.numel() * tensor.element_size()
         out = hvd.allreduce(tensor.detach(), op={"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op],
@@ -265,8 +270,11 @@ class HorovodEngine(HorovodCollectives, Strategy):
         backward and step clips what every rank holds (every rank of the group, with replica groups).
         Further passes before the step add their reduced gradients (DDP's result for accumulation without
         ``no_sync``), where Horovod itself would raise."""
+        reduces = self._reduces_gradients and self.world_size > 1 and bool(self._trainable)
+        if reduces and self._micro + 1 >= self.cfg.accum_grad_multiple_step:
+            self._gate("gradient allreduce")  # (start-up only: its hooks submit the reductions during backward)
         loss.backward()
-        if not self._reduces_gradients or self.world_size == 1 or not self._trainable:
+        if not reduces:
             return
         self._micro += 1
         if self._micro >= self.cfg.accum_grad_multiple_step:

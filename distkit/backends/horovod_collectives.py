@@ -2,9 +2,11 @@
 all-reduce, broadcasts and object exchange through ``horovod.torch``, every op in flight under its own name."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
+
+from . import startup
 
 
 class _Handle:
@@ -24,12 +26,24 @@ class HorovodCollectives:
     hvd: Any
     world_size: int
     comm_bytes: int
+    meet: Optional[Callable[[str], None]]  # (Strategy's)
     _named: int  # the background ops started so far (their names)
+
+    def _gate(self, what: str) -> None:
+        """Collective during start-up (every Horovod op of this engine calls it first, on every rank in the same
+        order): the ranks meet through the heartbeat store, bounded by start-up's bound (Strategy.meet). Horovod's
+        stall inspector shuts Horovod down when some ranks submitted an op and others did not for
+        HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (timeout_s: read once, at hvd.init), and in set-up ranks drift apart
+        by seconds on a loaded machine (rank 0 alone picks the checkpoint, writes the first files); met first,
+        they submit together. Nothing after start-up (:mod:`distkit.backends.startup`) or without a watchdog."""
+        if self.meet is not None and self.world_size > 1 and not startup.ended():
+            self.meet(f"Horovod's {what} in start-up")
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
         if self.world_size == 1:
             return tensor
+        self._gate("allreduce")
         hvd = self.hvd
         self.comm_bytes += tensor.numel() * tensor.element_size()
         # mean = sum, then divide (as the other engines do: the same rounding everywhere)
@@ -48,6 +62,7 @@ class HorovodCollectives:
     def start_all_reduce(self, tensor: torch.Tensor, op: str = "max") -> Any:
         if self.world_size == 1:
             return super().start_all_reduce(tensor, op)  # type: ignore[misc]  # (Strategy's, next in the MRO)
+        self._gate("allreduce")
         hvd = self.hvd
         self.comm_bytes += tensor.numel() * tensor.element_size()
         return _Handle(hvd, hvd.allreduce_async(tensor.detach(), op=self._op(op), name=self._next_name("all_reduce")))
@@ -62,16 +77,22 @@ class HorovodCollectives:
         """Collective: every rank must call it, in the same order. Returns ``src``'s object."""
         # An explicit name: Horovod's default is the object's type name, and ranks that pass objects of
         # different types (None on the receivers) would each wait for a different tensor (a deadlock).
-        return obj if self.world_size == 1 else self.hvd.broadcast_object(obj, root_rank=src,
-                                                                          name="distkit.broadcast_object")
+        if self.world_size == 1:
+            return obj
+        self._gate("broadcast_object")
+        return self.hvd.broadcast_object(obj, root_rank=src, name="distkit.broadcast_object")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Collective: every rank must call it, in the same order. Returns one object per rank."""
-        return [obj] if self.world_size == 1 else list(self.hvd.allgather_object(obj, name="distkit.all_gather_object"))
+        if self.world_size == 1:
+            return [obj]
+        self._gate("allgather_object")
+        return list(self.hvd.allgather_object(obj, name="distkit.all_gather_object"))
 
     def barrier(self) -> None:
         """Collective: every rank must call it, in the same order."""
         if self.world_size > 1:
+            self._gate("barrier")
             self.hvd.barrier()
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -83,6 +104,7 @@ class HorovodCollectives:
     def _broadcast(self, tensors: list[torch.Tensor], root_rank: int, process_set: Any) -> None:
         """Collective over ``process_set``: in-place ``hvd.broadcast_`` of each tensor from global rank ``root_rank``
         (a member of the set), all started before the first is waited for."""
+        self._gate("broadcast")
         handles = []
         for t in tensors:
             self.comm_bytes += t.numel() * t.element_size()

@@ -39,6 +39,7 @@ from distkit.watchdog import explain_stall
 from .base import Strategy
 from .parts import param_averager, persistent_buffers, report_failure
 from .buffers import DDPBufferRule
+from . import startup
 from .startup import startup_guard
 from .mpi_reducer import GradReducer, _np, wait_all
 from .mpi_setup import INSTALL_HINT, import_mpi, mpi_impl
@@ -171,13 +172,14 @@ class MPIStrategy(Strategy):
             self._watch_what = None
 
     def _watch_loop(self) -> None:
-        timeout = float(self.cfg.distributed.timeout_s)
-        while not self._stop.wait(min(1.0, timeout / 4)):
+        d = self.cfg.distributed
+        while not self._stop.wait(min(1.0, float(d.timeout_s) / 4)):
             what = self._watch_what
-            if what is not None and time.monotonic() - self._watch_since > timeout:
+            # start-up's bound until the ranks met after their first step, then timeout_s (distkit.backends.startup)
+            if what is not None and time.monotonic() - self._watch_since > startup.bound(d)[0]:
                 explain_stall()  # a stalled rank: the heartbeat watchdog names it and ends the job (no return)
-                print(f"distkit: rank {self.rank}: {what} did not complete within distributed.timeout_s = "
-                      f"{timeout:g} s (another rank hangs or died{openmpi_interface_hint(self.env)}): aborting all "
+                print(f"distkit: rank {self.rank}: {what} did not complete within {startup.bound_text(d)} (another "
+                      f"rank hangs or died{openmpi_interface_hint(self.env)}): aborting all "
                       f"{self.world_size} MPI ranks", file=sys.stderr, flush=True)
                 self.MPI.COMM_WORLD.Abort(1)
 

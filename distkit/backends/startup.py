@@ -1,11 +1,59 @@
-"""``startup_guard``: a bound on an engine's start-up (``MPI_Init``, ``hvd.init()``), for the MPI engines."""
+"""A job's start-up and its bound.
+
+Start-up lasts from launch until the ranks meet after their first optimizer step (``Session.step``): the ranks
+import, join the engine, build and broadcast the model, pick a checkpoint, and rank 0 alone writes the run's first
+files. On a loaded machine they drift apart by seconds there, legitimately, so every wait of that time is bounded
+by ``distributed.startup_s()`` (``startup_timeout_s``; by default the larger of ``timeout_s`` and 60 s), and only
+the waits of training by ``distributed.timeout_s``, which may be short to catch stalls fast (:func:`bound`).
+
+``startup_guard``: a bound on an engine's own start-up (``MPI_Init``, ``hvd.init()``), for the MPI engines."""
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
 import sys
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from distkit.config.schema import DistributedConfig
+
+#: whether this process's job has ended its start-up (:func:`end`); one job per process, and a new Job starts
+#: its own (:func:`begin`)
+_ENDED = False
+
+
+def begin() -> None:
+    """A job starts (``Job.__init__``): its waits are start-up's again. Not collective."""
+    global _ENDED
+    _ENDED = False
+
+
+def end() -> None:
+    """The ranks met after the first optimizer step: from now on waits are bounded by ``timeout_s``. Not
+    collective (each rank calls it after the meeting, ``Job._end_startup``)."""
+    global _ENDED
+    _ENDED = True
+
+
+def ended() -> bool:
+    """Whether start-up has ended (see the module's docstring)."""
+    return _ENDED
+
+
+def bound(d: "DistributedConfig") -> tuple[float, str]:
+    """(seconds, config key) that bound a collective now: ``startup_s()`` and ``distributed.startup_timeout_s``
+    during start-up, ``timeout_s`` and ``distributed.timeout_s`` after it."""
+    if _ENDED:
+        return float(d.timeout_s), "distributed.timeout_s"
+    return d.startup_s(), "distributed.startup_timeout_s"
+
+
+def bound_text(d: "DistributedConfig") -> str:
+    """``"distributed.timeout_s = 4 s"``, or during start-up ``"distributed.startup_timeout_s = 60 s (start-up)"``:
+    what an error names as the bound it hit."""
+    seconds, key = bound(d)
+    return f"{key} = {seconds:g} s" + ("" if _ENDED else " (start-up, until the ranks' first optimizer step)")
 
 
 #: the guard process of :func:`startup_guard`: waits for its stdin to close (the block finished, or the rank

@@ -37,12 +37,14 @@ class DistributedConfig:
     #: param mode: average when this many seconds (float) passed since the last sync, decided
     #: on the maximum elapsed time over ranks so every rank takes the same decision.
     param_sync_time_diff: Optional[float] = None
-    #: process-group / collective timeout in seconds, 1 to 1e7 (gloo's own default is 30 minutes); a rank
-    #: silent this long is named, and the job ends.
+    #: process-group / collective timeout of training in seconds, 1 to 1e7 (gloo's own default is 30 minutes):
+    #: from the first optimizer step on, a rank silent this long is named, and the job ends.
     timeout_s: float = 300.0
-    #: seconds a rank waits at start-up (the engine's rendezvous: init_process_group, MPI_Init, hvd.init) for
-    #: the others to arrive; one still missing then is named, and the job ends. None = the larger of timeout_s
-    #: and 60: other ranks' interpreter and library imports come first, tens of seconds on a loaded machine.
+    #: seconds every wait of start-up may last: the engine's rendezvous (init_process_group, MPI_Init, hvd.init)
+    #: and every collective and heartbeat until the ranks meet after their first optimizer step (set-up's
+    #: broadcasts, the checkpoint choice, rank 0's first writes); a rank still missing then is named, and the job
+    #: ends. None = the larger of timeout_s and 60: other ranks' interpreter and library imports come first,
+    #: and set-up work drifts ranks apart by seconds, on a loaded machine.
     startup_timeout_s: Optional[float] = None
     #: keyword arguments for DistributedDataParallel (grad mode), e.g. bucket_cap_mb.
     options: dict[str, Any] = field(default_factory=dict)

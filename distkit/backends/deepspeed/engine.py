@@ -19,11 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from distkit import lazy_import
-from distkit.config import RunConfig
+from distkit.config import DistributedConfig, RunConfig
 from distkit.averaging import flat_mean
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
 from distkit.replicas import ReplicaGroups
 
+from .. import startup
 from ..parts import bare_module, persistent_buffers, unused_parameters
 from ..buffers import DDPBufferRule
 from .config import RESOLVED_NAME, zero_section
@@ -75,8 +76,8 @@ class _CollectiveForward:
     model's own (Hugging Face inspects it).
     """
 
-    def __init__(self, module: nn.Module, timeout_s: float) -> None:
-        self.module, self.timeout_s = module, timeout_s
+    def __init__(self, module: nn.Module, distributed: DistributedConfig) -> None:
+        self.module, self.distributed = module, distributed  # (its timeouts, for the line)
         # a forward set on the instance before (another library's wrapper) is kept and called
         self.inner: Optional[Callable[..., Any]] = module.__dict__.get("forward")
         functools.update_wrapper(self, self.inner or type(module).forward.__get__(module))
@@ -91,7 +92,7 @@ class _CollectiveForward:
             if "timed out" not in text and "timeout" not in text:
                 raise
             raise CollectiveTimeout(
-                f"a forward pass timed out after distributed.timeout_s = {self.timeout_s:g} s: under ZeRO-3 the forward "
+                f"a forward pass timed out after {startup.bound_text(self.distributed)}: under ZeRO-3 the forward "
                 "pass is collective (it gathers the parameters from every rank), so a forward that not every rank runs "
                 "(evaluation under 'if dk.is_main') waits for the others forever; run the evaluation forward passes on "
                 "every rank, the same number on each (dk.forward_is_collective says when), or use ZeRO stage 0-2") from e
@@ -205,8 +206,8 @@ class DeepSpeedStrategy(_DeepSpeedState):
         if self.zero_stage == 3:  # a one-rank forward (evaluation on rank 0 only) times out: say why
             # both: the engine's forward also covers the gather in the model's own pre-forward hook (it runs
             # before the model's forward); the model's covers a call of the bare model (dk.unwrap()(x))
-            engine.module.forward = _CollectiveForward(engine.module, cfg.distributed.timeout_s)
-            engine.forward = _CollectiveForward(engine, cfg.distributed.timeout_s)
+            engine.module.forward = _CollectiveForward(engine.module, cfg.distributed)
+            engine.forward = _CollectiveForward(engine, cfg.distributed)
         dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
         if self.mpu is None and self.world_size > 1:  # the engine broadcast rank 0's weights (in its dtype)
             self.comm_bytes += startup_elements * (4 if dtype is None else 2)
