@@ -1,8 +1,9 @@
-"""Real models in the shared loop (issue 9): a Hugging Face GPT-2 (tied embeddings, dict batches,
-``model(**batch).loss``) and a ResNet with BatchNorm (buffers that are state but not parameters) run
-through ``distkit train`` unchanged on ddp, mpi, horovod and DeepSpeed ZeRO, in grad and param mode.
+"""Real models in the shared loop (issue 9, fsdp: issue 38): a Hugging Face GPT-2 (tied embeddings, dict batches,
+``model(**batch).loss``), a Hugging Face BERT (an encoder, tied decoder) and a ResNet with BatchNorm (buffers that are
+state but not parameters) run through ``distkit train`` unchanged on ddp, mpi, horovod, DeepSpeed ZeRO and fsdp, in
+grad and param mode.
 
-Configs: ``configs/gpt2_tiny.py``, ``configs/resnet_bn.py``. Every run is real processes (2 ranks,
+Configs: ``configs/gpt2_tiny.py``, ``configs/bert_tiny.py``, ``configs/resnet_bn.py``. Every run is real processes (2 ranks,
 the engine picked on the command line with ``++distributed "{...}"``), short (``STEPS`` optimizer
 steps), and started once: a run another test needs too is shared through the module-scoped ``runs``.
 """
@@ -21,7 +22,7 @@ from distkit.export import main as export_main
 
 from conftest import ROOT, distkit as distkit_cli, final_params, max_abs_diff, ok, summary
 
-GPT2, RESNET = str(ROOT / "configs" / "gpt2_tiny.py"), str(ROOT / "configs" / "resnet_bn.py")
+GPT2, RESNET, BERT = (str(ROOT / "configs" / f) for f in ("gpt2_tiny.py", "resnet_bn.py", "bert_tiny.py"))
 STEPS, SYNC = 8, 3  # param mode: syncs after steps 3 and 6, then the final sync at 8
 TOL = 1e-5
 ENGINES: dict[str, dict[str, Any]] = {
@@ -32,6 +33,7 @@ ENGINES: dict[str, dict[str, Any]] = {
     # partition every parameter (ZeRO-3 keeps tensors < 1e5 elements whole by default; all of GPT-2 tiny is)
     "deepspeed-z3": {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {
         "stage": 3, "stage3_param_persistence_threshold": 0}}},
+    "fsdp": {"backend": "fsdp"},  # FSDP2: a fully_shard unit per GPT2Block/BertLayer (_no_split_modules), then the root
 }
 # GPT-2 parity runs: SGD with momentum instead of the config's AdamW. N ranks x B and 1 rank x N*B sum
 # the same gradients in a different float order (per-rank means, then the all-reduce), so they differ
@@ -64,7 +66,7 @@ class Runs:
         return self.done[name]
 
     def two_ranks(self, cfg: str, engine: str, mode: str, *extra: str) -> Path:
-        kind = "gpt2" if cfg == GPT2 else "resnet"
+        kind = {GPT2: "gpt2", RESNET: "resnet", BERT: "bert"}[cfg]
         return self.get(f"{kind}-{engine}-{mode}", cfg, "--nprocs", "2", "++distributed", dist_arg(engine, mode),
                         "++max_steps", str(STEPS), *extra)
 
@@ -91,7 +93,7 @@ def assert_tied(sd: dict[str, torch.Tensor]) -> None:
 
 # -- GPT-2 ------------------------------------------------------------------------------------------
 # (Horovod and ZeRO-2 grad mode on GPT-2 were cut for test time: the ResNet cases run both)
-GPT2_GRAD = ["ddp", "mpi", "deepspeed-z3"]
+GPT2_GRAD = ["ddp", "mpi", "deepspeed-z3", "fsdp"]
 
 
 @pytest.mark.parametrize("engine", GPT2_GRAD)
@@ -126,7 +128,7 @@ def test_gpt2_grad_mode_equals_one_process(runs: Runs, engine: str, tmp_path: Pa
     fresh.load_state_dict(exported, strict=True)
     assert fresh.lm_head.weight is fresh.transformer.wte.weight
     assert max_abs_diff(fresh.state_dict(), params) == 0.0
-    if engine == "deepspeed-z3":  # the Hugging Face directory form: from_pretrained loads what ZeRO-3 trained
+    if engine in ("deepspeed-z3", "fsdp"):  # the Hugging Face directory form: from_pretrained loads what ZeRO-3 trained
         from transformers import AutoModelForCausalLM
 
         assert export_main([str(out), f"{tmp_path / 'hf'}/"]) == 0
@@ -189,7 +191,7 @@ def test_gpt2_in_process_tied_after_training_and_resume(tmp_path: Path) -> None:
 
 
 # (mpi and Horovod param mode on GPT-2 were cut for test time: the ResNet and BYO cases run both)
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed-z2"])
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed-z2", "fsdp"])
 def test_gpt2_param_mode_ranks_in_sync(runs: Runs, engine: str) -> None:
     """Local AdamW steps (the config's own optimizer) + averaging every 3 steps: after the final sync
     every rank holds the same model, tied embeddings included."""
@@ -203,8 +205,35 @@ def test_gpt2_param_mode_ranks_in_sync(runs: Runs, engine: str) -> None:
     assert_tied(r0)
 
 
+# -- BERT ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["grad", "param"], ids=["fsdp-grad", "fsdp-param"])  # an fsdp sweep: full tier
+def test_bert_on_fsdp_gives_ddps_result_and_exports_for_from_pretrained(runs: Runs, mode: str, tmp_path: Path) -> None:
+    """A Hugging Face encoder (BertForMaskedLM: decoder tied to the word embeddings, non-persistent position and
+    token-type buffers) on fsdp, one fully_shard unit per BertLayer and BertEmbeddings: bit-identical to ddp in
+    both modes (2 ranks, the mean of two gradients or two parameter sets is one rounding whatever the order), the
+    tie kept, and `distkit export DIR/` loads with `from_pretrained`."""
+    from transformers import AutoModelForMaskedLM
+
+    out, ddp = runs.two_ranks(BERT, "fsdp", mode, *SGD), runs.two_ranks(BERT, "ddp", mode, *SGD)
+    s = summary(out)
+    assert (s["backend"], s["reduce_type"], s["steps"], s["ranks_in_sync"]) == ("fsdp", mode, STEPS, True)
+    assert s["eval_loss"] == summary(ddp)["eval_loss"] and s["param_checksum"] == summary(ddp)["param_checksum"]
+    params, want = final_params(out), final_params(ddp)
+    assert params.keys() == want.keys() and all(params[k].equal(want[k]) for k in want)
+    assert params["cls.predictions.decoder.weight"].equal(params["bert.embeddings.word_embeddings.weight"])
+    torch.manual_seed(42)  # the seed distkit gives every rank before it builds the model (the configs set none)
+    start = config_fn(BERT, "model")().state_dict()
+    assert max_abs_diff(params, {k: start[k] for k in params}) > 1e-2  # trained
+    assert export_main([str(out), f"{tmp_path / 'hf'}/"]) == 0
+    hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf")
+    assert type(hf).__name__ == "BertForMaskedLM"
+    assert hf.cls.predictions.decoder.weight is hf.bert.embeddings.word_embeddings.weight
+    loaded = hf.state_dict()
+    assert max_abs_diff({k: loaded[k] for k in params}, params) == 0.0
+
+
 # -- ResNet with BatchNorm ----------------------------------------------------------------------------
-RESNET_CASES = [(e, m) for m in ("grad", "param") for e in ("ddp", "mpi", "horovod", "deepspeed-z2")]
+RESNET_CASES = [(e, m) for m in ("grad", "param") for e in ("ddp", "mpi", "horovod", "deepspeed-z2", "fsdp")]
 BN_LAYERS = 9  # the stem, 2 per block, 1 in each of the 2 downsampling shortcuts
 
 
