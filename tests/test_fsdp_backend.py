@@ -166,7 +166,7 @@ if dk.is_main:
 '''
 
 
-@pytest.mark.parametrize("mode", ["grad", "param"], ids=["fsdp-grad", "fsdp-param"])  # an fsdp sweep: full tier
+@pytest.mark.parametrize("mode", ["grad", "param"], ids=["fsdp-grad", "fsdp-param"])  # fsdp sweep: full tier
 def test_gpt2_in_an_own_loop_on_fsdp_gives_ddps_model(tmp_path: Path, mode: str) -> None:
     """The own-loop API with a real model (GPT-2 tiny, tied embeddings, dict batches): ``dk.setup``, ``dk.backward``,
     ``dk.clip_grad_norm`` (grad mode: the global norm over the shards; param mode: the rank's own), ``dk.step``, ``dk.finish``, ``dk.save``; the
@@ -186,7 +186,8 @@ def test_gpt2_in_an_own_loop_on_fsdp_gives_ddps_model(tmp_path: Path, mode: str)
         got[engine] = (json.loads((out / "summary.json").read_text()), torch.load(out / "model.pt", weights_only=True))
     (s, model), (s_ddp, model_ddp) = got["fsdp"], got["ddp"]
     assert (s["backend"], s["reduce_type"], s["steps"], s["ranks_in_sync"]) == ("fsdp", mode, 6, True)
-    # the norm sums the shards' squares in another order than ddp's one flat vector: rounding (measured: 1.2e-7 relative, the model 2.4e-8; param mode 0)
+    # the norm sums the shards' squares in another order than ddp's one flat vector: rounding (measured: 1.2e-7
+    # relative, the model 2.4e-8; param mode 0)
     assert len(s["norms"]) == 6 and min(s["norms"]) > 0.5  # each step clipped
     assert max(abs(a - b) / b for a, b in zip(s["norms"], s_ddp["norms"])) <= 1e-6, (s["norms"], s_ddp["norms"])
     assert model.keys() == model_ddp.keys() and max_abs_diff(model, model_ddp) <= 1e-6
