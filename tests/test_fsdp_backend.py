@@ -1,11 +1,11 @@
 """The fsdp engine (FSDP2's ``fully_shard``, issue 38): one step against a one-process full-batch reference (the
-torch-version guard of item 9, also under hybrid sharding), ``distkit train`` against ddp number for number in grad
-and param mode, checkpoints that resume on ddp and from ddp on another world size, and its bad input (one line,
-exit 2)."""
+torch-version guard of item 9, also under hybrid sharding), param mode against ddp's number for number, GPT-2 in an
+own loop against ddp, and its bad input (one line, exit 2). Elsewhere: ``distkit train`` in grad mode and checkpoints
+that move to and from every engine and world size (test_portable.py), real models (test_real_models.py), the
+conformance rows (test_conformance.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, distkit, final_params, max_abs_diff, ok, run, summary
-from distkit import portable
 
 sys.path.insert(0, str(ROOT / "tests" / "fsdp"))
 import reference  # noqa: E402
@@ -22,7 +21,6 @@ import reference  # noqa: E402
 ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", "20", "++checkpoint_every", "10",
         "++log_every", "10", "++progress_bar", "False", "++optimizer", "{'class': 'adam'}", "++learning_rate", "0.002"]
 GLOBAL_BATCH = 24
-ENGINES = {"ddp": "{'backend': 'ddp'}", "fsdp": "{'backend': 'fsdp'}"}
 
 
 @pytest.mark.parametrize("nprocs,shard", [(2, None), (3, None), (4, 2)], ids=["2ranks", "3ranks", "hsdp-2x2"])
@@ -46,49 +44,6 @@ def test_one_step_equals_the_one_process_full_batch_step(tmp_path: Path, nprocs:
     assert abs(got["norm"] - want["norm"]) <= 1e-6 * want["norm"]
     s = got["summary"]
     assert s["backend"] == "fsdp" and "FSDP2" in s["backend_impl"] and s["ranks_in_sync"] is True
-
-
-def train(out: Path, engine: str, nprocs: int, *extra: str) -> subprocess.CompletedProcess[str]:
-    return distkit(*ARGS, "--nprocs", str(nprocs), "++batch_size", str(GLOBAL_BATCH // nprocs),
-                   "++distributed", ENGINES[engine], "++output_dir", str(out), *extra)
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("sources")
-    out = {}
-    for engine in ("ddp", "fsdp"):
-        out[engine] = root / engine
-        ok(train(out[engine], engine, 2))
-    return out
-
-
-def test_distkit_train_on_fsdp_gives_ddps_numbers(sources: dict[str, Path]) -> None:
-    """20 Adam steps through `distkit train`: the same model, optimizer state and evaluation as ddp."""
-    got, want = summary(sources["fsdp"]), summary(sources["ddp"])
-    assert got["backend"] == "fsdp" and got["ranks_in_sync"] is True and got["steps"] == 20
-    assert max_abs_diff(final_params(sources["fsdp"]), final_params(sources["ddp"])) <= 1e-6
-    assert abs(got["eval_loss"] - want["eval_loss"]) <= 1e-6
-    a = portable.read(str(sources["fsdp"] / "checkpoints" / "step-0000020"))
-    b = portable.read(str(sources["ddp"] / "checkpoints" / "step-0000020"))
-    optim = sorted(k for k in b if k.startswith("optim/"))
-    assert optim and sorted(k for k in a if k.startswith("optim/")) == optim  # whole, by name, as ddp writes it
-    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in optim) <= 1e-6
-    assert a[portable.META]["engine"] == "fsdp"
-
-
-CASES = [("fsdp", "ddp", 2), ("ddp", "fsdp", 1), ("ddp", "fsdp", 3), ("fsdp", "fsdp", 2)]
-
-
-@pytest.mark.parametrize("source,target,nprocs", CASES, ids=[f"{s}-to-{t}-{n}ranks" for s, t, n in CASES])
-def test_resume_across_engines_and_world_sizes_ends_where_the_uninterrupted_run_ends(
-        sources: dict[str, Path], tmp_path: Path, source: str, target: str, nprocs: int) -> None:
-    out = tmp_path / "resumed"
-    ok(train(out, target, nprocs, "++resume", str(sources[source] / "checkpoints" / "step-0000010")))
-    got, want = summary(out), summary(sources[source])
-    assert got["steps"] == 20 and got["ranks_in_sync"] is True
-    assert abs(got["eval_loss"] - want["eval_loss"]) < 1e-5
-    assert max_abs_diff(final_params(out), final_params(sources[source])) < 1e-5
 
 
 PARAM = "'reduce_type': 'param', 'param_sync_step': 5"

@@ -1,13 +1,14 @@
 """Resume anywhere (issue 10, items 1 and 2): a checkpoint written by one engine on N ranks continues on
 another engine, on M ranks, in either mode, through its engine-neutral portable part.
 
-Three 2-rank sources (ddp, DeepSpeed ZeRO-3, Horovod) train 20 steps of Adam with a checkpoint at step
+Four 2-rank sources (ddp, DeepSpeed ZeRO-3, Horovod, fsdp) train 20 steps of Adam with a checkpoint at step
 10; each is the uninterrupted reference. Every resume starts from a source's step 10 with the same
 global batch (24) and must end where the uninterrupted run ends: eval loss within 1e-4, every model
 tensor within 1e-5. The sources themselves agree bit for bit (grad mode is the same arithmetic on
 every engine), which is asserted too."""
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -26,6 +27,7 @@ ENGINES = {
     "horovod": '{"backend": "horovod"}',
     "zero2": '{"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}',
     "zero3": '{"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 3}}}',
+    "fsdp": '{"backend": "fsdp"}',
 }
 
 
@@ -50,7 +52,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sources")
     out = {}
-    for engine in ("ddp", "zero3", "horovod"):
+    for engine in ("ddp", "zero3", "horovod", "fsdp"):
         out[engine] = root / engine
         ok(train(out[engine], engine, 2))
     return out
@@ -58,8 +60,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_sources_agree_and_hold_a_sharded_portable_part(sources: dict[str, Path]) -> None:
     ref = final_model(sources["ddp"])
-    for engine in ("zero3", "horovod"):
+    for engine in ("zero3", "horovod", "fsdp"):
         assert max_diff(final_model(sources[engine]), ref) == 0.0, engine
+        assert summary(sources[engine])["eval_loss"] == summary(sources["ddp"])["eval_loss"], engine
     ckpt = sources["zero3"] / "checkpoints" / "step-0000010"
     files = sorted(p.name for p in (ckpt / "portable").iterdir())
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its share
@@ -79,6 +82,13 @@ def test_sources_agree_and_hold_a_sharded_portable_part(sources: dict[str, Path]
     meta = entries[portable.META]
     assert meta["progress"] == {"step": 10, "samples": 10 * GLOBAL_BATCH, "global_batch": GLOBAL_BATCH}
     assert meta["engine"] == "deepspeed" and meta["world_size"] == 2
+    # fsdp (FSDP2's DTensor shards) writes the same portable part: optimizer state whole and by name, as ddp's
+    a = portable.read(str(sources["fsdp"] / "checkpoints" / "step-0000020"))
+    b = portable.read(str(sources["ddp"] / "checkpoints" / "step-0000020"))
+    optim = sorted(k for k in b if k.startswith("optim/"))
+    assert optim and sorted(k for k in a if k.startswith("optim/")) == optim
+    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in optim) == 0.0
+    assert a[portable.META]["engine"] == "fsdp" and a[portable.META]["world_size"] == 2
 
 
 CASES = [  # (source engine, target engine, target ranks)
@@ -88,6 +98,12 @@ CASES = [  # (source engine, target engine, target ranks)
     ("horovod", "ddp", 2),
     ("ddp", "ddp", 1),
     ("ddp", "ddp", 3),
+    # fsdp writes it (DTensor shards) and reads it, from and to the other sharded engine too (issue 38 item 6)
+    ("fsdp", "ddp", 2),
+    ("fsdp", "zero3", 2),
+    ("fsdp", "horovod", 2),
+    ("zero3", "fsdp", 2),
+    ("ddp", "fsdp", 3),
 ]
 
 
@@ -106,15 +122,16 @@ def test_resume_on_another_engine_or_world_size_ends_where_the_uninterrupted_run
 
 
 def test_grad_checkpoint_continues_in_param_mode(sources: dict[str, Path], tmp_path: Path) -> None:
-    """grad -> param: every rank starts from the checkpoint's replica; the averager begins a new period."""
+    """grad -> param (fsdp's sharded checkpoint, into fsdp in param mode: one rank per replica group): every rank
+    starts from the checkpoint's replica; the averager begins a new period."""
     out = tmp_path / "param"
-    res = ok(train(out, "ddp", 2, "++resume", str(sources["ddp"] / "checkpoints" / "step-0000010"),
+    res = ok(train(out, "fsdp", 2, "++resume", str(sources["fsdp"] / "checkpoints" / "step-0000010"),
                    "++distributed.reduce_type", "param", "++distributed.param_sync_step", "5"))
-    assert "in grad mode; loaded its portable part into ddp on 2 ranks in param mode" in res.stdout
+    assert "in grad mode; loaded its portable part into fsdp on 2 ranks in param mode" in res.stdout
     got = summary(out)
     assert got["steps"] == 20 and got["ranks_in_sync"] and got["reduce_type"] == "param"
     # 10 more steps from the same start: close to, but not the same as, grad mode (local Adam steps)
-    assert 0 < max_diff(final_model(out), final_model(sources["ddp"])) < 0.05
+    assert 0 < max_diff(final_model(out), final_model(sources["fsdp"])) < 0.05
 
 
 def test_param_mode_continues_its_period_and_outer_momentum_on_another_engine(tmp_path: Path) -> None:
@@ -162,9 +179,11 @@ def test_global_batch_change_continues_at_the_same_sample(sources: dict[str, Pat
     assert summary(out)["samples"] == 10 * 24 + 10 * 12
 
 
-def test_export_and_convert_from_any_engine(sources: dict[str, Path], tmp_path: Path) -> None:
-    """`distkit export` to torch.save and safetensors, `distkit convert` to one file and back: the same
-    tensors from the ZeRO-3 run as from the ddp run, and the converted checkpoint is complete and verified."""
+def test_export_and_convert_from_any_engine(sources: dict[str, Path], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`distkit export` to torch.save and safetensors, `distkit inspect`, `distkit convert` to one file and back:
+    the same tensors from the ZeRO-3, Horovod and fsdp runs as from the ddp run, and the converted checkpoint
+    is complete and verified."""
     from safetensors.torch import load_file
 
     from distkit.cli import main
@@ -172,8 +191,16 @@ def test_export_and_convert_from_any_engine(sources: dict[str, Path], tmp_path: 
     want = final_model(sources["ddp"])
     assert main(["export", str(sources["zero3"]), str(tmp_path / "m.pt")]) == 0
     assert main(["export", str(sources["horovod"]), str(tmp_path / "m.safetensors")]) == 0
-    for got in (torch.load(tmp_path / "m.pt", weights_only=True), load_file(tmp_path / "m.safetensors")):
+    assert main(["export", str(sources["fsdp"]), str(tmp_path / "fsdp.safetensors")]) == 0
+    for got in (torch.load(tmp_path / "m.pt", weights_only=True), load_file(tmp_path / "m.safetensors"),
+                load_file(tmp_path / "fsdp.safetensors")):
         assert max_diff(got, want) == 0.0
+    capsys.readouterr()  # export's lines
+    assert main(["inspect", str(sources["fsdp"]), "--json"]) == 0  # fsdp's checkpoint: whole, by name, intact
+    info = json.loads(capsys.readouterr().out)
+    assert (info["engine"], info["step"], info["world_size"], info["intact"], info["portable"]) == \
+        ("fsdp", 20, 2, True, True)
+    assert info["tensors"] == len(want) and info["elements"] == sum(t.numel() for t in want.values())
     ckpt = sources["zero3"] / "checkpoints" / "step-0000010"
     assert main(["convert", str(ckpt), str(tmp_path / "state.pt")]) == 0
     assert main(["convert", str(tmp_path / "state.pt"), str(tmp_path / "back")]) == 0
