@@ -206,12 +206,13 @@ def test_gpt2_param_mode_ranks_in_sync(runs: Runs, engine: str) -> None:
 
 
 # -- BERT ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["grad", "param"], ids=["fsdp-grad", "fsdp-param"])  # an fsdp sweep: full tier
+@pytest.mark.parametrize("mode", ["grad"], ids=["fsdp-grad"])  # an fsdp sweep: full tier
 def test_bert_on_fsdp_gives_ddps_result_and_exports_for_from_pretrained(runs: Runs, mode: str, tmp_path: Path) -> None:
     """A Hugging Face encoder (BertForMaskedLM: decoder tied to the word embeddings, non-persistent position and
-    token-type buffers) on fsdp, one fully_shard unit per BertLayer and BertEmbeddings: bit-identical to ddp in
-    both modes (2 ranks, the mean of two gradients or two parameter sets is one rounding whatever the order), the
-    tie kept, and `distkit export DIR/` loads with `from_pretrained`."""
+    token-type buffers) on fsdp, one fully_shard unit per BertLayer and BertEmbeddings: bit-identical to ddp (2
+    ranks, the mean of two gradients is one rounding whatever the order), the tie kept, and `distkit export DIR/`
+    loads with `from_pretrained`. (Param mode on BERT matched ddp bit for bit too when tried by hand; the suite
+    runs param mode on fsdp with GPT-2 and the ResNet, for test time.)"""
     from transformers import AutoModelForMaskedLM
 
     out, ddp = runs.two_ranks(BERT, "fsdp", mode, *SGD), runs.two_ranks(BERT, "ddp", mode, *SGD)
