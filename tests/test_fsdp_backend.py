@@ -111,7 +111,7 @@ loader = dk.dataloader(cfg["train_dataset"](), batch_size=8, shuffle=True)
 norms = []
 for step, batch in zip(range(6), loader):
     dk.backward(model(**batch).loss)
-    norms.append(float(dk.clip_grad_norm(0.5)))  # param mode: the rank's own norm, as on ddp
+    norms.append(float(dk.clip_grad_norm(0.5)))
     dk.step()
 dk.finish()
 dk.save(args.out + "/ckpt", {"model": model, "optimizer": optimizer})
@@ -124,14 +124,13 @@ if dk.is_main:
 @pytest.mark.parametrize("mode", ["grad"], ids=["fsdp-grad"])  # fsdp sweep: full tier (param: measured 0 by hand)
 def test_gpt2_in_an_own_loop_on_fsdp_gives_ddps_model(tmp_path: Path, mode: str) -> None:
     """The own-loop API with a real model (GPT-2 tiny, tied embeddings, dict batches): ``dk.setup``,
-    ``dk.backward``, ``dk.clip_grad_norm`` (grad mode: the global norm over the shards; param mode: the rank's
-    own), ``dk.step``, ``dk.finish``, ``dk.save``; the exported model is ddp's within 1e-6 (the clip's scale
+    ``dk.backward``, ``dk.clip_grad_norm`` (the global norm over the shards), ``dk.step``, ``dk.finish``, ``dk.save``; the exported model is ddp's within 1e-6 (the clip's scale
     carries the norm's rounding; measured below), the tie kept."""
     from distkit.export import main as export_main
 
     script = tmp_path / "own_loop.py"
     script.write_text(OWN_LOOP.replace("CONFIG", str(ROOT / "configs" / "gpt2_tiny.py")))
-    dist = "'reduce_type': 'param', 'param_sync_step': 4" if mode == "param" else "'reduce_type': 'grad'"
+    dist = "'reduce_type': 'param', 'param_sync_step': 4" if mode == "param" else "'reduce_type': 'grad'"  # by hand
     got = {}
     for engine in ("ddp", "fsdp"):
         out = tmp_path / engine
