@@ -124,8 +124,9 @@ if dk.is_main:
 @pytest.mark.parametrize("mode", ["grad"], ids=["fsdp-grad"])  # fsdp sweep: full tier (param: measured 0 by hand)
 def test_gpt2_in_an_own_loop_on_fsdp_gives_ddps_model(tmp_path: Path, mode: str) -> None:
     """The own-loop API with a real model (GPT-2 tiny, tied embeddings, dict batches): ``dk.setup``,
-    ``dk.backward``, ``dk.clip_grad_norm`` (the global norm over the shards), ``dk.step``, ``dk.finish``, ``dk.save``; the exported model is ddp's within 1e-6 (the clip's scale
-    carries the norm's rounding; measured below), the tie kept."""
+    ``dk.backward``, ``dk.clip_grad_norm`` (the global norm over the shards), ``dk.step``, ``dk.finish``,
+    ``dk.save``; the exported model is ddp's within 1e-6 (the clip's scale carries the norm's rounding; measured
+    below), the tie kept."""
     from distkit.export import main as export_main
 
     script = tmp_path / "own_loop.py"
