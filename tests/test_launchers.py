@@ -126,6 +126,19 @@ def test_same_params_under_every_launcher(runs: dict[str, Any]) -> None:
     assert len(checksums["spawn"]) == 64, checksums  # a sha256 hex digest, not an empty placeholder
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_fsdp_under_launcher_gives_ddps_params(runs: dict[str, Any], launcher: str, tmp_path: Path) -> None:
+    """The fsdp engine (issue 38) under torchrun and mpirun, picked with ``++distributed.backend fsdp`` on the
+    command line: the launcher it had, and ddp's parameters bit for bit (2 ranks: a mean of two is one rounding)."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "cfg.py", out)
+    ok(run(_command(launcher, cfg) + ["++distributed.backend", "fsdp"], timeout=120))
+    s = summary(out)
+    assert (s["backend"], s["launcher"], s["world_size"], s["steps"], s["ranks_in_sync"]) == \
+        ("fsdp", EXPECTED[launcher], 2, STEPS, True), s
+    assert s["param_checksum"] == summary(runs["spawn"][1])["param_checksum"]
+
+
 @pytest.mark.parametrize("launcher,forked", [("spawn", True), ("nprocs_key", False)])
 def test_spawned_ranks_run_the_config_with_their_own_environment(runs: dict[str, Any], launcher: str,
                                                                     forked: bool) -> None:

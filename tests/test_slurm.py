@@ -44,6 +44,14 @@ def test_srun_starts_the_ranks(cluster: testslurm.Slurm, ddp_short_ref: Path, tm
     same_as_reference(tmp_path, ddp_short_ref, "slurm")
 
 
+def test_srun_starts_fsdp_ranks(cluster: testslurm.Slurm, ddp_short_ref: Path, tmp_path: Path) -> None:
+    """The fsdp engine (issue 38) under srun: ddp's parameters bit for bit."""
+    ok(run(["srun", "-n", "2", sys.executable, "-m", "distkit", "train", CONFIG, *SHORT, "++distributed.backend", "fsdp",
+            "++output_dir", str(tmp_path)], SLURM_CONF=cluster.conf))
+    same_as_reference(tmp_path, ddp_short_ref, "slurm")
+    assert summary(tmp_path)["backend"] == "fsdp"
+
+
 def test_srun_with_torchrun_inside(cluster: testslurm.Slurm, ddp_short_ref: Path, tmp_path: Path) -> None:
     # perceptrain's documented pattern: one srun task per node, torchrun starts the ranks
     ok(run(["srun", "-n", "1", "-c", "2", str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "distkit",
