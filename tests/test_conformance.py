@@ -42,7 +42,7 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
     # accumulation set after init (dk.set_accumulation), a scheduler factory
     "accum": (["plain", "accumulate_without_no_sync", "save_load"], ["--accum-api", "2", "--scheduler", "factory"], ""),
     "compile": (["save_load"], ["--compile"], ""),
-    "unused": (["plain", "save_load"], ["--unused"], FIND_UNUSED),
+    "unused": (["plain", "save_load", "some_ranks"], ["--unused"], FIND_UNUSED),
     "unused_no_find": (["plain"], ["--unused"], ""),
 }
 
@@ -73,6 +73,9 @@ EXPECTED: dict[str, dict[str, str]] = {
     "unused parameter, find_unused_parameters = True (grad)": {
         "ddp": SAME, "mpi": SAME, "horovod": SAME, "fsdp": SAME,
         "zero2": "freeze them (requires_grad_(False))", "zero3": "freeze them (requires_grad_(False))"},
+    "a module some ranks run and others not in a step, find_unused_parameters = True (grad)": {
+        "ddp": SAME, "mpi": SAME, "horovod": SAME, "fsdp": "the ranks run different modules in this step",
+        "zero2": "the ranks run different modules in this step", "zero3": "the ranks run different modules in this step"},
     "unused parameter without find_unused_parameters (ddp: torch's own error; grad)": {
         "ddp": "(torch)", "mpi": "set distributed.options = {'find_unused_parameters': True}",
         "horovod": "set distributed.options = {'find_unused_parameters': True}",
@@ -98,6 +101,7 @@ WHERE: dict[str, tuple[str, str]] = {
     "EMA copy (AveragedModel) with dk.keep_in_sync": ("main", "ema"),
     "model.module (grad mode; param mode has no wrapper on any engine)": ("main", "module_attribute"),
     "unused parameter, find_unused_parameters = True (grad)": ("unused", "save_load"),
+    "a module some ranks run and others not in a step, find_unused_parameters = True (grad)": ("unused", "some_ranks"),
     "unused parameter without find_unused_parameters (ddp: torch's own error; grad)": ("unused_no_find", "plain"),
     "torch.utils.data.DistributedSampler(dataset) kept": ("main", "distributed_sampler"),
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": ("main", "drop_last"),

@@ -16,7 +16,9 @@ What keeps it DDP's result:
   forwards DDP would;
 - a parameter shared by two modules (GPT-2's ``wte``/``lm_head``) must live in one unit (torch refuses it in two):
   a unit holding a parameter that is also registered outside it is not made a unit of its own, its parameters
-  go to the root's unit.
+  go to the root's unit;
+- a module only some ranks run in a step cannot give DDP's result (:mod:`distkit.backends.fsdp_order`): with
+  ``find_unused_parameters`` each collective checks the ranks agree on its unit and stops them with the fix.
 
 Hybrid sharding (``shard_group_size``): shard inside groups of consecutive ranks, replicate across them (2-D mesh).
 
@@ -38,6 +40,7 @@ from distkit.portable import group_names, optimizer_state_by_name, optimizer_sta
 from .parts import persistent_buffers, unused_parameters
 from .buffers import DDPBufferRule
 from .ddp import DDPStrategy
+from .fsdp_order import collectives
 
 #: ``distributed.fsdp`` keys, their defaults and meaning (also shown by ``distkit keys``' row for the dict)
 OPTIONS: dict[str, tuple[Any, str]] = {
@@ -92,7 +95,7 @@ class FSDPStrategy(DDPStrategy):
     """torch.distributed + FSDP2's ``fully_shard`` (grad mode)."""
 
     name = "fsdp"
-    #: (its collectives are timed one by one, in forward and backward: :func:`_timed_collectives`)
+    #: (its collectives are timed one by one, in forward and backward: :func:`distkit.backends.fsdp_order.collectives`)
     reduces_in_backward = False
 
     @classmethod
@@ -164,13 +167,14 @@ class FSDPStrategy(DDPStrategy):
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
         self._root = module
-        timed_gather, timed_scatter = _timed_collectives(self)
-        for m in module.modules():  # FSDP2's classes refuse a deep copy with an AssertionError: say it, with the fix
-            if isinstance(m, FSDPModule):  # each unit, and the root
-                type(m).__deepcopy__ = _no_copy  # type: ignore[method-assign]
-                m.set_custom_all_gather(timed_gather)
-                m.set_custom_reduce_scatter(timed_scatter)
         self._find_unused = bool(self.cfg.distributed.options.get("find_unused_parameters", False))
+        named = [(n or "<root>", m) for n, m in module.named_modules() if isinstance(m, FSDPModule)]
+        for i, (_, m) in enumerate(named):  # each unit, and the root
+            # FSDP2's classes refuse a deep copy with an AssertionError: say it, with the fix
+            type(m).__deepcopy__ = _no_copy  # type: ignore[method-assign]
+            gather, scatter = collectives(self, i, [n for n, _ in named], check=self._find_unused)
+            m.set_custom_all_gather(gather)
+            m.set_custom_reduce_scatter(scatter)
         if optimizer is not None:
             repoint(optimizer, first_name, dict(module.named_parameters()))
         n_params = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -286,25 +290,6 @@ class FSDPStrategy(DDPStrategy):
         # (strict=False: a parameter no step used yet has no state, as under DDP, and keeps none)
         set_optimizer_state_dict(module, optimizer, {"state": optim_state, "param_groups": groups},
                                  options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def _timed_collectives(strategy: FSDPStrategy) -> tuple[Any, Any]:
-    """FSDP2's own all-gather and reduce-scatter, the time blocked in each counted as waiting on communication
-    (``Strategy.waiting``: ``compute_fraction`` leaves it out). On CPU (gloo) FSDP2 runs them synchronously, so
-    the call's wall time is the wait; on CUDA they are queued on their own streams and return at once."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-
-    class TimedAllGather(DefaultAllGather):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            with strategy.waiting():
-                return super().__call__(*args, **kwargs)
-
-    class TimedReduceScatter(DefaultReduceScatter):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            with strategy.waiting():
-                return super().__call__(*args, **kwargs)
-
-    return TimedAllGather(), TimedReduceScatter()
 
 
 #: why a copy of the sharded model cannot follow it, and the fix

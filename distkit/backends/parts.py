@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from distkit.averaging import ParamAverager
-from distkit.errors import DistkitError, UnusedParameters
+from distkit.errors import DistkitError, UnusedParameters, UsageError
 
 if TYPE_CHECKING:
     from .base import Strategy
@@ -40,6 +40,49 @@ def drop_globally_unused(strategy: "Strategy", params: list[torch.Tensor], seen:
     for p, u in zip(params, used.tolist(), strict=True):
         if not u and not had_grad.get(id(p), False):
             p.grad = None
+
+
+def graph_parameters(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors ``loss``'s autograd graph accumulates gradients into (what DDP's
+    ``find_unused_parameters`` traverses): the parameters this rank's backward will give a gradient."""
+    used: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad's leaf
+        if var is not None:
+            used.add(id(var))
+        stack.extend(f for f, _ in fn.next_functions)
+    return used
+
+
+def same_parameters_on_every_rank(strategy: "Strategy", loss: torch.Tensor, trainable: list[tuple[str, Any]],
+                                  engine: str) -> None:
+    """Collective (one byte per parameter, gathered from every rank): before a backward whose reductions follow
+    the parameters that get gradients (DeepSpeed's buckets), UsageError on every rank when some ranks' graphs use
+    a parameter that others' do not (a module some ranks run: a branch on the data, layer drop), which such an
+    engine reduces mismatched; naming the parameters, the ranks that use them, and the fix."""
+    import torch.distributed as dist
+
+    used = graph_parameters(loss)
+    mine = torch.tensor([1 if id(p) in used else 0 for _, p in trainable], dtype=torch.uint8)
+    every = torch.empty(strategy.world_size * len(trainable), dtype=torch.uint8)
+    dist.all_gather_into_tensor(every, mine)
+    rows = every.view(strategy.world_size, len(trainable))
+    differ = (rows.min(dim=0).values != rows.max(dim=0).values).nonzero().flatten().tolist()
+    if differ:
+        names = [trainable[i][0] for i in differ]
+        shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        users = [r for r in range(strategy.world_size) if rows[r, differ[0]]]
+        raise UsageError(f"rank {strategy.rank}: the ranks run different modules in this step ({shown} used by "
+                         f"rank(s) {', '.join(map(str, users))} only): {engine} reduces the gradients of the "
+                         "parameters every rank used; run each module on every rank (a branch not taken can add "
+                         "0 * its output), or use backend 'ddp' with distributed.options = "
+                         "{'find_unused_parameters': True}")
 
 
 def report_failure(rank: int, world_size: int, engine: str) -> int:

@@ -45,8 +45,9 @@ class Net(nn.Module):
         self.frozen.requires_grad_(False)
         self.extra = nn.Linear(4, 4) if unused else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.frozen(self.fc2(torch.tanh(self.norm(self.bn(self.fc1(x))))))
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = self.frozen(self.fc2(torch.tanh(self.norm(self.bn(self.fc1(x))))))
+        return h + self.extra(h) if use_extra else h  # (--unused: a branch some steps take on some ranks)
 
 
 def batch(phase: int, step: int, micro: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,9 +103,9 @@ class Runner:
     def bare(self) -> nn.Module:
         return self.model if self.dk is None else self.dk.unwrap(self.model)
 
-    def loss(self, step: int, micro: int) -> torch.Tensor:
+    def loss(self, step: int, micro: int, use_extra: bool = False) -> torch.Tensor:
         x, y = batch(self.phase, step, micro, self.rank + self.args.rank_offset, self.device)
-        return nn.functional.cross_entropy(self.model(x), y)
+        return nn.functional.cross_entropy(self.model(x, use_extra=use_extra) if use_extra else self.model(x), y)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.pending = True
@@ -280,6 +281,15 @@ def print_flush(r: Runner) -> None:
         r.dk.print("conformance: print with flush", flush=True)
 
 
+def some_ranks(r: Runner) -> None:
+    """A module some ranks run and others not in the same step (``--unused``'s Linear, on rank (step % 2) only: a
+    branch on the data, layer drop), with ``find_unused_parameters``: DDP averages its gradient with zeros from the
+    ranks that did not run it."""
+    for s in range(STEPS):
+        r.backward(r.loss(s, 0, use_extra=(s + r.rank + r.args.rank_offset) % 2 == 0))
+        r.step()
+
+
 def drop_last(r: Runner) -> None:
     """``dk.dataloader(..., drop_last=True)`` (what DataLoader users write), and ``dk.print(..., flush=True)``."""
     if r.dk is None:
@@ -299,7 +309,7 @@ def distributed_sampler(r: Runner) -> None:
 
 
 PHASES: dict[str, Callable[[Runner], None]] = {f.__name__: f for f in (
-    plain, accumulate_without_no_sync, double_backward, zero_grad_set_to_none, raw_clip, save_load, ema,
+    plain, accumulate_without_no_sync, double_backward, zero_grad_set_to_none, raw_clip, save_load, ema, some_ranks,
     eval_between_steps, eval_gather, module_attribute, print_flush, drop_last, distributed_sampler)}
 #: phases whose exception is left to distkit's exception hook (the process ends there)
 UNCAUGHT = {"distributed_sampler"}
@@ -344,10 +354,11 @@ def main() -> None:
                 PHASES[name](r)
             except (DistkitError, RuntimeError) as e:
                 error = f"{type(e).__name__}: {e}"
-                if r.pending and isinstance(e, DistkitError):
+                if r.pending and isinstance(e, DistkitError) and i < len(phases) - 1:
                     # The engine refused before the step (on every rank alike): complete the step and go on
                     # (the next phases' states no longer compare with DDP's). Where the step refuses too,
-                    # the error ends the process (exit 2, one line): the refusal is not recoverable.
+                    # the error ends the process (exit 2, one line): the refusal is not recoverable. After the
+                    # last phase nothing goes on (DeepSpeed's step after a backward it refused fails in itself).
                     r.step()
         record["phases"][name] = {"error": error, **r.state()}
         _save(record, path)

@@ -25,7 +25,7 @@ from distkit.errors import CollectiveTimeout, ConfigError, OutputError, Unsuppor
 from distkit.replicas import ReplicaGroups
 
 from .. import startup
-from ..parts import bare_module, persistent_buffers, unused_parameters
+from ..parts import bare_module, persistent_buffers, same_parameters_on_every_rank, unused_parameters
 from ..buffers import DDPBufferRule
 from .config import RESOLVED_NAME, zero_section
 from .groups import _MasterAverager, _ReplicaGroups
@@ -238,6 +238,9 @@ class DeepSpeedStrategy(_DeepSpeedState):
         # which trainable parameters got a gradient since the last boundary (see backward)
         self._trainable = [(n, p) for n, p in self.unwrap(engine).named_parameters() if p.requires_grad]
         self._seen: set[int] = set()
+        # where the script declared that parameters may go unused, check each backward that the ranks use the same
+        self._check_graphs = self.reduce_type == "grad" and self.world_size > 1 and bool(
+            self.cfg.distributed.options.get("find_unused_parameters", False))
         for _, p in self._trainable:
             p.register_post_accumulate_grad_hook(lambda q: self._seen.add(id(q)))
         return engine, ds_opt
@@ -311,6 +314,8 @@ class DeepSpeedStrategy(_DeepSpeedState):
     def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
         engine: Any = model  # the DeepSpeedEngine setup() returned
         boundary = engine.is_gradient_accumulation_boundary()
+        if self._check_graphs:  # before DeepSpeed's buckets reduce what differs (parts.same_parameters_on_every_rank)
+            same_parameters_on_every_rank(self, loss, self._trainable, "DeepSpeed ZeRO")
         engine.backward(loss, scale_wrt_gas=False)  # distkit's loop already divided by the accumulation steps
         if not boundary:
             engine.step()  # a micro-step: only advances the engine's counter (no optimizer step)
