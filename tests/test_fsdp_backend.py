@@ -148,3 +148,35 @@ def test_gpt2_in_an_own_loop_on_fsdp_gives_ddps_model(tmp_path: Path, mode: str)
     assert max(abs(a - b) / b for a, b in zip(s["norms"], s_ddp["norms"])) <= 1e-6, (s["norms"], s_ddp["norms"])
     assert model.keys() == model_ddp.keys() and max_abs_diff(model, model_ddp) <= 1e-6
     assert model["lm_head.weight"].equal(model["transformer.wte.weight"])
+
+
+HSDP_WAIT = '''
+import json, sys, time, torch, distkit
+dk = distkit.init({"distributed": {"backend": "fsdp", "fsdp": {"shard_group_size": 2}}, "nprocs": 4,
+                   "progress_bar": False})
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+model, opt = dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for step in range(3):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    if dk.rank == 2 and step > 0:
+        time.sleep(DELAY)  # the one rank late: only its replica peer (rank 0) waits for it, in HSDP's all-reduce
+    dk.backward(loss)
+    dk.step()
+json.dump({"rank": dk.rank, "comm_wait_s": dk.comm_wait_s}, open(sys.argv[1] + f"/wait-{dk.rank}.json", "w"))
+dk.close()
+'''
+
+
+@pytest.mark.full("a run of 4 ranks (HSDP 2x2), started by the script's own nprocs key")
+def test_hsdp_counts_the_wait_in_its_all_reduce_across_the_replicas(tmp_path: Path) -> None:
+    """HSDP (2 groups of 2 ranks): FSDP2 all-reduces each reduce-scattered shard across the replicas with its own
+    call; the time blocked there is waiting on a collective, not compute (``compute_fraction``). Rank 2 is 1.5 s
+    late before each of two backwards: its replica peer, rank 0, waits for it in that all-reduce only (its own
+    group's reduce-scatter and all-gathers are with rank 1, on time), so rank 0's ``comm_wait_s`` holds the 3 s,
+    where before it held none of it (counted as compute)."""
+    script = tmp_path / "hsdp_wait.py"
+    script.write_text(HSDP_WAIT.replace("DELAY", "1.5"))
+    ok(run([str(BIN / "python"), str(script), str(tmp_path)]))
+    waits = {r: json.loads((tmp_path / f"wait-{r}.json").read_text())["comm_wait_s"] for r in range(4)}
+    assert waits[0] >= 2.9, waits  # the two delays, less scheduling slack
+    assert waits[2] < 2.9, waits  # the late rank itself waited for nobody that long

@@ -162,6 +162,7 @@ class FSDPStrategy(DDPStrategy):
                                       reduce_dtype=_DTYPES.get(opts["reduce_dtype"]))
         kwargs = {"mesh": mesh, "reshard_after_forward": opts["reshard_after_forward"], "mp_policy": policy,
                   "offload_policy": CPUOffloadPolicy() if opts["cpu_offload"] else OffloadPolicy()}
+        hsdp = self.reduce_type == "grad" and size < self.world_size
         self.units = units(module, opts["units"])
         for unit in self.units:  # innermost first, then the root
             fully_shard(unit, **kwargs)
@@ -172,17 +173,19 @@ class FSDPStrategy(DDPStrategy):
         for i, (_, m) in enumerate(named):  # each unit, and the root
             # FSDP2's classes refuse a deep copy with an AssertionError: say it, with the fix
             type(m).__deepcopy__ = _no_copy  # type: ignore[method-assign]
-            gather, scatter = collectives(self, i, [n for n, _ in named], check=self._find_unused)
+            gather, scatter, all_reduced = collectives(self, i, [n for n, _ in named], check=self._find_unused)
             m.set_custom_all_gather(gather)
             m.set_custom_reduce_scatter(scatter)
+            if hsdp:  # the all-reduce across the replicas is FSDP2's own call: timed from its neighbours
+                m.set_all_reduce_hook(all_reduced)
         if optimizer is not None:
             repoint(optimizer, first_name, dict(module.named_parameters()))
         n_params = sum(p.numel() * p.element_size() for p in module.parameters())
         # per step, this rank hands the gradients' full size to the reduce-scatters and its shards to the
         # all-gathers: forward, and backward again where the units free them after forward
-        self._step_bytes = 0 if size == 1 else (
-            sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-            + (2 if opts["reshard_after_forward"] else 1) * n_params // size)
+        grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        self._step_bytes = (0 if size == 1 else grads + (2 if opts["reshard_after_forward"] else 1) * n_params // size) \
+            + (grads // size if hsdp else 0)  # HSDP: each rank's reduced shard all-reduced across the replicas
         self._buffers = persistent_buffers(module)
         # DDP's rule (buffers are not sharded), where more than one rank reduces gradients together
         if self._buffers and (size if self.reduce_type == "param" else self.world_size) > 1:

@@ -27,12 +27,23 @@ _KINDS = {"all_gather": 1, "reduce_scatter": 2}
 _UNITS = 1_000_000
 
 
-def collectives(strategy: Any, unit: int, names: list[str], check: bool) -> tuple[Any, Any]:
+def collectives(strategy: Any, unit: int, names: list[str], check: bool) -> tuple[Any, Any, Any]:
     """The all-gather and reduce-scatter for unit number ``unit`` (``names[unit]`` its qualified name), timed in
     ``strategy.waiting()`` (``compute_fraction`` leaves it out: on gloo FSDP2 runs them synchronously, so the
     call's wall time is the wait; on CUDA they are queued on their own streams and return at once); with ``check``,
-    each preceded by the unit exchange (collective on the same group, every rank of it)."""
+    each preceded by the unit exchange (collective on the same group, every rank of it). Third: the all-reduce hook
+    for HSDP (``FSDPModule.set_all_reduce_hook``): FSDP2 all-reduces a reduce-scattered shard across the replicas
+    with ``dist.all_reduce`` right after the reduce-scatter returns and calls the hook right after it, so the time
+    from the one to the other is that all-reduce's, counted as waiting too."""
+    import time
+
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    scattered: list[float] = []  # when this unit's last reduce-scatter returned
+
+    def all_reduced(_output: torch.Tensor) -> None:
+        if scattered:
+            strategy.comm_wait_s += time.perf_counter() - scattered.pop()
 
     class UnitAllGather(DefaultAllGather):
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
@@ -48,9 +59,11 @@ def collectives(strategy: Any, unit: int, names: list[str], check: bool) -> tupl
             with strategy.waiting():
                 if check:
                     same_unit(strategy.rank, "reduce_scatter", unit, names, group, input_tensor.device)
-                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+                work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            scattered[:] = [time.perf_counter()]
+            return work
 
-    return UnitAllGather(), UnitReduceScatter()
+    return UnitAllGather(), UnitReduceScatter(), all_reduced
 
 
 def same_unit(rank: int, kind: str, unit: int, names: list[str], group: Any, device: torch.device) -> None:
