@@ -445,6 +445,21 @@ def explain_stall() -> None:
         _ACTIVE.explain()
 
 
+def end_local_peers() -> None:
+    """SIGKILL the other ranks on this host that the watchdog knows (a rank that ends the job on its own bound,
+    :mod:`distkit.backends.wait_guard`, whose peers hang alive: left to their launcher, which may take seconds to
+    end a rank whose main thread never runs, their own judges would first name this rank, gone, as the one that
+    stopped responding). Not collective; nothing without a watchdog."""
+    watchdog = _ACTIVE
+    if watchdog is None:
+        return
+    here = host_identity()
+    for r, (host, pid) in sorted(watchdog._where.items()):
+        if r != watchdog.rank and host == here and pid > 0 and pid != os.getpid():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
     """Where a rank failed because its connection to a peer broke ("connection closed by peer", reset,
     refused: :func:`distkit.launch.connection_lost`; not a timeout): the rank that is gone, as a

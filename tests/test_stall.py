@@ -459,6 +459,26 @@ def test_deepspeed_zero2_under_its_launcher_names_stopped_rank(tmp_path: Path) -
 
 
 
+def test_a_rank_hanging_alive_under_horovodrun_gloo_ends_the_job_after_timeout_s(tmp_path: Path) -> None:
+    """Horovod's Gloo controller runs no stall check, and a rank that hangs alive (main thread asleep after step
+    5, heartbeat beating: no stall for the watchdog) kept a horovodrun --gloo job waiting until it was killed
+    (stall_matrix: 90 s, issue 34's finding). distkit's wait guard (:mod:`distkit.backends.wait_guard`) ends the
+    waiting rank after timeout_s with one line, and its local peers with it: the launcher ends the job, and no
+    rank is wrongly named as one that stopped responding. (The test's own limit is the run's timeout.)"""
+    out = tmp_path / "out"
+    res = run([str(BIN / "horovodrun"), "-np", "2", "--gloo", sys.executable, "-m", "distkit", "train",
+               "configs/returnn_ddp.py", "++torch_distributed", "None", "++use_horovod", "1", "++horovod_require", "True",
+               "++output_dir", str(out), "++max_steps", "20", "++progress_bar", "False",
+               "++distributed.timeout_s", str(T)], timeout=STARTUP_S + 60, DISTKIT_FAULT=f"1:{FAULT_STEP}:hang")
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text[-3000:]
+    assert (f"distkit: rank 0: Horovod's gradient allreduce did not complete within distributed.timeout_s = {T:g} s "
+            "(a rank hangs or is slow: Horovod's stall check does not run under its Gloo controller): ending this rank"
+            ) in text, text[-3000:]
+    assert "stopped responding" not in text, text[-3000:]
+    assert not (out / "summary.json").exists()
+
+
 def test_groups_get_start_ups_bound_and_timeout_s_after_the_first_step() -> None:
     """ZeRO reduces on DeepSpeed's own clone of the world group (``dist.new_group`` without a timeout),
     which torch gives its 30-minute default: a rank that hangs alive (heartbeat beating, so not a

@@ -23,7 +23,7 @@ import contextlib
 import os
 import sys
 import types
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 import torch
 from torch import nn
@@ -31,12 +31,15 @@ from torch import nn
 from distkit import faults
 from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.netif import openmpi_interface_hint
+from distkit.watchdog import end_local_peers
 
 from .buffers import DDPBufferRule
 from .base import Strategy
 from .horovod_collectives import HorovodCollectives, _Handle
 from .parts import drop_globally_unused, param_averager, persistent_buffers, report_failure, unused_parameters
+from . import startup
 from .startup import startup_guard
+from .wait_guard import WaitGuard
 from .mpi import MPIStrategy
 from .mpi_setup import mpi_impl
 
@@ -57,6 +60,7 @@ class HorovodEngine(HorovodCollectives, Strategy):
 
     name = "horovod"
     local_launcher = "mpirun"
+    _guard: Optional[WaitGuard] = None  # (set by init under the Gloo controller)
 
     def init(self) -> None:
         hvd, why = _import_horovod()
@@ -85,6 +89,11 @@ class HorovodEngine(HorovodCollectives, Strategy):
             faults.maybe_fire(self.rank, 0, "init")
             hvd.init(process_sets=process_sets or None)
         self._initialized = True
+        # Horovod's Gloo controller (horovodrun --gloo) runs no stall check: distkit bounds the waits (wait_guard)
+        self._guard = WaitGuard(self.rank, lambda: startup.bound(self.cfg.distributed)[0],
+                                lambda: startup.bound_text(self.cfg.distributed),
+                                "a rank hangs or is slow: Horovod's stall check does not run under its Gloo "
+                                "controller", end_local_peers) if hvd.gloo_enabled() and self.world_size > 1 else None
         if (hvd.size(), hvd.rank()) != (self.world_size, self.rank):
             raise UnsupportedCombination(
                 f"horovod found rank {hvd.rank()} of {hvd.size()} but the {self.env.launcher} launcher says rank "
@@ -236,14 +245,14 @@ class HorovodEngine(HorovodCollectives, Strategy):
         self.comm_bytes += rows.numel() * rows.element_size()
         handle = self.hvd.alltoall_async(rows.contiguous(), name=self._next_name("exchange.a2a"),
                                          process_set=self._cross_set)
-        return _Handle(self.hvd, handle)
+        return _Handle(self.hvd, handle, self._bounded)
 
     def start_all_gather(self, row: torch.Tensor) -> Any:
         self._gate("allgather")
         self.comm_bytes += row.numel() * row.element_size()
         handle = self.hvd.allgather_async(row.contiguous()[None], name=self._next_name("exchange.gather"),
                                           process_set=self._cross_set)
-        return _Handle(self.hvd, handle)
+        return _Handle(self.hvd, handle, self._bounded)
 
     def _group_all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """In place, over the ranks that reduce gradients together (this rank's replica group): the used-mask
@@ -281,10 +290,16 @@ class HorovodEngine(HorovodCollectives, Strategy):
             self._synchronized = False  # a new reduction, also after one already finished in this step
             self.wait_for_gradients(model, self._optimizer)
 
+    @contextlib.contextmanager
+    def waiting(self, what: str = "Horovod's allreduce") -> Iterator[None]:
+        """Strategy's (timed as waiting on communication), and under the Gloo controller bounded (``_guard``)."""
+        with super().waiting(), self._guard.waiting(what) if self._guard is not None else contextlib.nullcontext():
+            yield
+
     def wait_for_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self._distributed(optimizer) and not self._synchronized:
             self._check_unused()
-            with self.waiting():
+            with self.waiting("Horovod's gradient allreduce"):
                 optimizer.synchronize()  # type: ignore[attr-defined]
             self.comm_bytes += self._grad_bytes
             if self._find_unused:  # where Horovod filled in zeros; "globally": over the group that reduced

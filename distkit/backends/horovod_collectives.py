@@ -2,7 +2,8 @@
 all-reduce, broadcasts and object exchange through ``horovod.torch``, every op in flight under its own name."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
@@ -12,11 +13,12 @@ from . import startup
 class _Handle:
     """A Horovod op started with its ``*_async`` function: ``wait()`` returns its output."""
 
-    def __init__(self, hvd: Any, handle: Any) -> None:
-        self.hvd, self.handle = hvd, handle
+    def __init__(self, hvd: Any, handle: Any, bounded: Optional[Callable[[str], ContextManager[None]]] = None) -> None:
+        self.hvd, self.handle, self.bounded = hvd, handle, bounded
 
     def wait(self) -> torch.Tensor:
-        out = self.hvd.synchronize(self.handle)
+        with self.bounded("Horovod's background op") if self.bounded is not None else contextlib.nullcontext():
+            out = self.hvd.synchronize(self.handle)
         return out[0] if isinstance(out, tuple) else out  # alltoall's received splits are not needed
 
 
@@ -39,6 +41,12 @@ class HorovodCollectives:
         if self.meet is not None and self.world_size > 1 and not startup.ended():
             self.meet(f"Horovod's {what} in start-up")
 
+    def _bounded(self, what: str) -> ContextManager[None]:
+        """A blocking Horovod wait, bounded where the engine set a guard (``_guard``: under the Gloo controller,
+        which runs no stall check; :mod:`distkit.backends.wait_guard`)."""
+        guard = getattr(self, "_guard", None)
+        return guard.waiting(what) if guard is not None else contextlib.nullcontext()
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
         if self.world_size == 1:
@@ -47,7 +55,8 @@ class HorovodCollectives:
         hvd = self.hvd
         self.comm_bytes += tensor.numel() * tensor.element_size()
         # mean = sum, then divide (as the other engines do: the same rounding everywhere)
-        out = hvd.allreduce(tensor.detach(), op=self._op(op))
+        with self._bounded("Horovod's allreduce"):
+            out = hvd.allreduce(tensor.detach(), op=self._op(op))
         if op == "mean":
             out = out / self.world_size
         with torch.no_grad():
@@ -65,7 +74,8 @@ class HorovodCollectives:
         self._gate("allreduce")
         hvd = self.hvd
         self.comm_bytes += tensor.numel() * tensor.element_size()
-        return _Handle(hvd, hvd.allreduce_async(tensor.detach(), op=self._op(op), name=self._next_name("all_reduce")))
+        return _Handle(hvd, hvd.allreduce_async(tensor.detach(), op=self._op(op), name=self._next_name("all_reduce")),
+                       self._bounded)
 
     def _next_name(self, kind: str) -> str:
         """The name of the next op started in the background: Horovod's ranks match ops by name, so every op in
@@ -80,20 +90,23 @@ class HorovodCollectives:
         if self.world_size == 1:
             return obj
         self._gate("broadcast_object")
-        return self.hvd.broadcast_object(obj, root_rank=src, name="distkit.broadcast_object")
+        with self._bounded("Horovod's broadcast_object"):
+            return self.hvd.broadcast_object(obj, root_rank=src, name="distkit.broadcast_object")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Collective: every rank must call it, in the same order. Returns one object per rank."""
         if self.world_size == 1:
             return [obj]
         self._gate("allgather_object")
-        return list(self.hvd.allgather_object(obj, name="distkit.all_gather_object"))
+        with self._bounded("Horovod's allgather_object"):
+            return list(self.hvd.allgather_object(obj, name="distkit.all_gather_object"))
 
     def barrier(self) -> None:
         """Collective: every rank must call it, in the same order."""
         if self.world_size > 1:
             self._gate("barrier")
-            self.hvd.barrier()
+            with self._bounded("Horovod's barrier"):
+                self.hvd.barrier()
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Collective: every rank must call it, in the same order. In-place ``hvd.broadcast_`` of each tensor."""
@@ -109,5 +122,6 @@ class HorovodCollectives:
         for t in tensors:
             self.comm_bytes += t.numel() * t.element_size()
             handles.append(self.hvd.broadcast_async_(t.detach(), root_rank=root_rank, process_set=process_set))
-        for h in handles:
-            self.hvd.synchronize(h)
+        with self._bounded("Horovod's broadcast"):
+            for h in handles:
+                self.hvd.synchronize(h)
