@@ -94,6 +94,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="write every collected test's tier, reasons and parity marks as JSON to PATH")
 
 
+#: this run's collection, each test with its tier (what ``--tier-report`` writes), before ``-m``/``-k`` deselect
+TIER_REPORT: list[dict[str, Any]] = []
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each full-tier test ``full`` (what it starts decides: tests/tiers.py), and ``serial`` where it must run
@@ -116,6 +120,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     path = config.getoption("--tier-report")
     if path:
         Path(path).write_text(json.dumps(report, indent=1))
+    TIER_REPORT[:] = report  # (test_tiers reads it where this run collected the whole suite)
     # (an xdist worker sees dist "no" and its own loadgroup flag)
     if getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup":
         for item in items:
