@@ -345,13 +345,18 @@ class Watchdog:
                 # a rank on another host (or where unknown): its launcher may wait for that host forever. One on
                 # this host is SIGKILLed below, and the launcher sees it end: it ends by itself, with its own line
                 end_launcher_after(f"{which} stopped responding")
-            for r in ranks:
-                host, pid = self._where.get(r, ("", 0))
-                if host == here and pid > 0 and pid != os.getpid():
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
+            self.kill_local(ranks)
             self.end_job(1)
             os._exit(1)  # end_job does not return; if an engine's did, this rank still must not
+
+    def kill_local(self, ranks: list[int]) -> None:
+        """SIGKILL those of ``ranks`` that run on this host (their pids as learned), never this process."""
+        here = host_identity()
+        for r in ranks:
+            host, pid = self._where.get(r, ("", 0))
+            if host == here and pid > 0 and pid != os.getpid():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
     def lost(self) -> list[int]:
         """The ranks whose heartbeat has stopped: no change for :data:`LOST_AFTER_INTERVALS` intervals.
@@ -451,13 +456,8 @@ def end_local_peers() -> None:
     end a rank whose main thread never runs, their own judges would first name this rank, gone, as the one that
     stopped responding). Not collective; nothing without a watchdog."""
     watchdog = _ACTIVE
-    if watchdog is None:
-        return
-    here = host_identity()
-    for r, (host, pid) in sorted(watchdog._where.items()):
-        if r != watchdog.rank and host == here and pid > 0 and pid != os.getpid():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+    if watchdog is not None:
+        watchdog.kill_local([r for r in sorted(watchdog._where) if r != watchdog.rank])
 
 
 def lost_peer_error(exc: BaseException) -> Optional[RankLost]:

@@ -22,6 +22,8 @@ import torch
 
 from distkit.errors import UsageError
 
+from .parts import SOME_RANKS_FIX
+
 #: what a collective is for: kind * UNITS + unit index
 _KINDS = {"all_gather": 1, "reduce_scatter": 2}
 _UNITS = 1_000_000
@@ -86,5 +88,4 @@ def same_unit(rank: int, kind: str, unit: int, names: list[str], group: Any, dev
     ranks = ", ".join(f"rank {dist.get_global_rank(group, i)} {what(c)}" for i, c in enumerate(codes))
     raise UsageError(f"rank {rank}: the ranks run different modules in this step ({ranks}): backend 'fsdp' needs "
                      "every rank to run the same sharded units in each step, as it reduces a unit's gradients where "
-                     "every rank ran it; run each module on every rank (a branch not taken can add 0 * its output), "
-                     "or use backend 'ddp' with distributed.options = {'find_unused_parameters': True}")
+                     f"every rank ran it; {SOME_RANKS_FIX}")

@@ -60,7 +60,6 @@ class HorovodEngine(HorovodCollectives, Strategy):
 
     name = "horovod"
     local_launcher = "mpirun"
-    _guard: Optional[WaitGuard] = None  # (set by init under the Gloo controller)
 
     def init(self) -> None:
         hvd, why = _import_horovod()
@@ -293,7 +292,7 @@ class HorovodEngine(HorovodCollectives, Strategy):
     @contextlib.contextmanager
     def waiting(self, what: str = "Horovod's allreduce") -> Iterator[None]:
         """Strategy's (timed as waiting on communication), and under the Gloo controller bounded (``_guard``)."""
-        with super().waiting(), self._guard.waiting(what) if self._guard is not None else contextlib.nullcontext():
+        with super().waiting(), self._bounded(what):
             yield
 
     def wait_for_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -30,6 +30,7 @@ class HorovodCollectives:
     comm_bytes: int
     meet: Optional[Callable[[str], None]]  # (Strategy's)
     _named: int  # the background ops started so far (their names)
+    _guard: Any = None  # a WaitGuard where the engine bounds its waits itself (HorovodEngine.init, Gloo controller)
 
     def _gate(self, what: str) -> None:
         """Collective during start-up (every Horovod op of this engine calls it first, on every rank in the same
@@ -44,7 +45,7 @@ class HorovodCollectives:
     def _bounded(self, what: str) -> ContextManager[None]:
         """A blocking Horovod wait, bounded where the engine set a guard (``_guard``: under the Gloo controller,
         which runs no stall check; :mod:`distkit.backends.wait_guard`)."""
-        guard = getattr(self, "_guard", None)
+        guard = self._guard
         return guard.waiting(what) if guard is not None else contextlib.nullcontext()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

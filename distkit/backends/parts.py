@@ -21,10 +21,20 @@ FIND_UNUSED_FIX = ("as under DDP, set distributed.options = {'find_unused_parame
                    "for parameters a step may leave unused, or freeze them (requires_grad_(False))")
 
 
+#: the fix where the ranks run different modules in one step (fsdp, ZeRO: they cannot give DDP's result there)
+SOME_RANKS_FIX = ("run each module on every rank (a branch not taken can add 0 * its output), or use backend 'ddp' "
+                  "with distributed.options = {'find_unused_parameters': True}")
+
+
+def shown_names(names: list[str]) -> str:
+    """The first three of ``names``, quoted, with " ..." after them where there are more (for a one-line error)."""
+    return ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+
+
 def unused_parameters(rank: int, names: list[str], fix: str = FIND_UNUSED_FIX) -> UnusedParameters:
     """The error for trainable parameters ``names`` that got no gradient in this step on ``rank``."""
-    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
-    return UnusedParameters(f"rank {rank}: {len(names)} parameter(s) got no gradient in this step ({shown}): {fix}")
+    return UnusedParameters(f"rank {rank}: {len(names)} parameter(s) got no gradient in this step "
+                            f"({shown_names(names)}): {fix}")
 
 
 def drop_globally_unused(strategy: "Strategy", params: list[torch.Tensor], seen: set[int],
@@ -75,14 +85,11 @@ def same_parameters_on_every_rank(strategy: "Strategy", loss: torch.Tensor, trai
     rows = every.view(strategy.world_size, len(trainable))
     differ = (rows.min(dim=0).values != rows.max(dim=0).values).nonzero().flatten().tolist()
     if differ:
-        names = [trainable[i][0] for i in differ]
-        shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        shown = shown_names([trainable[i][0] for i in differ])
         users = [r for r in range(strategy.world_size) if rows[r, differ[0]]]
         raise UsageError(f"rank {strategy.rank}: the ranks run different modules in this step ({shown} used by "
                          f"rank(s) {', '.join(map(str, users))} only): {engine} reduces the gradients of the "
-                         "parameters every rank used; run each module on every rank (a branch not taken can add "
-                         "0 * its output), or use backend 'ddp' with distributed.options = "
-                         "{'find_unused_parameters': True}")
+                         f"parameters every rank used; {SOME_RANKS_FIX}")
 
 
 def report_failure(rank: int, world_size: int, engine: str) -> int:
