@@ -50,8 +50,9 @@ pytest = $(VENV)/bin/pytest -q -p no:cacheprovider $(2) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "$(1): no tests ran" >&2; exit 1; fi
 
 # Everything, in one run on five workers (pytest-xdist, --dist loadgroup): two take the tests marked serial one at a
-# time, from the start: one those that build hosts or SLURM daemons (machine-wide names), the other the rest (a
-# lighthouse, kill trials, timeouts, asserted durations: they time what they observe); the three others take the
+# time, from the start: one those that build hosts or SLURM daemons (machine-wide names) and the serial tests of
+# two files that balance the lanes (tests/conftest.py MACHINE_LANE_TOO), the other the rest (a lighthouse, kill
+# trials, timeouts, asserted durations: they time what they observe); the three others take the
 # rest file by file (tests/conftest.py groups them). The serial tests mostly wait (for a timeout, a stalled rank, a
 # daemon): beside them the machine's two cores stay busy (with four workers they were 12 % idle: 175 % CPU of a
 # whole run, 155-175 % for the 12 minutes the serial lanes spent waiting). Exit 5 (no tests ran) is a failure. --max-worker-restart 0: a worker that dies ends the run

@@ -111,18 +111,18 @@ def _user_modules() -> list[str]:
     return names
 
 
-#: what every rank imports at its first optimizer step anyway: ``torch.optim``'s step wrapper imports
-#: ``torch._dynamo`` (about 1.4 s of CPU here). Imported once in the launcher before the forks, not once per rank:
-#: N ranks importing it at once on fewer cores than N wait for each other.
-PREIMPORT = ("torch._dynamo",)
-
-
 def preimport(engine: tuple[str, ...] = ()) -> None:
-    """Import :data:`PREIMPORT`, then the engine's modules (``Strategy.before_forks``), in the launching process
-    (before :func:`start`); a failure is left to the rank, and what follows it is not imported."""
+    """Import the engine's modules (``Strategy.before_forks``) in the launching process (before :func:`start`); a
+    failure is left to the rank, and what follows it is not imported. ``torch._dynamo`` is deferred first
+    (:func:`distkit.lazy_import.defer_dynamo`: the ranks inherit the deferral) unless the engine lists it: then it is
+    imported here, once, not once per rank (N ranks importing it at once on fewer cores than N wait for each other)."""
     import importlib
 
-    for name in (*PREIMPORT, *engine):
+    from distkit import lazy_import
+
+    if "torch._dynamo" not in engine:
+        lazy_import.defer_dynamo()
+    for name in engine:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the rank imports it itself and reports what fails there

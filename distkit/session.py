@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import os
 import random
 import sys
@@ -41,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from distkit import checkpoint, ompi_leftovers, report
+from distkit import checkpoint, lazy_import, ompi_leftovers, report
 from distkit.backends import check_backend, startup, strategy_class
 from distkit.backends.parts import float_state, persistent_buffers
 from distkit.components import check_device, check_stepped_scheduler, scheduler_and_interval
@@ -123,6 +122,7 @@ class Session(Job):
     current: Optional["Session"] = None
 
     def __init__(self, cfg: RunConfig, env: ClusterEnv) -> None:
+        lazy_import.defer_dynamo()  # before the engine's start: nothing of it may import dynamo for real meanwhile
         super().__init__(cfg, env)
         Session.current = self
         set_current_strategy(self._strategy)
@@ -223,10 +223,9 @@ class Session(Job):
         if interval == "step":
             check_stepped_scheduler(self._scheduler)
         self._ft = join_groups(self) if self.cfg.fault_tolerance else None  # torchft's Manager, for the syncs
-        # torch.optim's step wrapper imports torch._dynamo at the first optimizer step (1.2 s of CPU here, 5 s under
-        # load), and DDP's constructor does in grad mode: imported here on every engine and mode, so setup_time_s
-        # holds it and the first steps measure training (param mode's first 10 steps counted it: issue 36 item 17)
-        importlib.import_module("torch._dynamo")
+        # torch._dynamo is deferred (Session's init: lazy_import.defer_dynamo), so eager steps do not import it (1.2 s
+        # of CPU here, 5 s under load: param mode's first 10 steps counted it, issue 36 item 17); what loads it (DDP's
+        # constructor in grad mode, torch.compile) ran above, inside setup_time_s
         self._start_clock()
         if lr_scheduler is not None:
             return self._model, self._optimizer, self._scheduler

@@ -98,12 +98,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 TIER_REPORT: list[dict[str, Any]] = []
 
 
+#: serial test files whose tests run in the lane of the machine-wide ones (one at a time among those, beside the other
+#: serial lane, as every serial test runs): the two lanes then take about as long. Quiet make test of 90a45dd,
+#: 2026-11-29: machine-wide lane 790 s, the other 1420 s, of which these files 270 s. The lanes are what a whole
+#: run waits for last once the other workers' files are done.
+MACHINE_LANE_TOO = ("tests/test_deepspeed_backend.py", "tests/test_failures.py")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each full-tier test ``full`` (what it starts decides: tests/tiers.py), and ``serial`` where it must run
     alone (tiers.serial), before ``-m`` deselects. Under ``--dist loadgroup`` (make test) the serial tests form two
     xdist groups, listed first, each run one test at a time by one worker from the start: those that build hosts or
-    SLURM daemons (machine-wide names: network namespaces, a SLURM cluster; tiers.MACHINE_WIDE), and the others
+    SLURM daemons (machine-wide names: network namespaces, a SLURM cluster; tiers.MACHINE_WIDE) with those of
+    :data:`MACHINE_LANE_TOO`, and the others
     (timeouts, timed runs, lighthouses, kill trials: they mostly wait, and must not wait beside too many runs). The
     other workers run the rest file by file (a group per file, so that a module's fixtures start once)."""
     report, reasons = [], {}
@@ -125,7 +133,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup":
         for item in items:
             serial = item.get_closest_marker("serial") is not None
-            machine = serial and any(r in tiers.MACHINE_WIDE for r in reasons[item.nodeid])
+            machine = serial and (any(r in tiers.MACHINE_WIDE for r in reasons[item.nodeid])
+                                  or item.nodeid.split("::")[0] in MACHINE_LANE_TOO)
             item.add_marker(pytest.mark.xdist_group("serial-machine" if machine else "serial" if serial
                                                     else item.nodeid.split("::")[0]))
         # xdist hands out groups in the order of their first test: the serial groups (the longest) first

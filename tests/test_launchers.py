@@ -194,14 +194,18 @@ def test_local_rank_flag_real_single_process(tmp_path: Path) -> None:
 
 
 
-def test_what_the_launcher_imports_for_its_forked_ranks_leaves_it_able_to_fork() -> None:
-    """torch.optim imports torch._dynamo at every rank's first step: the spawner imports it once before forking
-    its ranks (distkit.forkrank.preimport). Doing so must start no thread (a fork would copy only the calling
-    one, and can_fork would send every rank to a new interpreter instead)."""
-    probe = ("import sys, threading; from distkit import forkrank; assert 'torch._dynamo' not in sys.modules; "
-             "forkrank.preimport(); print('torch._dynamo' in sys.modules, threading.active_count(), forkrank.can_fork())")
+@pytest.mark.parametrize("engine,dynamo", [((), "_Deferred"), (("torch._dynamo",), "module")])
+def test_what_the_launcher_imports_for_its_forked_ranks_leaves_it_able_to_fork(engine: tuple[str, ...],
+                                                                               dynamo: str) -> None:
+    """The spawner imports the engine's modules once before forking its ranks (distkit.forkrank.preimport): DDP's
+    grad mode lists torch._dynamo, which its constructor loads in every rank; the others leave it deferred
+    (distkit.lazy_import.defer_dynamo), and the forks inherit that. Neither may start a thread (a fork would copy
+    only the calling one, and can_fork would send every rank to a new interpreter instead)."""
+    probe = ("import sys, threading, torch; from distkit import forkrank; assert 'torch._dynamo' not in sys.modules; "
+             f"forkrank.preimport({engine!r}); "
+             "print(type(sys.modules['torch._dynamo']).__name__, threading.active_count(), forkrank.can_fork())")
     res = ok(run([str(BIN / "python"), "-c", probe]))
-    assert res.stdout.split() == ["True", "1", "True"], res.stdout
+    assert res.stdout.split() == [dynamo, "1", "True"], res.stdout
 
 
 #: a user's script that calls distkit.init with nprocs 2, and records in each rank (init returns only there) what

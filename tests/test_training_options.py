@@ -175,12 +175,19 @@ def test_callbacks_and_a_stop_from_one_rank_end_every_rank_at_the_same_step(tmp_
 STARTED_CONFIG = '''
 import json, os, sys
 
+def _dynamo():
+    mod = sys.modules.get("torch._dynamo")
+    return None if mod is None else type(mod).__name__
+
 class Started:
-    """Writes, when training starts, whether torch._dynamo (imported by torch.optim at the first step) is in."""
+    """Writes what torch._dynamo is when training starts and when it ends: not imported, deferred or a module."""
 
     def on_train_start(self, trainer):
+        self.start = _dynamo()
+
+    def on_train_end(self, trainer, summary):
         with open(os.path.join(trainer.cfg.output_dir, f"started{trainer.rank}.json"), "w") as f:
-            json.dump("torch._dynamo" in sys.modules, f)
+            json.dump([self.start, _dynamo()], f)
 
 task = "digits"
 callbacks = [Started()]
@@ -189,16 +196,18 @@ progress_bar = False
 '''
 
 
-def test_start_up_is_done_when_training_starts_in_param_mode_too(tmp_path: Path) -> None:
-    """Issue 36 item 17: torch.optim imports torch._dynamo at the first optimizer step (1.2 s of CPU, 5 s under
+@pytest.mark.parametrize("mode,dynamo", [("param", "_Deferred"), ("grad", "module")])
+def test_start_up_is_done_when_training_starts_in_param_mode_too(tmp_path: Path, mode: str, dynamo: str) -> None:
+    """Issue 36 item 17: torch.optim imported torch._dynamo at the first optimizer step (1.2 s of CPU, 5 s under
     load), DDP's constructor in grad mode: param mode's first 10 steps counted it as training and its setup_time_s
-    did not. Every engine imports it in setup; ranks in new interpreters (as under torchrun, mpirun, srun)."""
+    did not. Training imports nothing of it now: param mode never loads it (distkit.lazy_import.defer_dynamo),
+    grad mode's DDP wrapper loaded it in setup. Ranks in new interpreters (as under torchrun, mpirun, srun)."""
     cfg = tmp_path / "started.py"
     cfg.write_text(STARTED_CONFIG)
     out = tmp_path / "out"
-    ok(distkit("train", str(cfg), "--nprocs", "2", "++output_dir", str(out), "++distributed.reduce_type", "param",
+    ok(distkit("train", str(cfg), "--nprocs", "2", "++output_dir", str(out), "++distributed.reduce_type", mode,
                DISTKIT_RANK_START="exec"))
-    assert [json.loads((out / f"started{r}.json").read_text()) for r in (0, 1)] == [True, True]
+    assert [json.loads((out / f"started{r}.json").read_text()) for r in (0, 1)] == [[dynamo, dynamo]] * 2
 
 
 # Hugging Face's weight-decay grouping by parameter name, in an optimizer factory of a Python config.

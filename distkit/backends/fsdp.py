@@ -99,6 +99,12 @@ class FSDPStrategy(DDPStrategy):
     reduces_in_backward = False
 
     @classmethod
+    def before_forks(cls, cfg: RunConfig) -> tuple[str, ...]:
+        """``torch._dynamo`` in both modes: ``DTensor``'s constructor (every sharded parameter) is wrapped in
+        ``torch._disable_dynamo``, whose first call loads it in every rank; imported once before the forks."""
+        return ("torch._dynamo",)
+
+    @classmethod
     def check_config(cls, cfg: Any) -> None:
         super().check_config(cfg)
         if cfg.fault_tolerance:
