@@ -335,13 +335,25 @@ def _first_of_sweep(item: Any, params: dict[str, Any]) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _scanned(functions: tuple[Any, ...]) -> tuple[frozenset[str], frozenset[str], bool]:
+    """:func:`_scan` of a test function with its fixtures, once per set: the cases of a parametrized test share it
+    (collection ran it 730 times for about 300 sets, in every xdist worker)."""
+    scan = _scan(functions, _Scan())
+    return frozenset(scan.marked), frozenset(scan.hints), scan.starts
+
+
 def tier_of(item: Any) -> tuple[str, list[str]]:
     """``("full", reasons)`` or ``("fast", [])`` for a collected test item."""
     why = set()
     for mark in item.iter_markers("full"):
         assert mark.args and isinstance(mark.args[0], str), f"{item.nodeid}: pytest.mark.full needs a reason"
         why.add(mark.args[0])
-    scan = _scan([getattr(item, "function", None), *fixture_functions(item)], _Scan())
+    marked, hints, starts = _scanned((getattr(item, "function", None), *fixture_functions(item)))
+    scan = _Scan()  # (a fresh one: the parameters below add to it)
+    scan.marked |= marked
+    scan.hints |= hints
+    scan.starts = starts
     spec = getattr(item, "callspec", None)
     if spec is not None:  # a parameter names a launcher or a signal (not a config text's words)
         scan.strings(_strings(list(spec.params.values())), fragments=False)
