@@ -78,6 +78,13 @@ def defer(name: str) -> None:
     sys.modules[name] = module
 
 
+def load(name: str) -> None:
+    """Import ``name`` for real: run a deferred module's code now (else a plain import)."""
+    module = importlib.import_module(name)
+    if type(module) is _Deferred:
+        module.__doc__  # noqa: B018 - any attribute outside _METADATA and the stand-ins runs its code
+
+
 def _graph_break(msg: str = "") -> None:
     """``torch._dynamo.graph_break`` while dynamo is not loaded: nothing is being compiled, so nothing to break (the
     real function's body is empty too; dynamo acts on the call only while it traces, and it traces only once

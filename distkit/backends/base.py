@@ -69,6 +69,14 @@ class Strategy(ABC):
         none."""
         return ()
 
+    @classmethod
+    def fork_imports(cls, cfg: RunConfig) -> tuple[str, ...]:
+        """What ``distkit train --nprocs N`` imports before it forks the ranks (:func:`distkit.forkrank.preimport`):
+        :meth:`before_forks`, and ``torch._dynamo`` for fault-tolerant groups, which keep it imported in setup as
+        before its deferral (:func:`distkit.lazy_import.defer_dynamo`; see ``Session``)."""
+        modules = cls.before_forks(cfg)
+        return modules + ("torch._dynamo",) if cfg.fault_tolerance and "torch._dynamo" not in modules else modules
+
     def check_accumulation(self, steps: int) -> None:
         """Raise ConfigError when ``accum_grad_multiple_step = steps``, set after start-up
         (``dk.set_accumulation``), contradicts the engine's own config. Default: any value is fine."""
