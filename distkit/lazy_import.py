@@ -118,8 +118,9 @@ def defer_dynamo() -> None:
     ``load_state_dict`` and ``add_param_group`` are wrapped in ``torch._disable_dynamo``, which imports it at their
     first call to build the "run without dynamo" wrapper; ``init_process_group`` clears dynamo's rule caches
     when it is imported. Deferred, the module answers ``graph_break`` with a no-op and ``trace_rules`` with
-    :class:`_TraceRules` (its ``clear_lru_cache`` a no-op: nothing cached), and those four methods are marked as already disabled (``fn.__dynamo_disable = fn``: the wrapper then calls the
-    method itself, which is what the disabled version does outside tracing). Any other use of ``torch._dynamo``
+    :class:`_TraceRules` (its ``clear_lru_cache`` a no-op: nothing cached), and those four methods are marked as
+    already disabled (``fn.__dynamo_disable = fn``: the wrapper then calls the method itself, which is what the
+    disabled version does outside tracing). Any other use of ``torch._dynamo``
     (``torch.compile``, ``torch._dynamo.config``, DDP's constructor, ``import torch._dynamo.utils``) loads it: the
     marks are removed first, so the methods are disabled for real by the time anything can trace. Does nothing
     where dynamo is already imported (a config or script that imported it, the launcher's preimport)."""
