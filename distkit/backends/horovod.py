@@ -147,6 +147,8 @@ class HorovodEngine(HorovodCollectives, Strategy):
             self._grad_hooks = []
             if self._buffer_hook is not None:
                 self._buffer_hook.remove()
+            if self._guard is not None:
+                self._guard.close()
             self.hvd.shutdown()
             self._initialized = False
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
-import threading
-import time
 from typing import Any, Iterator, Optional
 
 import torch
@@ -34,13 +32,13 @@ from torch import nn
 from distkit import faults
 from distkit.errors import BackendUnavailable, UnsupportedCombination
 from distkit.netif import openmpi_interface_hint
-from distkit.watchdog import explain_stall
 
 from .base import Strategy
 from .parts import param_averager, persistent_buffers, report_failure
 from .buffers import DDPBufferRule
 from . import startup
 from .startup import startup_guard
+from .wait_guard import WaitGuard
 from .mpi_reducer import GradReducer, _np, wait_all
 from .mpi_setup import INSTALL_HINT, import_mpi, mpi_impl
 
@@ -113,23 +111,21 @@ class MPIStrategy(Strategy):
         self.reducer: Optional[GradReducer] = None
         self._buffers: list[torch.Tensor] = []
         self._buffer_hook: Any = None
-        self._watch_what: Optional[str] = None
-        self._watch_since = 0.0
-        self._stop = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch_loop, name="distkit-mpi-watchdog", daemon=True)
-        if size > 1:
-            self._watchdog.start()
+        # MPI has no timeout: distributed.timeout_s (start-up's bound before the first step) for MPI's waits
+        d = self.cfg.distributed
+        self._guard = WaitGuard(self.rank, lambda: startup.bound(d)[0], lambda: startup.bound_text(d),
+                                f"another rank hangs or died{openmpi_interface_hint(self.env)}",
+                                end=lambda: self.MPI.COMM_WORLD.Abort(1),
+                                ending=f"aborting all {self.world_size} MPI ranks")
         # Our own communicator: user code on COMM_WORLD never interleaves with ours. The first call
         # that needs the ranks' TCP connections: where they cannot be made (an interface the other
         # hosts cannot reach), it would wait forever; init's start-up guard bounds it.
         self.comm = self.MPI.COMM_WORLD.Dup()
 
     def teardown(self) -> None:
-        if getattr(self, "_stop", None) is None:
+        if getattr(self, "_guard", None) is None:
             return
-        self._stop.set()
-        if self._watchdog.is_alive():
-            self._watchdog.join(timeout=5)
+        self._guard.close()
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
@@ -160,28 +156,11 @@ class MPIStrategy(Strategy):
         return mpi_impl()
 
     # -- watchdog: distributed.timeout_s for MPI collectives ----------------------------------
-    @contextlib.contextmanager
-    def watch(self, what: str) -> Iterator[None]:
-        """Blocking MPI calls inside this block are aborted after ``timeout_s`` (MPI has no timeout)."""
+    def watch(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Blocking MPI calls inside this block end the job after the bound in force (MPI has no timeout): the
+        heartbeat watchdog names a stalled peer, else one line and MPI_Abort (:mod:`distkit.backends.wait_guard`)."""
         # what the caller was doing, when it said (Job._collective): "Allreduce(max) in the preemption check"
-        self._watch_what = f"{what} in {self.doing}" if self.doing else what
-        self._watch_since = time.monotonic()
-        try:
-            yield
-        finally:
-            self._watch_what = None
-
-    def _watch_loop(self) -> None:
-        d = self.cfg.distributed
-        while not self._stop.wait(min(1.0, float(d.timeout_s) / 4)):
-            what = self._watch_what
-            # start-up's bound until the ranks met after their first step, then timeout_s (distkit.backends.startup)
-            if what is not None and time.monotonic() - self._watch_since > startup.bound(d)[0]:
-                explain_stall()  # a stalled rank: the heartbeat watchdog names it and ends the job (no return)
-                print(f"distkit: rank {self.rank}: {what} did not complete within {startup.bound_text(d)} (another "
-                      f"rank hangs or died{openmpi_interface_hint(self.env)}): aborting all "
-                      f"{self.world_size} MPI ranks", file=sys.stderr, flush=True)
-                self.MPI.COMM_WORLD.Abort(1)
+        return self._guard.waiting(f"{what} in {self.doing}" if self.doing else what)
 
     # -- setup -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
