@@ -166,6 +166,8 @@ class ParamAverager:
         self.fragment_tensors = cut(fragment_sizes or [t.numel() for t in tensors], fragments)
         #: tensors outside the model averaged plainly at every sync (modules given to ``dk.keep_in_sync``)
         self.extra: list[torch.Tensor] = []
+        #: ... of which this rank holds a shard (a sharded copy's parameters): averaged as the model's parameters are
+        self.extra_shards: list[torch.Tensor] = []
         self._outer: Optional[torch.optim.Optimizer] = None
         #: the model as of the last sync: what the pseudo-gradient ``anchor - local`` is taken from (the outer
         #: optimizer's parameters; with compression also without it). One copy of the averaged tensors.
@@ -291,21 +293,28 @@ class ParamAverager:
         buf = state["momentum_buffer"]
         a.add_(g.add(buf, alpha=momentum) if group["nesterov"] else buf, alpha=-lr)
 
+    def keep(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` (a module given to ``dk.keep_in_sync``: its floating parameters and buffers) at
+        every sync from now on, with the model."""
+        self.extra.extend(tensors)
+
     def _average(self, index: list[int]) -> None:
         """Collective: average ``self.tensors[i]`` for ``i`` in ``index`` and the kept modules
         (``dk.keep_in_sync``) in one :meth:`Strategy.average_parameters` call. The kept modules go in as one
         float32 buffer: averaged over every rank, with replica groups over the group then across the groups, and
         under fault_tolerance across the groups in the same torchft exchange as the model (a second exchange would
-        be a second quorum). They are averaged at every sync, whatever fragment is due."""
+        be a second quorum); their shards, where a kept module is sharded, as a second one averaged as the model's
+        parameters (across the groups only: the ranks of a group hold different shards). They are averaged at
+        every sync, whatever fragment is due."""
         tensors = [self.tensors[i] for i in index]
         kinds = [self.is_parameter(i) for i in index]
-        kept = torch.cat([t.detach().reshape(-1).float() for t in self.extra]) if self.extra else None
-        if kept is not None:
-            tensors, kinds = [*tensors, kept], [*kinds, False]
+        kept = [(into, kind) for into, kind in ((self.extra, False), (self.extra_shards, True)) if into]
+        flats = [_flat(into) for into, _ in kept]
+        tensors, kinds = [*tensors, *flats], [*kinds, *(kind for _, kind in kept)]
         if tensors:
             self.strategy.average_parameters(tensors, kinds)
-        if kept is not None:
-            unflatten_into(kept, self.extra)
+        for flat, (into, _) in zip(flats, kept, strict=True):
+            unflatten_into(flat, into)
 
     def _synced(self, fragments: Optional[list[int]]) -> None:
         """The counters after a sync of ``fragments`` (None: the whole model), or the start of its exchange."""
@@ -534,3 +543,8 @@ class ParamAverager:
         self._error = [e.clone() for e in state["error"]] if self.error_feedback and state.get("error") else None
         self._in_flight = [_InFlight.resume(self.strategy, f) for f in state.get("in_flight", [])] if self.overlap else []
         self._last_sync = time.monotonic()
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one flat float32 copy."""
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])

@@ -232,7 +232,7 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
             engine = strategy_class(cfg.distributed.backend)
             return run_local([sys.executable, "-m", "distkit", *argv], cfg.nprocs, engine.local_launcher,
                              target=lambda: _as_rank(argv), preemptible=cfg.preemption,
-                             preimport=engine.fork_imports(cfg) if engine.local_launcher == "spawn" else ())
+                             preimport=engine.before_forks(cfg) if engine.local_launcher == "spawn" else ())
         finally:
             os.environ.pop(TRUSTED_ENV, None)
             os.environ.pop(LOCK_ENV, None)

@@ -17,15 +17,16 @@ if TYPE_CHECKING:
 def training_state(session: "Session") -> dict[str, Any]:
     """This rank's training state for the same rank of a group that heals (read while this rank waits in a sync:
     nothing changes it meanwhile). The engine-neutral form of the portable checkpoint part (model and optimizer
-    state by name). Must not be collective (torchft asks one rank of a group at a time, from its quorum thread):
-    an engine that shards the state over a group's ranks refuses fault_tolerance before start (DeepSpeed's
-    ``check_config``)."""
+    state by name; on fsdp this rank's shards, :meth:`Strategy.heal_state`). Must not be collective (torchft asks
+    one rank of a group at a time, from its quorum thread): DeepSpeed, whose ZeRO shards cannot be taken rank by
+    rank, refuses fault_tolerance with more than one rank per group before start (its ``check_config``)."""
     s, scheduler = session._strategy, session._scheduler
-    model, optim, groups = s.portable_state(session._model, session._optimizer, lambda name: True)  # type: ignore[arg-type]
+    model, optim, groups = s.heal_state(session._model, session._optimizer)  # type: ignore[arg-type]
     state = {"model": model, "optimizer": optim, "groups": groups,
              "scheduler": scheduler.state_dict() if hasattr(scheduler, "state_dict") else None,
              "averager": s.averager.state_dict() if s.averager is not None else None,
-             "distkit": {"num_steps": session.num_steps, "num_samples": session.num_samples}}
+             "distkit": {"num_steps": session.num_steps, "num_samples": session.num_samples},
+             "world_size": s.world_size}
     state["digests"] = digests(state)
     return state
 
@@ -70,12 +71,19 @@ def load_training_state(session: "Session", state: dict[str, Any]) -> None:
     torchft picks each rank's source by its rank (rank ``r`` of the group heals from live group ``(k + r) mod
     live groups``), so with several live groups the ranks of this group receive different groups' states: the
     same model (every live group committed the same syncs), different optimizer states (each group's own local
-    steps). Every rank takes rank 0's, so the group's ranks stay identical, as DDP keeps them."""
+    steps). Every rank takes rank 0's, so the group's ranks stay identical, as DDP keeps them; where each rank
+    holds its own shards (fsdp, :attr:`Strategy.heals_rank_by_rank`) each takes its own, which needs the live
+    group's ranks to hold the same shards: the same number of ranks (HealMismatch, one line, otherwise)."""
     s, scheduler = session._strategy, session._scheduler
-    if s.world_size > 1:  # every rank of a group heals at the same sync (the step is the group's): all call this
+    if s.heals_rank_by_rank and state.get("world_size", s.world_size) != s.world_size:
+        raise HealMismatch(f"replica group {session.cfg.fault_tolerance['replica_id']} runs {s.world_size} ranks "  # type: ignore[index]
+                           f"and a live group {state['world_size']}: backend '{s.name}' shards the model over a "
+                           "group's ranks, so a group heals only from one with the same shards: start every group "
+                           "with the same number of ranks")
+    if s.world_size > 1 and not s.heals_rank_by_rank:  # every rank of a group heals at the same sync: all call this
         state = s.broadcast_object(state if s.rank == 0 else None, 0)
-    s.load_portable_state(session._model, session._optimizer, state["model"], state["optimizer"],  # type: ignore[arg-type]
-                          state["groups"])
+    s.load_heal_state(session._model, session._optimizer,  # type: ignore[arg-type]
+                      (state["model"], state["optimizer"], state["groups"]))
     if state.get("scheduler") is not None and hasattr(scheduler, "load_state_dict"):
         scheduler.load_state_dict(state["scheduler"])
     if state.get("averager") is not None and s.averager is not None:

@@ -59,6 +59,11 @@ def deal(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     return owner
 
 
+#: (model state, optimizer state by name, param groups): the engine-neutral state of a model and its optimizer
+#: (:meth:`distkit.backends.base.Strategy.portable_state`)
+State = tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]
+
+
 def optimizer_state_by_name(optimizer_state: dict[str, Any], group_names: list[list[str]]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """A torch optimizer ``state_dict()`` (state keyed by position) re-keyed by parameter name.
 

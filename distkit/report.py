@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distkit.backends.parts import persistent_buffers
+from distkit.backends.parts import persistent_buffers, whole
 from distkit.evaluation import param_checksum
 
 if TYPE_CHECKING:
@@ -43,7 +43,8 @@ def summary(session: "Session", **extra: Any) -> dict[str, Any]:
     # In sync means the whole model state: parameters and persistent buffers (BatchNorm statistics).
     buffers = [(f"buffer.{i}", b) for i, b in enumerate(persistent_buffers(session.unwrap()))]
     # ... and every module registered with keep_in_sync (an EMA copy)
-    kept = [(f"kept.{i}.{n}", t) for i, m in enumerate(session._kept) for n, t in m.state_dict().items()
+    # (whole: a sharded copy's DTensors gathered, a collective every rank runs in the same order)
+    kept = [(f"kept.{i}.{n}", whole(t)) for i, m in enumerate(session._kept) for n, t in m.state_dict().items()
             if torch.is_tensor(t)]
     state = param_checksum(params + buffers + kept) if buffers or kept else checksum
     with session._collective("the checksum exchange of dk.summary()"):

@@ -94,7 +94,7 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
         engine = strategy_class(cfg.distributed.backend)
         # each rank a fork that runs the script again, where that is safe (launch.script_target), else a new one
         code = run_local(relaunch_command(), cfg.nprocs, engine.local_launcher, target=script_target(),
-                         preimport=engine.fork_imports(cfg) if engine.local_launcher == "spawn" else ())
+                         preimport=engine.before_forks(cfg) if engine.local_launcher == "spawn" else ())
         sys.stdout.flush()
         sys.exit(code)
     chosen = os.environ.get(LAUNCH_ENGINE_VAR)
@@ -122,11 +122,7 @@ class Session(Job):
     current: Optional["Session"] = None
 
     def __init__(self, cfg: RunConfig, env: ClusterEnv) -> None:
-        if not cfg.fault_tolerance:  # before the engine's start: nothing of it may import dynamo for real meanwhile
-            # (fault-tolerant groups import it in setup, as before the deferral: with it deferred, two of their
-            # choreographed kill tests (a stopped group, a lighthouse that dies) failed beside three CPU hogs, 2 of 3
-            # tries, and passed 3 of 3 without; not explained yet)
-            lazy_import.defer_dynamo()
+        lazy_import.defer_dynamo()  # before the engine's start: nothing of it may import dynamo for real meanwhile
         super().__init__(cfg, env)
         Session.current = self
         set_current_strategy(self._strategy)
@@ -229,10 +225,7 @@ class Session(Job):
         self._ft = join_groups(self) if self.cfg.fault_tolerance else None  # torchft's Manager, for the syncs
         # torch._dynamo is deferred (Session's init: lazy_import.defer_dynamo), so eager steps do not import it (1.2 s
         # of CPU here, 5 s under load: param mode's first 10 steps counted it, issue 36 item 17); what loads it (DDP's
-        # constructor in grad mode, torch.compile) ran above, inside setup_time_s. Fault-tolerant groups import it
-        # here (not deferred)
-        if self.cfg.fault_tolerance:
-            lazy_import.load("torch._dynamo")
+        # constructor in grad mode, torch.compile) ran above, inside setup_time_s
         self._start_clock()
         if lr_scheduler is not None:
             return self._model, self._optimizer, self._scheduler
@@ -277,7 +270,7 @@ class Session(Job):
             self._kept.append(m)
             averager = self._strategy.averager
             if averager is not None:
-                averager.extra.extend(t for _, t in float_state(m))
+                averager.keep([t for _, t in float_state(m)])
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Context for forward passes (and the loss) at the configured ``precision``: ``torch.autocast`` to

@@ -107,36 +107,51 @@ dk = distkit.init(args)
 model = cfg["model"]()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
 model, optimizer = dk.setup(model, optimizer)
+# an EMA copy made after setup (on fsdp: sharded as the model), kept in sync and evaluated
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+ema = AveragedModel(dk.unwrap(model), multi_avg_fn=get_ema_multi_avg_fn(0.8))
+dk.keep_in_sync(ema)
 loader = dk.dataloader(cfg["train_dataset"](), batch_size=8, shuffle=True)
-norms = []
+norms, ema_losses = [], []
 for step, batch in zip(range(6), loader):
     dk.backward(model(**batch).loss)
     norms.append(float(dk.clip_grad_norm(0.5)))
     dk.step()
+    ema.update_parameters(dk.unwrap(model))
+    with torch.no_grad():
+        ema_losses.append(float(dk.all_reduce(ema(**batch).loss.detach(), op="mean")))
 dk.finish()
 dk.save(args.out + "/ckpt", {"model": model, "optimizer": optimizer})
-summary = dk.summary(norms=norms)
+whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+ema_state = {n: whole(p.detach()).clone() for n, p in ema.module.named_parameters()}
+summary = dk.summary(norms=norms, ema_losses=ema_losses)
 if dk.is_main:
     json.dump(summary, open(args.out + "/summary.json", "w"))
+    torch.save(ema_state, args.out + "/ema.pt")
 '''
 
 
-@pytest.mark.parametrize("mode", ["grad"], ids=["fsdp-grad"])  # fsdp sweep: full tier (param: measured 0 by hand)
+@pytest.mark.parametrize("mode", ["grad", pytest.param("param", marks=pytest.mark.full(
+    "4 ranks of GPT-2 twice: the fast tier has param mode's own case"))], ids=["fsdp-grad", "fsdp-param-2x2"])
 def test_gpt2_in_an_own_loop_on_fsdp_gives_ddps_model(tmp_path: Path, mode: str) -> None:
     """The own-loop API with a real model (GPT-2 tiny, tied embeddings, dict batches): ``dk.setup``,
     ``dk.backward``, ``dk.clip_grad_norm`` (the global norm over the shards), ``dk.step``, ``dk.finish``,
-    ``dk.save``; the exported model is ddp's within 1e-6 (the clip's scale carries the norm's rounding; measured
+    ``dk.save``, an EMA copy made after setup (``AveragedModel``, ``dk.keep_in_sync``, evaluated each step); the
+    exported model is ddp's within 1e-6 (the clip's scale carries the norm's rounding; measured
     below), the tie kept."""
     from distkit.export import main as export_main
 
     script = tmp_path / "own_loop.py"
     script.write_text(OWN_LOOP.replace("CONFIG", str(ROOT / "configs" / "gpt2_tiny.py")))
-    dist = "'reduce_type': 'param', 'param_sync_step': 4" if mode == "param" else "'reduce_type': 'grad'"  # by hand
+    # param: 2 replica groups of 2 ranks (fsdp shards inside a group; the EMA's shards averaged across them)
+    dist = "'reduce_type': 'param', 'param_sync_step': 4, 'param_sync_group_size': 2" if mode == "param" else \
+        "'reduce_type': 'grad'"
+    nprocs = 4 if mode == "param" else 2
     got = {}
     for engine in ("ddp", "fsdp"):
         out = tmp_path / engine
         out.mkdir()
-        ok(run([str(BIN / "python"), str(script), "--out", str(out), "--nprocs", "2", "++distributed",
+        ok(run([str(BIN / "python"), str(script), "--out", str(out), "--nprocs", str(nprocs), "++distributed",
                 "{'backend': '" + engine + "', " + dist + "}", "++progress_bar", "False"]))
         assert export_main([str(out / "ckpt"), str(out / "model.pt")]) == 0
         got[engine] = (json.loads((out / "summary.json").read_text()), torch.load(out / "model.pt", weights_only=True))
@@ -148,6 +163,13 @@ def test_gpt2_in_an_own_loop_on_fsdp_gives_ddps_model(tmp_path: Path, mode: str)
     assert max(abs(a - b) / b for a, b in zip(s["norms"], s_ddp["norms"])) <= 1e-6, (s["norms"], s_ddp["norms"])
     assert model.keys() == model_ddp.keys() and max_abs_diff(model, model_ddp) <= 1e-6
     assert model["lm_head.weight"].equal(model["transformer.wte.weight"])
+    # the EMA copy (AveragedModel after setup: sharded on fsdp, its forward gathering its units): ddp's, tie kept
+    ema, ema_ddp = (torch.load(tmp_path / e / "ema.pt", weights_only=True) for e in ("fsdp", "ddp"))
+    assert ema.keys() == ema_ddp.keys() and max_abs_diff(ema, ema_ddp) <= 1e-6
+    assert "lm_head.weight" not in ema  # (tied: one parameter, under its first name)
+    assert max(abs(a - b) for a, b in zip(s["ema_losses"], s_ddp["ema_losses"])) <= 1e-5, (s["ema_losses"],
+                                                                                               s_ddp["ema_losses"])
+    assert len(s["ema_losses"]) == 6
 
 
 HSDP_WAIT = '''

@@ -69,14 +69,6 @@ class Strategy(ABC):
         none."""
         return ()
 
-    @classmethod
-    def fork_imports(cls, cfg: RunConfig) -> tuple[str, ...]:
-        """What ``distkit train --nprocs N`` imports before it forks the ranks (:func:`distkit.forkrank.preimport`):
-        :meth:`before_forks`, and ``torch._dynamo`` for fault-tolerant groups, which keep it imported in setup as
-        before its deferral (:func:`distkit.lazy_import.defer_dynamo`; see ``Session``)."""
-        modules = cls.before_forks(cfg)
-        return modules + ("torch._dynamo",) if cfg.fault_tolerance and "torch._dynamo" not in modules else modules
-
     def check_accumulation(self, steps: int) -> None:
         """Raise ConfigError when ``accum_grad_multiple_step = steps``, set after start-up
         (``dk.set_accumulation``), contradicts the engine's own config. Default: any value is fine."""
@@ -255,7 +247,7 @@ class Strategy(ABC):
             optimizer.load_state_dict(state["optimizer"])
 
     def portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                       keep: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+                       keep: Callable[[str], bool]) -> portable.State:
         """Collective where state is sharded (ZeRO): the engine-neutral state for ``distkit.portable``.
 
         Returns ``(model, optim_state, groups)``: the bare model's ``state_dict`` entries whose name
@@ -275,6 +267,19 @@ class Strategy(ABC):
         """Collective where state is sharded: restore what :meth:`portable_state` returned (every name),
         whichever engine, world size and mode wrote it."""
         portable.restore(self.unwrap(model), optimizer, sd, optim_state, groups)
+
+    #: True where each rank of a group holds its own part of the state (fsdp's shards): a group that heals
+    #: (fault_tolerance) takes each rank's from the same rank of a live group, not rank 0's everywhere
+    heals_rank_by_rank: ClassVar[bool] = False
+
+    def heal_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> portable.State:
+        """Not collective (torchft's quorum thread asks for it): this rank's model and optimizer state by name
+        for the same rank of a group that heals, as :meth:`portable_state` (default: it, whole on every rank)."""
+        return self.portable_state(model, optimizer, lambda name: True)
+
+    def load_heal_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state: portable.State) -> None:
+        """Not collective where :attr:`heals_rank_by_rank`: restore :meth:`heal_state`'s output."""
+        self.load_portable_state(model, optimizer, *state)
 
     #: True where :meth:`save_engine_files` writes the whole resumable model and optimizer state
     #: (DeepSpeed): a same-layout resume then reads nothing else for them.

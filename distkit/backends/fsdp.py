@@ -23,8 +23,11 @@ What keeps it DDP's result:
 Hybrid sharding (``shard_group_size``): shard inside groups of consecutive ranks, replicate across them (2-D mesh).
 
 Param mode (:mod:`distkit.backends.fsdp_param`): FSDP2 inside each replica group (``param_sync_group_size``
-ranks), each rank's shards averaged with the same shards of the other groups at a sync. Fault tolerance
-(torchft) is refused before start in this version.
+ranks), each rank's shards averaged with the same shards of the other groups at a sync. Under fault tolerance
+(torchft) FSDP2 shards inside each group, the groups average shard by shard through torchft, and a group that heals
+takes each rank's shards from the same rank of a live group (:meth:`FSDPStrategy.heal_state`).
+
+A copy of the sharded model (an EMA's ``AveragedModel``) is sharded the same way (:mod:`distkit.backends.fsdp_copy`).
 """
 from __future__ import annotations
 
@@ -35,11 +38,13 @@ import torch
 from torch import nn
 
 from distkit.errors import ConfigError, UnsupportedCombination, UsageError
+from distkit import portable
 from distkit.portable import group_names, optimizer_state_by_name, optimizer_state_from_names
 
-from .parts import persistent_buffers, unused_parameters
+from .parts import persistent_buffers, unused_parameters, whole
 from .buffers import DDPBufferRule
 from .ddp import DDPStrategy
+from .fsdp_copy import COPIER, deep_copy, local, make_copier, skeleton
 from .fsdp_order import collectives
 
 #: ``distributed.fsdp`` keys, their defaults and meaning (also shown by ``distkit keys``' row for the dict)
@@ -107,9 +112,6 @@ class FSDPStrategy(DDPStrategy):
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         super().check_config(cfg)
-        if cfg.fault_tolerance:
-            raise UnsupportedCombination("backend 'fsdp' does not run with fault_tolerance yet: use backend 'ddp' or "
-                                         "'deepspeed' inside fault-tolerant replica groups")
         other = sorted(set(cfg.distributed.options) - {"find_unused_parameters"})
         if other:
             raise ConfigError(f"'distributed.options' are DistributedDataParallel's keyword arguments ({other[0]!r}); "
@@ -125,9 +127,6 @@ class FSDPStrategy(DDPStrategy):
 
     def forward_is_collective(self, model: nn.Module) -> bool:
         return self.world_size > 1  # each unit's forward all-gathers its parameters
-
-    def copies_refused(self, model: nn.Module) -> Optional[str]:
-        return COPY_REFUSED
 
     # -- setup -----------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -169,21 +168,30 @@ class FSDPStrategy(DDPStrategy):
         kwargs = {"mesh": mesh, "reshard_after_forward": opts["reshard_after_forward"], "mp_policy": policy,
                   "offload_policy": CPUOffloadPolicy() if opts["cpu_offload"] else OffloadPolicy()}
         hsdp = self.reduce_type == "grad" and size < self.world_size
-        self.units = units(module, opts["units"])
-        for unit in self.units:  # innermost first, then the root
-            fully_shard(unit, **kwargs)
-        fully_shard(module, **kwargs)
-        self._root = module
         self._find_unused = bool(self.cfg.distributed.options.get("find_unused_parameters", False))
-        named = [(n or "<root>", m) for n, m in module.named_modules() if isinstance(m, FSDPModule)]
-        for i, (_, m) in enumerate(named):  # each unit, and the root
-            # FSDP2's classes refuse a deep copy with an AssertionError: say it, with the fix
-            type(m).__deepcopy__ = _no_copy  # type: ignore[method-assign]
-            gather, scatter, all_reduced = collectives(self, i, [n for n, _ in named], check=self._find_unused)
-            m.set_custom_all_gather(gather)
-            m.set_custom_reduce_scatter(scatter)
-            if hsdp:  # the all-reduce across the replicas is FSDP2's own call: timed from its neighbours
-                m.set_all_reduce_hook(all_reduced)
+        template, why = skeleton(module)  # (before sharding: what a copy of the model is built from)
+        path = {id(m): n for n, m in module.named_modules()}
+        self.units = units(module, opts["units"])
+        unit_paths = [path[id(u)] for u in self.units]
+
+        def shard(root: nn.Module) -> None:
+            """fully_shard ``root``'s units (innermost first) and then ``root``, with distkit's collectives."""
+            for p in unit_paths:
+                fully_shard(root.get_submodule(p), **kwargs)
+            fully_shard(root, **kwargs)
+            named = [(n or "<root>", m) for n, m in root.named_modules() if isinstance(m, FSDPModule)]
+            for i, (_, m) in enumerate(named):  # each unit, and the root
+                type(m).__deepcopy__ = deep_copy  # type: ignore[method-assign]  # (FSDP2's refuses any copy)
+                gather, scatter, all_reduced = collectives(self, i, [n for n, _ in named], check=self._find_unused)
+                m.set_custom_all_gather(gather)
+                m.set_custom_reduce_scatter(scatter)
+                if hsdp:  # the all-reduce across the replicas is FSDP2's own call: timed from its neighbours
+                    m.set_all_reduce_hook(all_reduced)
+            root.__dict__[COPIER] = copier
+
+        copier = make_copier(self, template, why, shard)
+        shard(module)
+        self._root = module
         if optimizer is not None:
             repoint(optimizer, first_name, dict(module.named_parameters()))
         n_params = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -229,7 +237,7 @@ class FSDPStrategy(DDPStrategy):
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         """Collective: the global norm over every shard (DTensor-aware ``clip_grad_norm_``), returned whole."""
         norm = torch.nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm)
-        return float(_whole(norm))
+        return float(whole(norm))
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer steps the shards. A trainable parameter without gradient (no rank used it: a unit no
@@ -245,7 +253,7 @@ class FSDPStrategy(DDPStrategy):
     # -- state -----------------------------------------------------------------------------------------
     def full_named_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: every parameter gathered whole (the same order on every rank)."""
-        named = [(n, _whole(p).detach().clone()) for n, p in self.unwrap(model).named_parameters()]
+        named = [(n, whole(p).detach().clone()) for n, p in self.unwrap(model).named_parameters()]
         yield from named
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -263,7 +271,7 @@ class FSDPStrategy(DDPStrategy):
                                  (saved or {}).get("state", {}), (saved or {}).get("param_groups", []))
 
     def portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                       keep: Any) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+                       keep: Any) -> portable.State:
         """Collective: every sharded tensor is gathered whole on every rank (the same order everywhere: torch's
         state-dict helpers), then only the names ``keep`` accepts are kept."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -301,21 +309,47 @@ class FSDPStrategy(DDPStrategy):
                                  options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-#: why a copy of the sharded model cannot follow it, and the fix
-COPY_REFUSED = ("backend 'fsdp' shards the model's parameters (DTensors), so a copy of the model cannot be made once "
-                "dk.setup sharded it, nor follow it (an EMA's AveragedModel): for an EMA copy use backend 'ddp' or "
-                "'deepspeed' with ZeRO stage 0-2")
+    # -- fault tolerance: a heal rank by rank --------------------------------------------------------------
+    heals_rank_by_rank = True
 
+    def heal_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> portable.State:
+        """Not collective (torchft's quorum thread asks for it): this rank's shards of the parameters and of their
+        optimizer state by name (plain tensors), the whole buffers, the param groups. The same rank of another
+        group with as many ranks holds the same shards (the same units cut the same way)."""
+        module = self.unwrap(model)
+        with torch.no_grad():
+            sd = {n: local(t).detach().cpu().clone() for n, t in module.state_dict().items() if torch.is_tensor(t)}
+            if optimizer is None:
+                return sd, {}, []
+            state, groups = optimizer_state_by_name(optimizer.state_dict(), group_names(module, optimizer))
+            return sd, {n: {k: local(v).detach().cpu().clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                        for n, st in state.items()}, groups
 
-def _no_copy(self: nn.Module, memo: Any) -> Any:
-    raise UsageError(f"copy.deepcopy({type(self).__name__}): {COPY_REFUSED}")
+    def load_heal_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                        state: portable.State) -> None:
+        """Not collective: :meth:`heal_state`'s output of the same rank of a live group into this rank's shards."""
+        from torch.distributed.tensor import DTensor
 
+        sd, optim_state, groups = state
+        module = self.unwrap(model)
+        tensors = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers())}
+        with torch.no_grad():
+            for name, value in sd.items():
+                local(tensors[name]).copy_(value)
+        if optimizer is None or not groups:
+            return
+        params = dict(module.named_parameters())
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered whole (collective), a plain tensor as it is."""
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t
+        def placed(name: str, key: str, v: Any) -> Any:
+            """A shard of parameter ``name``'s state (its local shape) as a DTensor placed as the parameter."""
+            p = params[name]
+            if key == "step" or not torch.is_tensor(v) or v.shape != local(p).shape or not isinstance(p, DTensor):
+                return v
+            return DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
 
+        placed_state = {n: {k: placed(n, k, v) for k, v in st.items()} for n, st in optim_state.items()}
+        optimizer.load_state_dict(optimizer_state_from_names(placed_state, groups, group_names(module, optimizer)))
 
 def units(module: nn.Module, names: Optional[list[str]]) -> list[nn.Module]:
     """The submodules that get their own ``fully_shard`` unit, innermost first: those whose class is named in

@@ -29,6 +29,16 @@ class ShardAverager(ParamAverager):
         super().__init__(strategy, shards + [b for _, b in buffers],  # type: ignore[arg-type]
                          names=[n for n, _ in params] + [n for n, _ in buffers], **kwargs)
 
+    def keep(self, tensors: list[torch.Tensor]) -> None:
+        """A kept module's sharded tensors (a copy of the model, :mod:`~distkit.backends.fsdp_copy`) by their local
+        shards, averaged as the model's across the groups; its whole ones (buffers) as every engine's."""
+        with torch.no_grad():
+            for t in tensors:
+                if hasattr(t, "to_local"):
+                    self.extra_shards.append(t.to_local())  # type: ignore[attr-defined]
+                else:
+                    self.extra.append(t)
+
     def is_parameter(self, index: int) -> bool:
         return index < len(self._params)
 

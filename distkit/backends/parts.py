@@ -132,6 +132,13 @@ def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (a DTensor: fsdp's parameters) gathered whole, a collective over its mesh that every rank
+    of it runs in the same order; any other tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
 def float_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``module``'s floating-point parameters and buffers by name (each tensor once): what parameter
     averaging averages of a module registered with ``dk.keep_in_sync``."""

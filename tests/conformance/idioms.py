@@ -146,7 +146,7 @@ class Runner:
                                # each rank's own: DDP leaves the statistics of a rank's last forward on it
                                "buffers": {n: b.detach().cpu().clone().double() for n, b in bare.named_buffers()}}
         if self.ema is not None:
-            out["ema"] = {n: p.detach().cpu().clone() for n, p in self.ema.module.named_parameters()}
+            out["ema"] = {n: _whole(p.detach()).cpu().clone() for n, p in self.ema.module.named_parameters()}
         out.update(self.extra)
         self.extra = {}
         return out
@@ -230,6 +230,10 @@ def ema(r: Runner) -> None:
             first.add_(1.0 if r.rank == 1 else 0.0)
             r.extra["ema_off_in_sync"] = r.dk.summary()["ranks_in_sync"]
             first.copy_(kept)
+            # ... and a count that differs on one rank (a tensor every engine holds whole on every rank)
+            r.ema.n_averaged.add_(1 if r.rank == 1 else 0)
+            r.extra["ema_count_off_in_sync"] = r.dk.summary()["ranks_in_sync"]
+            r.ema.n_averaged.sub_(1 if r.rank == 1 else 0)
 
 
 def eval_between_steps(r: Runner) -> None:

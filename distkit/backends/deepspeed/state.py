@@ -16,6 +16,8 @@ from distkit.errors import ConfigError, UnsupportedCombination
 from .config import ENGINE_DIR, TAG, _DeepSpeedConfigured
 
 if TYPE_CHECKING:
+    from distkit import portable
+
     from .groups import _ReplicaGroups
 
 
@@ -187,7 +189,7 @@ class _DeepSpeedState(_DeepSpeedConfigured):
             opt._lazy_init_hp_params_optimizer_state()
 
     def portable_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                       keep: Callable[[str], bool]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+                       keep: Callable[[str], bool]) -> portable.State:
         """Under ZeRO each parameter's fp32 master and optimizer state are assembled one tensor at a
         time (a collective per tensor, every rank in the same order) and kept only where ``keep``
         says so; without partitioning the engine's optimizer is a plain one (the default)."""
