@@ -398,11 +398,22 @@ def test_a_preempted_group_alone_leaves_with_a_checkpoint_and_rejoins_on_resume(
     # before the resumed group's 4 steps to its first sync (under load): that group then synced alone, unhealed.
     # The resumed group continues from its checkpoint, is behind the live group at that sync and heals from it;
     # both end with one model.
-    out, stamp, release = tmp_path / "ft", tmp_path / "delayed", tmp_path / "release"
+    # Both groups first wait for each other at step 4 (released by a file once both are there), so they sync
+    # together from step 5 on: else group 0, started first, could sync alone up to its pause at step 30 before
+    # group 1 asked for its first quorum, which the lighthouse then holds while group 0 heartbeats without asking
+    # (fewer than half of the live groups in it), so group 1 never got to step 10 (seen once in a fresh-clone run)
+    out, release = tmp_path / "ft", tmp_path / "go-30"
+    stamp = tmp_path / "at-1-10"
     steps = ["++max_steps", "60"]
-    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:30:delay=120", DISTKIT_FAULT_UNTIL=str(release))
+    env = {"DISTKIT_FAULT_UNTIL": str(tmp_path / "go-{step}")}
+    live = _group(lighthouse, 0, 2, out, *steps, DISTKIT_FAULT="0:4:delay=300,0:30:delay=120",
+                  DISTKIT_FAULT_STAMP=str(tmp_path / "at-0-{step}"), **env)
     # the signal lands while group 1 is in a 5 s slow step 10 (DISTKIT_FAULT delay): it stops after step 10
-    first = _group(lighthouse, 1, 2, out, *steps, DISTKIT_FAULT="0:10:delay", DISTKIT_FAULT_STAMP=str(stamp))
+    first = _group(lighthouse, 1, 2, out, *steps, DISTKIT_FAULT="0:4:delay=300,0:10:delay",
+                   DISTKIT_FAULT_STAMP=str(tmp_path / "at-1-{step}"), **env)
+    _until(lambda: all((tmp_path / f"at-{i}-4").exists() for i in range(2)), [live, first],
+           "the groups never reached step 4")
+    (tmp_path / "go-4").touch()
     deadline = time.monotonic() + 120
     while not stamp.exists():
         assert time.monotonic() < deadline and first.poll() is None and live.poll() is None, "group 1 never at step 10"
