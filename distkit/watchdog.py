@@ -16,7 +16,10 @@ after the engine joined its process group and stops it in ``close``):
   ``distributed.timeout_s``.
 * **judge thread** (clock only, it never waits on the network): a rank whose counter has not
   changed for ``T`` seconds of this process's monotonic clock (clocks of different hosts need not
-  agree) is named; when the store itself has not answered for ``T`` seconds, its host, rank 0, is.
+  agree), as this rank's own reads saw it, is named; when the store itself has not answered a call
+  for ``T`` seconds, its host, rank 0, is. Only what this rank observed counts: while its own
+  beater did not run (its process starved, or its main thread holding the GIL in C code), a peer's
+  counter was not read, so it cannot have been seen unchanged.
   The judge prints ``distkit: rank K stopped responding: no heartbeat for T s (noticed by rank R)``
   to stderr, records it for distkit's spawner (:func:`distkit.launch.record_stall`, so the spawner
   names rank K, not the rank that noticed), SIGKILLs rank K when it runs on this host (a stopped
@@ -115,8 +118,10 @@ class Watchdog:
         self._values: list[Optional[bytes]] = [None] * world_size
         #: monotonic time at which this rank last saw each rank's counter change (or the start)
         self._changed = [now] * world_size
-        #: monotonic time of the last store round trip that completed
+        #: monotonic time of the last store round trip that completed: each peer's counter is known up to it
         self._last_ok = now
+        #: monotonic start of the first store call since the last that completed (None while they complete)
+        self._trying: Optional[float] = None
         self._where: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), once every rank beat
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the judge fires, or stop() stops it: never both
@@ -226,32 +231,39 @@ class Watchdog:
 
     # -- the beater: store I/O ---------------------------------------------------------------
     def _beat_loop(self) -> None:
-        keys = [_key(r) for r in range(self.world_size)]
         seen = [False] * self.world_size
         while not self._stop.is_set():
-            try:
-                self.store.add(keys[self.rank], 1)
-                if not all(seen):  # at start: a rank that never beat must not block the read
-                    seen = [s or self.store.check([k]) for s, k in zip(seen, keys)]
-                if all(seen) and len(self._where) < self.world_size:  # (again at the next beat if it failed)
-                    self._learn_where()
-                ranks = [r for r in range(self.world_size) if seen[r]]
-                values = self.store.multi_get([keys[r] for r in ranks])
-            except Exception as e:  # noqa: BLE001 - the store's host is gone or not answering: the judge decides
-                if type(e).__name__ == "DistNetworkError":
-                    # The connection to the store is broken (its host died or closed it): a TCPStore client does not
-                    # reconnect, so every further call fails too, each printing torch's 22-line C++ warning before
-                    # distkit's line. No more calls: _last_ok stays, and the judge names rank 0 after timeout_s.
-                    self._stop.wait()
-                    return
-                self._stop.wait(self.interval_s)
-                continue
-            now = time.monotonic()
-            self._last_ok = now
-            for r, v in zip(ranks, values):
-                if v != self._values[r]:
-                    self._values[r], self._changed[r] = v, now
+            if not self.beat(seen):
+                # The connection to the store is broken (its host died or closed it): a TCPStore client does not
+                # reconnect, so every further call fails too, each printing torch's 22-line C++ warning before
+                # distkit's line. No more calls: the judge names rank 0 after timeout_s.
+                self._stop.wait()
+                return
             self._stop.wait(self.interval_s)
+
+    def beat(self, seen: list[bool]) -> bool:
+        """One heartbeat: add 1 to this rank's counter and read every counter that exists (``seen``: the ranks
+        known to have beaten, updated in place). A call that fails leaves the judge to decide (the store's host is
+        gone or not answering). Returns False once the connection to the store is broken for good."""
+        keys = [_key(r) for r in range(self.world_size)]
+        if self._trying is None:
+            self._trying = time.monotonic()
+        try:
+            self.store.add(keys[self.rank], 1)
+            if not all(seen):  # at start: a rank that never beat must not block the read
+                seen[:] = [s or self.store.check([k]) for s, k in zip(seen, keys)]
+            if all(seen) and len(self._where) < self.world_size:  # (again at the next beat if it failed)
+                self._learn_where()
+            ranks = [r for r in range(self.world_size) if seen[r]]
+            values = self.store.multi_get([keys[r] for r in ranks])
+        except Exception as e:  # noqa: BLE001 - the store's host is gone or not answering: the judge decides
+            return type(e).__name__ != "DistNetworkError"
+        now = time.monotonic()
+        for r, v in zip(ranks, values):
+            if v != self._values[r]:
+                self._values[r], self._changed[r] = v, now
+        self._last_ok, self._trying = now, None
+        return True
 
     def _learn_where(self) -> None:
         for r, v in enumerate(self.store.multi_get([f"who/{r}" for r in range(self.world_size)])):
@@ -260,12 +272,18 @@ class Watchdog:
 
     # -- the judge: clock only ---------------------------------------------------------------
     def ages(self) -> dict[int, float]:
-        """Seconds since this rank last saw each other rank's heartbeat change. While the store does
-        not answer, only rank 0 (its host) is aged by that: the others' counters cannot be read."""
+        """Seconds each other rank's heartbeat was seen unchanged: from the read that first saw its counter's
+        value to this rank's latest read (which saw the same value). Time in which this rank did not read (its
+        beater did not run: its process starved or stopped, its main thread holding the GIL in C code) counts for
+        no one until the next read, which either sees a new beat or confirms the silence: a rank's own delay is
+        never charged to a peer (a starved rank 0 whose judge ran before its beater named a live rank 1 after a
+        complete run beside a loaded suite). While the store does not answer a call, only rank 0 (its host) is
+        aged, since that call began: the others' counters cannot be read."""
         now = time.monotonic()
-        if self.rank != 0 and now - self._last_ok >= self.interval_s * 1.5:
-            return {0: now - self._last_ok}
-        return {r: now - self._changed[r] for r in range(self.world_size) if r != self.rank}
+        trying = self._trying
+        if self.rank != 0 and trying is not None and now - trying >= self.interval_s * 1.5:
+            return {0: now - trying}
+        return {r: max(0.0, self._last_ok - self._changed[r]) for r in range(self.world_size) if r != self.rank}
 
     def end_startup(self) -> None:
         """Judge by ``timeout_s`` from now on (start-up has ended: ``Job._end_startup``). Not collective."""
@@ -313,6 +331,9 @@ class Watchdog:
                 grace = now - max(0.0, self.timeout_s - LOST_AFTER_INTERVALS * self.interval_s)
                 self._changed = [max(c, grace) for c in self._changed]
                 self._last_ok = max(self._last_ok, grace)
+                trying = self._trying
+                if trying is not None:
+                    self._trying = max(trying, grace)
             woke = now
             ranks = self.stalled()
             if ranks:
@@ -360,15 +381,16 @@ class Watchdog:
 
     def lost(self) -> list[int]:
         """The ranks whose heartbeat has stopped: no change for :data:`LOST_AFTER_INTERVALS` intervals.
-        Waits until one shows or that long has passed (at most ``4.5 * interval_s`` seconds, about 4.5 s)
+        Waits until one shows or that long has passed (at most ``5.5 * interval_s`` seconds, about 5.5 s)
         and returns [] when every heartbeat goes on. Not collective.
 
         The bound: this rank sees a peer's last beat up to one interval after the peer beat (the beater
-        reads every interval), so a peer that died just after beating reaches ``limit`` up to
-        ``limit + interval_s`` after its death; half an interval more for scheduling. (With only half an
-        interval, a host SIGKILLed just after a beat was reported as gloo's address, not by rank.)"""
+        reads every interval), and its age (:meth:`ages`) grows with this rank's reads, one interval apart, so a
+        peer that died just after beating reaches ``limit`` up to ``limit + 2 * interval_s`` after its death;
+        half an interval more for scheduling. (With only half an interval, a host SIGKILLed just after a beat was
+        reported as gloo's address, not by rank.)"""
         limit = LOST_AFTER_INTERVALS * self.interval_s
-        deadline = time.monotonic() + limit + 1.5 * self.interval_s
+        deadline = time.monotonic() + limit + 2.5 * self.interval_s
         while True:
             gone = sorted(r for r, age in self.ages().items() if age >= limit)
             if gone or time.monotonic() >= deadline or self._stop.is_set():
@@ -385,7 +407,8 @@ class Watchdog:
         soon = self.timeout_s - oldest
         if oldest < 1.5 * self.interval_s or soon > 2 * self.interval_s + 1.0 or self._stop.is_set():
             return
-        deadline = now + max(0.0, soon) + self.interval_s + 0.5  # the judge names it at timeout_s; one period more
+        # the judge names it at the first read after timeout_s (reads are one interval apart); one period more
+        deadline = now + max(0.0, soon) + 2 * self.interval_s + 0.5
         while time.monotonic() < deadline and not self._stop.is_set():
             if not any(a >= 1.5 * self.interval_s for a in self.ages().values()):
                 return  # the late rank beat again: it was slow, not stalled
@@ -443,7 +466,7 @@ def start_watchdog(strategy: "Strategy", timeout_s: float, startup_s: Optional[f
 def explain_stall() -> None:
     """Where a rank gives up waiting for a peer (a collective timed out, an engine's watchdog fired):
     if some rank's heartbeat is late and will reach ``timeout_s`` within two intervals and 1 s, wait
-    until the judge names it (at most that, plus one interval and 0.5 s); the judge then ends the job
+    until the judge names it (at most that, plus two intervals and 0.5 s); the judge then ends the job
     and this never returns. Returns at once otherwise: every heartbeat fresh (the peer is alive: hung
     in Python, or failed on its own, which its launcher reports), or no watchdog runs. Not collective."""
     if _ACTIVE is not None:

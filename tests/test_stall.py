@@ -19,6 +19,7 @@ get ``timeout_s``. About 75 s in all on a 2-core machine.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import signal
@@ -174,6 +175,44 @@ def test_watchdog_spares_live_ranks_and_names_a_silent_one(tmp_path: Path, monke
         w1._stop.set()
 
 
+def test_a_rank_whose_own_heartbeat_did_not_run_blames_no_peer() -> None:
+    """A peer is late only by what this rank read: two watchdogs on a real TCPStore (timeout 0.4 s), their beats
+    taken by hand (``Watchdog.beat``; no threads). Rank 0's beater not running for longer than the timeout (its
+    process starved, its main thread holding the GIL in C code: a complete mpi run beside the loaded suite once
+    ended with "rank 1 stopped responding" from rank 0) makes no peer late: rank 1, which beat meanwhile, is seen
+    beating at rank 0's next read; a rank 1 that really went silent is named at the first read that confirms it.
+    On rank 1 the same holds for the store: no call, no blame; a call that the store (rank 0) does not answer
+    for the timeout names rank 0."""
+    timeout_s = 0.4
+    delta = datetime.timedelta(seconds=2.0)
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=delta)
+    w0 = Watchdog(server, 0, 2, timeout_s, lambda code: None)
+    w1 = Watchdog(client, 1, 2, timeout_s, lambda code: None)
+    for w in (w0, w1):  # (what run() publishes first: where the rank runs)
+        w.store.set(f"who/{w.rank}", f"{host_identity()} {os.getpid()}")
+    seen0, seen1 = [False, False], [False, False]
+    assert w1.beat(seen1) and w0.beat(seen0) and w1.beat(seen1) and w0.beat(seen0)
+    assert w0._values[1] is not None and w1._values[0] is not None
+    pause = timeout_s + 0.2  # (how long nobody beats: the input of this test, not a wait for an event)
+    time.sleep(pause)  # neither beater runs
+    assert w0.stalled() == [] and w1.stalled() == [], (w0.ages(), w1.ages())  # before: rank 0 named rank 1
+    assert w1.beat(seen1) and w0.beat(seen0)  # rank 1 beat before rank 0's next read: it is alive
+    assert w0.stalled() == [] and w0.ages()[1] == 0.0
+    time.sleep(pause)
+    assert w0.stalled() == []  # rank 1 silent, but rank 0 has not read since
+    assert w0.beat(seen0)  # this read confirms the silence
+    assert w0.stalled() == [1] and w0.ages()[1] >= timeout_s
+    # rank 1's side: the store stops answering (its server gone with rank 0's object)
+    del w0, server
+    gc.collect()  # (a watchdog and its unstarted threads form a cycle: its store, the server, goes with the cycle)
+    assert w1.stalled() == []  # rank 1 made no call since its last read: nobody is blamed
+    t0 = time.monotonic()
+    w1.beat(seen1)  # fails (connection refused or closed): the store did not answer from t0 on
+    time.sleep(pause)
+    assert w1.stalled() == [0] and w1.ages()[0] >= time.monotonic() - t0 - 0.01 >= timeout_s
+
+
 #: a process holding two ranks' watchdogs (timeout 1 s) on a real TCPStore: it says "ready" once both beat, "woke"
 #: when its own clock jumped (it was frozen), "survived" after 4 more timeouts, then stops both; a watchdog that fires
 #: says "FIRED". (Without the stops, a loaded run saw it abort at exit: "terminate called without an active
@@ -301,7 +340,9 @@ print("ready", flush=True)
 while time.monotonic() - last < 2.0:
     last = time.monotonic()
     time.sleep(0.05)
-time.sleep(1.5)
+woke = time.monotonic()
+while w0._last_ok < woke + 1.5:  # rank 0 read the counters 1.5 s after the wake-up (an age counts to its reads)
+    time.sleep(0.05)
 print("age", w0.ages()[1], flush=True)
 w0.stop()
 """
@@ -311,9 +352,9 @@ def test_a_peer_that_stopped_while_this_rank_was_frozen_is_named_within_a_few_be
     """The other side of the test above: a rank whose own process did not run for a while (frozen, or starved on a
     loaded machine) gave every peer a whole timeout_s from its wake-up (300 s by default), so a peer that had really
     stopped was named that much later, and again after every such pause. Now a peer gets LOST_AFTER_INTERVALS
-    intervals from the wake-up, at most: rank 1 stopped beating before a 4 s freeze, so 1.5 s after the wake-up its
-    heartbeat is at least 4 + 1.5 s old to rank 0's judge (before: 1.5, the judge's view restarted at the wake-up),
-    and less than timeout_s (12 s), when it would be named."""
+    intervals from the wake-up, at most: rank 1 stopped beating before a 4 s freeze, so at rank 0's first read 1.5 s
+    after the wake-up its heartbeat is at least 4 + 1.5 s old to rank 0's judge (before: 1.5, the judge's view
+    restarted at the wake-up), and less than timeout_s (12 s), when it would be named."""
     p, out, err = _frozen_for(4.0, _PEER_STOPPED_WHILE_FROZEN)
     ages = [float(ln.split()[1]) for ln in out.splitlines() if ln.startswith("age ")]
     assert p.returncode == 0 and len(ages) == 1 and "FIRED" not in out, (p.returncode, out, err[-2000:])
