@@ -139,13 +139,6 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view: writing it writes the parameter; not collective), a plain tensor as
-    it is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def float_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``module``'s floating-point parameters and buffers by name (each tensor once): what parameter
     averaging averages of a module registered with ``dk.keep_in_sync``."""
