@@ -122,6 +122,7 @@ class Watchdog:
         self._last_ok = now
         #: monotonic start of the first store call since the last that completed (None while they complete)
         self._trying: Optional[float] = None
+        self._keys = [_key(r) for r in range(world_size)]  # every rank's heartbeat counter
         self._where: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), once every rank beat
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the judge fires, or stop() stops it: never both
@@ -245,7 +246,7 @@ class Watchdog:
         """One heartbeat: add 1 to this rank's counter and read every counter that exists (``seen``: the ranks
         known to have beaten, updated in place). A call that fails leaves the judge to decide (the store's host is
         gone or not answering). Returns False once the connection to the store is broken for good."""
-        keys = [_key(r) for r in range(self.world_size)]
+        keys = self._keys
         if self._trying is None:
             self._trying = time.monotonic()
         try:
