@@ -88,6 +88,29 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     node.config.pluginmanager.get_plugin("terminalreporter").write_line(f"[{node.gateway.id}] how it ended:\n{text}")
 
 
+# -- a failure is named the moment it happens, not only in the summary at the end ------------------------------------
+#: where the controller writes each failing test's id and report as it comes in (make test/check: the clone's root)
+FAILURES_FILE = ROOT / "tests-failed.txt"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        with contextlib.suppress(OSError):
+            FAILURES_FILE.unlink()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """(in the controller, and in a run without workers) A failing test's id in the output at once, and its whole
+    report appended to :data:`FAILURES_FILE`. pytest -q prints only an ``F`` until the run ends: a fresh-clone run
+    cut short (a session's end) once kept no trace of which test had failed at 39 %."""
+    if not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    line = f"FAILED ({report.when}) {report.nodeid}"
+    with contextlib.suppress(OSError), open(FAILURES_FILE, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n{report.longreprtext}\n{'-' * 80}\n")
+    print(f"\n{line}", file=sys.stderr, flush=True)
+
+
 # -- the two tiers (tests/tiers.py): `make check` runs `-m "not full"`, `make test` everything -------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--tier-report", metavar="PATH", default=None,
