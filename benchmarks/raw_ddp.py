@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,9 +30,29 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments, pin_rank
+from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
 
 
+def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
+    """The hand-written DDP step on the default process group (already initialized): the model seeded with
+    ``args.seed``, wrapped in ``DDP(bucket_cap_mb=...)``, plain SGD, the ``shard`` data order."""
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    model = DDP(CharTransformer(vocab, args.seq_len, width, layers, heads), bucket_cap_mb=args.bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batch(i)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()  # DDP all-reduces gradient buckets during backward
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return RawLoop(step, lambda: param_checksum(model.module.named_parameters()))
 
 
 def main() -> None:
@@ -45,43 +64,13 @@ def main() -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = DDP(CharTransformer(vocab, args.seq_len, width, layers, heads), bucket_cap_mb=args.bucket_cap_mb)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    xs, ys = train.tensors
-    global_batch = args.batch_size * world
-    steps_per_epoch = len(xs) // global_batch  # the incomplete last global batch is dropped
-
-    starts, ends, cpu_starts, cpu_ends = [], [], [], []
-    perm, perm_epoch = None, -1
-    for step in range(args.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        epoch, s = divmod(step, steps_per_epoch)
-        if epoch != perm_epoch:  # one permutation per epoch, identical on every rank
-            perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch))
-            perm_epoch = epoch
-        idx = perm[s * global_batch + rank * args.batch_size:][:args.batch_size]
-        x, y = xs[idx], ys[idx]
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()  # DDP all-reduces gradient buckets during backward
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ends.append(time.perf_counter())
-        cpu_ends.append(time.process_time())
-        starts.append(t0)
-        cpu_starts.append(c0)
-
-    checksum = param_checksum(model.module.named_parameters())
+    raw = build(args, rank, world)
+    rec, loss = run_timed(raw, args.steps)
+    checksum = raw.checksum()
     if rank == 0:
         with open(args.times, "w") as f:
-            json.dump({"impl": "raw_ddp", "rank": rank, "world_size": world, "starts": starts, "ends": ends,
-                       "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,
-                       "final_loss": loss.item(), "param_checksum": checksum,
-                       "torch_threads": torch.get_num_threads()}, f)
+            json.dump({"impl": "raw_ddp", "rank": rank, "world_size": world, **rec, "final_loss": loss.item(),
+                       "param_checksum": checksum, "torch_threads": torch.get_num_threads()}, f)
     dist.destroy_process_group()
 
 

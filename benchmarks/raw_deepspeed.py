@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
@@ -33,9 +32,39 @@ import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments, pin_rank
+from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
 
 
+def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
+    """The textbook DeepSpeed step (``deepspeed.init_distributed`` already called): the model seeded with
+    ``args.seed``, plain SGD, ``deepspeed.initialize`` with ZeRO stage ``args.zero_stage`` and DeepSpeed's
+    default buckets, ``engine.backward``/``engine.step``, the ``shard`` data order."""
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    config = {"zero_optimization": {"stage": args.zero_stage}, "train_micro_batch_size_per_gpu": args.batch_size,
+              "gradient_accumulation_steps": 1, "train_batch_size": args.batch_size * world,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batch(i)
+        logits = engine(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    def checksum() -> str:
+        if args.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+                return param_checksum(engine.module.named_parameters())
+        return param_checksum(engine.module.named_parameters())
+
+    return RawLoop(step, checksum)
 
 
 def main() -> None:
@@ -52,49 +81,13 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    config = {"zero_optimization": {"stage": args.zero_stage}, "train_micro_batch_size_per_gpu": args.batch_size,
-              "gradient_accumulation_steps": 1, "train_batch_size": args.batch_size * world,
-              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    xs, ys = train.tensors
-    global_batch = args.batch_size * world
-    steps_per_epoch = len(xs) // global_batch
-
-    starts, ends, cpu_starts, cpu_ends = [], [], [], []
-    perm, perm_epoch = None, -1
-    for step in range(args.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        epoch, s = divmod(step, steps_per_epoch)
-        if epoch != perm_epoch:
-            perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch))
-            perm_epoch = epoch
-        idx = perm[s * global_batch + rank * args.batch_size:][:args.batch_size]
-        x, y = xs[idx], ys[idx]
-        logits = engine(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        engine.backward(loss)
-        engine.step()
-        ends.append(time.perf_counter())
-        cpu_ends.append(time.process_time())
-        starts.append(t0)
-        cpu_starts.append(c0)
-
-    if args.zero_stage == 3:
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-            checksum = param_checksum(engine.module.named_parameters())
-    else:
-        checksum = param_checksum(engine.module.named_parameters())
+    raw = build(args, rank, world)
+    rec, loss = run_timed(raw, args.steps)
+    checksum = raw.checksum()
     if rank == 0:
         with open(args.times, "w") as f:
             json.dump({"impl": "raw_deepspeed", "zero_stage": args.zero_stage, "rank": rank, "world_size": world,
-                       "starts": starts, "ends": ends, "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,
-                       "final_loss": loss.item(), "param_checksum": checksum,
+                       **rec, "final_loss": loss.item(), "param_checksum": checksum,
                        "torch_threads": torch.get_num_threads()}, f)
     dist.destroy_process_group()
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import horovod.torch as hvd
 import torch
@@ -28,9 +27,35 @@ import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments, pin_rank
+from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
 
 
+def build(args: argparse.Namespace, names: str = "") -> RawLoop:
+    """The textbook Horovod step (``hvd.init()`` already called): the model seeded with ``args.seed``,
+    ``hvd.broadcast_parameters``, ``hvd.DistributedOptimizer(SGD, named_parameters=..., op=hvd.Average)``, the
+    ``shard`` data order. ``names`` prefixes Horovod's tensor names (a second model in the same job, as in
+    ``interleaved.py``, must not reuse the first one's)."""
+    rank, world = hvd.rank(), hvd.size()
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    hvd.broadcast_parameters({names + k: v for k, v in model.state_dict().items()}, root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+                                   named_parameters=[(names + k, p) for k, p in model.named_parameters()],
+                                   op=hvd.Average)
+    batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batch(i)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()  # Horovod's hooks start the all-reduces
+        opt.step()       # synchronize(), then SGD
+        opt.zero_grad()
+        return loss
+
+    return RawLoop(step, lambda: param_checksum(model.named_parameters()))
 
 
 def main() -> None:
@@ -41,44 +66,12 @@ def main() -> None:
     pin_rank()
 
     hvd.init()
-    rank, world = hvd.rank(), hvd.size()
-
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
-                                   named_parameters=model.named_parameters(), op=hvd.Average)
-    xs, ys = train.tensors
-    global_batch = args.batch_size * world
-    steps_per_epoch = len(xs) // global_batch
-
-    starts, ends, cpu_starts, cpu_ends = [], [], [], []
-    perm, perm_epoch = None, -1
-    for step in range(args.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        epoch, s = divmod(step, steps_per_epoch)
-        if epoch != perm_epoch:
-            perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch))
-            perm_epoch = epoch
-        idx = perm[s * global_batch + rank * args.batch_size:][:args.batch_size]
-        x, y = xs[idx], ys[idx]
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()  # Horovod's hooks start the all-reduces
-        opt.step()       # synchronize(), then SGD
-        opt.zero_grad()
-        ends.append(time.perf_counter())
-        cpu_ends.append(time.process_time())
-        starts.append(t0)
-        cpu_starts.append(c0)
-
-    checksum = param_checksum(model.named_parameters())
-    if rank == 0:
+    raw = build(args)
+    rec, loss = run_timed(raw, args.steps)
+    checksum = raw.checksum()
+    if hvd.rank() == 0:
         with open(args.times, "w") as f:
-            json.dump({"impl": "raw_horovod", "rank": rank, "world_size": world, "starts": starts, "ends": ends,
-                       "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,
+            json.dump({"impl": "raw_horovod", "rank": hvd.rank(), "world_size": hvd.size(), **rec,
                        "final_loss": loss.item(), "param_checksum": checksum,
                        "torch_threads": torch.get_num_threads()}, f)
     hvd.shutdown()

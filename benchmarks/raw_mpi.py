@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,38 @@ from mpi4py import MPI
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import add_workload_arguments, pin_rank
+from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
 
 
+def build(args: argparse.Namespace, comm: "MPI.Comm") -> RawLoop:
+    """The hand-written mpi4py step on ``comm`` (MPI already initialized): the model seeded with ``args.seed``,
+    parameters from rank 0 (one ``Bcast`` per tensor), a blocking in-place ``Allreduce`` per gradient then the
+    division by the world size, plain SGD, the ``shard`` data order."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            comm.Bcast(t.detach().reshape(-1).numpy(), root=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=args.lr)
+    batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batch(i)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        for p in params:  # one blocking all-reduce per gradient, in place on its memory
+            comm.Allreduce(MPI.IN_PLACE, p.grad.reshape(-1).numpy(), op=MPI.SUM)
+            p.grad.div_(world)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return RawLoop(step, lambda: param_checksum(model.named_parameters()))
 
 
 def main() -> None:
@@ -43,50 +71,13 @@ def main() -> None:
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            comm.Bcast(t.detach().reshape(-1).numpy(), root=0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=args.lr)
-    xs, ys = train.tensors
-    global_batch = args.batch_size * world
-    steps_per_epoch = len(xs) // global_batch
-
-    starts, ends, cpu_starts, cpu_ends = [], [], [], []
-    perm, perm_epoch = None, -1
-    for step in range(args.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        epoch, s = divmod(step, steps_per_epoch)
-        if epoch != perm_epoch:
-            perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(args.seed * 1_000_003 + epoch))
-            perm_epoch = epoch
-        idx = perm[s * global_batch + rank * args.batch_size:][:args.batch_size]
-        x, y = xs[idx], ys[idx]
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        for p in params:  # one blocking all-reduce per gradient, in place on its memory
-            comm.Allreduce(MPI.IN_PLACE, p.grad.reshape(-1).numpy(), op=MPI.SUM)
-            p.grad.div_(world)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ends.append(time.perf_counter())
-        cpu_ends.append(time.process_time())
-        starts.append(t0)
-        cpu_starts.append(c0)
-
-    checksum = param_checksum(model.named_parameters())
+    raw = build(args, comm)
+    rec, loss = run_timed(raw, args.steps)
+    checksum = raw.checksum()
     if rank == 0:
         with open(args.times, "w") as f:
-            json.dump({"impl": "raw_mpi", "rank": rank, "world_size": world, "starts": starts, "ends": ends,
-                       "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,
-                       "final_loss": loss.item(), "param_checksum": checksum,
-                       "torch_threads": torch.get_num_threads()}, f)
+            json.dump({"impl": "raw_mpi", "rank": rank, "world_size": world, **rec, "final_loss": loss.item(),
+                       "param_checksum": checksum, "torch_threads": torch.get_num_threads()}, f)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 from distkit.tasks.charlm import SIZES
 
@@ -39,3 +43,57 @@ def add_workload_arguments(ap: argparse.ArgumentParser, seed: bool = True) -> ar
         ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--times", required=True, help="JSON file rank 0 writes the step timestamps to")
     return ap
+
+
+def shard_batches(xs: "torch.Tensor", ys: "torch.Tensor", seed: int, batch_size: int, rank: int,
+                  world: int) -> Callable[[int], tuple["torch.Tensor", "torch.Tensor"]]:
+    """``batch(step) -> (x, y)``: this rank's batch of global step ``step`` in distkit's ``shard`` order (one
+    ``randperm`` per epoch seeded ``seed * 1_000_003 + epoch``, identical on every rank; rank r takes the r-th
+    slice of each global batch; the incomplete last global batch of an epoch is dropped), what the hand-written
+    baselines index by hand. The epoch's permutation is kept until the epoch changes."""
+    import torch
+
+    global_batch = batch_size * world
+    steps_per_epoch = len(xs) // global_batch
+    cache: dict[int, torch.Tensor] = {}
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, s = divmod(step, steps_per_epoch)
+        if epoch not in cache:
+            cache.clear()
+            cache[epoch] = torch.randperm(len(xs), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        idx = cache[epoch][s * global_batch + rank * batch_size:][:batch_size]
+        return xs[idx], ys[idx]
+
+    return batch
+
+
+class RawLoop(NamedTuple):
+    """A hand-written baseline's training step, built on an engine its process has already started, so that
+    ``interleaved.py`` runs it beside distkit's in the same processes (each ``raw_<engine>.py`` has ``build``
+    returning one; its own ``main`` runs the same step in its timed loop).
+
+    ``step(i)``: optimizer step ``i`` (batch fetch + forward + backward + the engine's gradient exchange + SGD +
+    zero_grad), returning the loss; ``checksum()``: ``param_checksum`` of the model's parameters (every rank
+    calls it: ZeRO-3 gathers)."""
+
+    step: Callable[[int], "torch.Tensor"]
+    checksum: Callable[[], str]
+
+
+def run_timed(raw: RawLoop, steps: int) -> tuple[dict[str, list[float]], "torch.Tensor"]:
+    """Steps ``0..steps-1`` of ``raw``, each timed on this rank from before its batch fetch to after zero_grad:
+    (``{"starts", "ends", "cpu_starts", "cpu_ends"}`` in ``perf_counter`` / ``process_time`` seconds, the last loss)."""
+    import time
+
+    rec: dict[str, list[float]] = {"starts": [], "ends": [], "cpu_starts": [], "cpu_ends": []}
+    loss = None
+    for i in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = raw.step(i)
+        rec["ends"].append(time.perf_counter())
+        rec["cpu_ends"].append(time.process_time())
+        rec["starts"].append(t0)
+        rec["cpu_starts"].append(c0)
+    assert loss is not None, "steps must be at least 1"
+    return rec, loss
