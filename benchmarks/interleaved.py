@@ -1,7 +1,8 @@
 """distkit against its engine's hand-written loop in the same processes: blocks of steps, alternating (issue 37).
 
     python benchmarks/interleaved.py --backend ddp|mpi|horovod|deepspeed [--path cli|byo] [--pairs 60] [--block 10]
-                                     [--aa] [--knob preemption] [--size small|medium] [--pin] [--out PATH]
+                                     [--aa] [--knob preemption] [--size small|medium] [--pin] [--threads-cpu]
+                                     [--out PATH]
 
 One job of ``--nprocs`` ranks under the engine's launcher (as ``overhead.py``: torchrun for ddp and deepspeed,
 mpirun for mpi and horovod). Each rank holds two copies of the ``charlm`` workload: side A, the hand-written loop
@@ -19,8 +20,10 @@ Why in-process: separate processes per side (``overhead.py``) differ by more tha
 (one ~9 s process pair: 0.81 to 1.16 for identical work, A/A), so their interval narrows only as 1/sqrt(pairs)
 from ±10 %. Here both sides share the processes, their memory layout, the launcher, the core each rank is on and
 the machine's state within a second, and a pair costs ~1 s: hundreds of pairs fit into a few minutes.
-What it cannot see: per-process costs (start-up: ``startup.py``) and work distkit does in background threads
-(the watchdog's heartbeat), which run beside both sides alike (``overhead.py --knob watchdog`` measures that).
+What it cannot see by the ratio: per-process costs (start-up: ``startup.py``) and work distkit does in background
+threads (the watchdog's heartbeat and judge), which run beside both sides alike; for those it reports rank 0's
+CPU seconds of every ``distkit-*`` thread over the job (``background_cpu_s``, from ``/proc``): what they can take
+from the training at most, as a share of the job's wall time.
 
 ``--aa``: side B is a second copy of the hand-written loop (horovod: under other tensor names): the ratio must be
 1 within its interval, which shows what the method resolves. ``--knob preemption`` (``--path cli``): side A is
@@ -72,6 +75,7 @@ class Alternator:
         self.a_step = 0                    # side A's next step index (its own data order)
         self.done = False                  # the schedule is over (A's extra step taken)
         self.blocks: list[dict[str, Any]] = []
+        self._threads: dict[str, float] = threads_cpu() if THREADS_CPU else {}
 
     @property
     def b_total(self) -> int:
@@ -81,6 +85,11 @@ class Alternator:
     def _record(self, side: str, t0: tuple[float, float], t1: tuple[float, float]) -> None:
         self.blocks.append({"side": side, "pair": self.pair_of[len(self.blocks)], "wall_s": t1[0] - t0[0],
                             "cpu_s": t1[1] - t0[1]})
+        if THREADS_CPU:  # --threads-cpu: what every thread of the process used since the last block ended
+            now = threads_cpu()
+            self.blocks[-1]["threads_cpu_s"] = {k: round(v - self._threads.get(k, 0.0), 3) for k, v in now.items()
+                                                if v - self._threads.get(k, 0.0) > 0}
+            self._threads = now
 
     def tick(self) -> None:
         now = (time.perf_counter(), time.process_time())
@@ -117,7 +126,7 @@ class Toggler:
         self.sides = [s for p in range(pairs) for s in (("A", "B") if p % 2 == 0 else ("B", "A"))]
         self.block, self.run, self.feature = block, run, run._preemption
         assert self.feature is not None, "--knob preemption needs preemption = True"
-        self.steps, self.a_step = 0, 0
+        self.steps, self.a_step, self.done = 0, 0, False
         self.open: Optional[tuple[float, float]] = None
         self.blocks: list[dict[str, Any]] = []
 
@@ -139,7 +148,48 @@ class Toggler:
             self.a_step += self.block if self.sides[i] == "A" else 0
             self.open = (time.perf_counter(), time.process_time())
         else:
-            self.run._preemption, self.open = self.feature, None
+            self.run._preemption, self.open, self.done = self.feature, None, True
+
+
+#: ``--threads-cpu`` (set in the worker from the job's spec): record every thread's CPU per block
+THREADS_CPU = False
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds (user + system, 10 ms ticks) of every thread of this process so far, by ``name#tid`` (the main
+    thread: ``main``): Horovod's background thread, MPI's and gloo's, torch's pool, distkit's."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
+        key = "main" if int(tid) == os.getpid() else f"{name}#{tid}"  # (threads inherit the process's name)
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def background_cpu() -> dict[str, float]:
+    """CPU seconds (user + system, from ``/proc/self/task/<tid>/stat``, 10 ms ticks) each of distkit's background
+    threads (``distkit-*``: the watchdog's heartbeat and judge, ...) has used so far in this process: an upper
+    bound of what they take from the training, which an in-process A/B cannot see (they run beside both sides)."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        if not t.name.startswith("distkit-") or t.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[t.name] = out.get(t.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 def build_raw(backend: str, args: argparse.Namespace, names: str = "") -> Any:
@@ -178,6 +228,8 @@ def worker(spec_path: str, argv: list[str]) -> int:
         spec = json.load(f)
     args = argparse.Namespace(**spec["workload"])
     backend, path, mode = spec["backend"], spec["path"], spec["mode"]
+    global THREADS_CPU
+    THREADS_CPU = bool(spec.get("threads_cpu"))
     import torch
 
     result: dict[str, Any] = {}
@@ -195,8 +247,10 @@ def worker(spec_path: str, argv: list[str]) -> int:
                     holder["raw"] = build_raw(backend, args)
                     holder["alt"] = Alternator(spec["pairs"], spec["block"], holder["raw"].step)
             holder["alt"].tick()
-            if mode != "knob" and holder["alt"].done and "checksum" not in holder:
-                holder["checksum"] = holder["raw"].checksum()  # (collective) while distkit's engine is up
+            if holder["alt"].done and "threads" not in holder:  # the schedule is over; distkit's threads still run
+                holder["threads"] = background_cpu()
+                if mode != "knob":
+                    holder["checksum"] = holder["raw"].checksum()  # (collective) while distkit's engine is up
             return inner(self, *a, **kw)
 
         trainer.TrainingRun.train_step = timed  # type: ignore[method-assign]
@@ -204,6 +258,7 @@ def worker(spec_path: str, argv: list[str]) -> int:
         if rc != 0:
             return rc
         alt = holder["alt"]
+        result["background_cpu_s"] = holder["threads"]
         if mode != "knob":
             result["a_checksum"] = holder["checksum"]
     else:
@@ -242,6 +297,7 @@ def worker(spec_path: str, argv: list[str]) -> int:
         for i in range(alt.b_total):
             alt.tick()
             step_b(i)
+        result["background_cpu_s"] = background_cpu()
         result["a_checksum"] = raw.checksum()
         if mode == "aa":
             result["b_checksum"] = raw_b.checksum()
@@ -303,6 +359,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--pin", action="store_true", help="each rank bound to its own core (workload.pin_rank)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default cores // nprocs)")
+    ap.add_argument("--threads-cpu", action="store_true",
+                    help="record every thread's CPU seconds per block on rank 0 (blocks[i].threads_cpu_s): where a "
+                         "side's time goes outside its main thread (Horovod's background thread, MPI progress, ...)")
     ap.add_argument("--run-timeout", type=float, default=900.0, metavar="SECONDS")
     ap.add_argument("--out", default=None, help="JSON path (default: a fresh directory under the temp directory)")
     args = ap.parse_args(argv)
@@ -323,7 +382,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                  "bucket_cap_mb", "zero_stage")}
     workload["steps"] = 0
     spec = {"backend": args.backend, "path": args.path, "mode": mode, "pairs": args.pairs, "block": args.block,
-            "times": times, "workload": workload}
+            "times": times, "workload": workload, "threads_cpu": args.threads_cpu}
     spec_path = os.path.join(work, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -367,6 +426,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                                           rec.get("b_checksum")],
         "distkit_steps": b_steps, "side_a_steps": rec["a_steps"],
         "pair_ratio": summarize(ratios), "pair_ratios": ratios, "blocks": rec["blocks"],
+        # rank 0's background threads over the whole job (both sides' blocks and start-up), and as a share of it
+        "background_cpu_s": rec["background_cpu_s"],
+        "background_cpu_fraction": sum(rec["background_cpu_s"].values()) / max(wall, 1e-9),
         "summary": rec.get("summary"),
     }
     suffix = "_aa" if args.aa else f"_knob_{args.knob}" if args.knob else ""
@@ -379,7 +441,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"interleaved {args.backend} {args.path}{suffix}: {len(ratios['wall'])} pairs of {args.block}-step blocks "
           f"in {wall:.0f} s (foreign load {load:.2f} CPUs): wall {r['wall']['median']:.4f} "
           f"({r['wall']['ci95'][0]:.4f}-{r['wall']['ci95'][1]:.4f}), cpu {r['cpu']['median']:.4f} "
-          f"({r['cpu']['ci95'][0]:.4f}-{r['cpu']['ci95'][1]:.4f}); same work: {same}")
+          f"({r['cpu']['ci95'][0]:.4f}-{r['cpu']['ci95'][1]:.4f}); same work: {same}; distkit's background "
+          f"threads: {sum(rec['background_cpu_s'].values()):.2f} CPU s on rank 0 "
+          f"({100 * result['background_cpu_fraction']:.3f} % of the job's wall time)")
     print(out)
     if same is False:
         print("interleaved: the two sides ended with different parameters: they did not run the same work",

@@ -313,11 +313,14 @@ def distkit_config(be: Backend, args: argparse.Namespace, output_dir: str) -> di
 
 
 def run_distkit(be: Backend, args: argparse.Namespace, work: str, tag: str,
-                launcher: Optional[Callable[[int], list[str]]] = None, knob_off: Optional[str] = None) -> dict[str, Any]:
-    """One ``distkit train`` run; ``knob_off`` (a :data:`KNOBS` name) runs it with that feature turned off."""
+                launcher: Optional[Callable[[int], list[str]]] = None, knob_off: Optional[str] = None,
+                distributed: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One ``distkit train`` run; ``knob_off`` (a :data:`KNOBS` name) runs it with that feature turned off;
+    ``distributed`` updates the engine's ``distributed`` section (e.g. ``{"reduce_type": "param"}``)."""
     out_dir = os.path.join(work, f"{tag}.out")
     cfg_path = os.path.join(work, f"{tag}.config.json")
     cfg, env = distkit_config(be, args, out_dir), _env(args)
+    cfg["distributed"].update(distributed or {})
     if knob_off == "preemption":
         cfg["preemption"] = False
     elif knob_off == "watchdog":

@@ -11,13 +11,14 @@ and reports the median wall time of the whole command and the CPU time of it and
 
 Writes ``benchmarks/results/startup.json``.
 
-``--first-step`` measures instead the **time to the first step** against the engine's hand-written loop
-(``raw_ddp.py``, ``raw_mpi.py``, ``raw_horovod.py``, ``raw_deepspeed.py``: ``overhead.py``'s workload, charlm
-``--size`` with ``--steps`` steps, under the same launcher, torchrun or mpirun), alternating the two ``--pairs``
+``--first-step`` measures instead the **time to the first step** of ``distkit train`` on ``--engine`` in
+``--mode`` grad or param against a hand-written loop: raw DDP under torchrun by default (``raw_ddp.py``), or with
+``--baseline engine`` the engine's own (``raw_mpi.py``, ``raw_horovod.py``, ``raw_deepspeed.py`` under its
+launcher); ``overhead.py``'s workload, charlm ``--size`` with ``--steps`` steps, alternating the two ``--pairs``
 times: seconds from the launch of the command to the end of rank 0's first optimizer step (both sides record
 ``time.perf_counter()``, the system's monotonic clock, so the launcher's and the rank's instants compare), and
-the whole command's wall time. Each pair must end with the same ``param_checksum``. Writes
-``benchmarks/results/first_step_<engine>.json``.
+the whole command's wall time. Where both sides do the same work (the engine's own loop, grad mode) each pair
+must end with the same ``param_checksum``. Writes ``benchmarks/results/first_step_<engine>[_param][_vs_<engine>].json``.
 """
 from __future__ import annotations
 
@@ -68,6 +69,11 @@ def main() -> int:
     p.add_argument("--first-step", action="store_true",
                    help="time to the first step against the engine's hand-written loop (--engine: any of the four)")
     p.add_argument("--size", default="small", choices=("small", "medium", "large"), help="--first-step: charlm size")
+    p.add_argument("--mode", default="grad", choices=("grad", "param"),
+                   help="--first-step: distkit's mode (param: param_sync_step 10)")
+    p.add_argument("--baseline", default="ddp", choices=("ddp", "engine"),
+                   help="--first-step: raw DDP under torchrun (issue 37's yardstick, the default) or the engine's "
+                        "own hand-written loop under its launcher (then, in grad mode, the parameters must agree)")
     p.add_argument("--out", default=None, help="default results/startup.json, or first_step_<engine>.json")
     a = p.parse_args()
     if a.pairs < 1 or a.nprocs < 2 or a.steps < 1:
@@ -108,6 +114,11 @@ def first_step(a: argparse.Namespace) -> int:
     import overhead  # a sibling module (benchmarks/ is on sys.path)
 
     be = overhead.BACKENDS[a.engine]
+    base = overhead.BACKENDS[a.engine if a.baseline == "engine" else "ddp"]
+    # the same work on both sides only for the engine's own hand-written loop in grad mode (param mode averages
+    # parameters instead; another engine's loop may round differently): then the checksums must agree
+    same_work = base is be and a.mode == "grad"
+    distributed = {"reduce_type": a.mode, **({"param_sync_step": 10} if a.mode == "param" else {})}
     args = argparse.Namespace(size=a.size, seq_len=64, batch_size=32, steps=a.steps, lr=0.1, seed=42,
                               bucket_cap_mb=25.0, zero_stage=2, threads=1, run_timeout=600.0, what_if=None,
                               nprocs=a.nprocs)
@@ -115,22 +126,26 @@ def first_step(a: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="first_step_") as work:
         for i in range(a.pairs):
             for side in ("raw", "distkit") if i % 2 == 0 else ("distkit", "raw"):  # alternate who goes first
-                rec = (overhead.run_raw if side == "raw" else overhead.run_distkit)(be, args, work, f"{side}-{i}")
+                rec = (overhead.run_raw(base, args, work, f"{side}-{i}") if side == "raw" else
+                       overhead.run_distkit(be, args, work, f"{side}-{i}", distributed=distributed))
                 r = {"first_step_s": rec["ends"][0] - rec["launched_at"], "wall_s": rec["process_wall_s"],
                      "checksum": rec["param_checksum"]}
                 runs[side].append(r)
                 print(f"pair {i + 1}/{a.pairs} {side:7}: first step at {r['first_step_s']:.2f} s, whole command "
                       f"{r['wall_s']:.2f} s", flush=True)
-            if runs["raw"][-1]["checksum"] != runs["distkit"][-1]["checksum"]:
+            if same_work and runs["raw"][-1]["checksum"] != runs["distkit"][-1]["checksum"]:
                 print(f"startup: pair {i + 1}: distkit and the hand-written loop ended with different parameters",
                       file=sys.stderr)
                 return 1
     med = {side: {k: statistics.median(r[k] for r in rs) for k in ("first_step_s", "wall_s")}
            for side, rs in runs.items()}
-    result = {"workload": f"charlm {a.size}, {a.steps} steps, {a.nprocs} ranks, {be.launcher_name}, engine {a.engine}",
+    result = {"workload": f"charlm {a.size}, {a.steps} steps, {a.nprocs} ranks, engine {a.engine} ({a.mode} mode) "
+                          f"under {be.launcher_name}; baseline: raw_{base.name}.py under {base.launcher_name}",
+              "engine": a.engine, "mode": a.mode, "baseline": f"raw_{base.name}", "same_work_checked": same_work,
               "median": med, "first_step_ratio": med["distkit"]["first_step_s"] / med["raw"]["first_step_s"],
               "wall_ratio": med["distkit"]["wall_s"] / med["raw"]["wall_s"], "runs": runs}
-    out = a.out or os.path.join(RESULTS, f"first_step_{a.engine}.json")
+    out = a.out or os.path.join(RESULTS, f"first_step_{a.engine}{'_param' if a.mode == 'param' else ''}"
+                                         f"{'' if base.name == 'ddp' else '_vs_' + base.name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

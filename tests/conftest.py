@@ -192,8 +192,9 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, item
     return f"tiers: {fast} fast, {len(items) - fast} full-only (tests/tiers.py)"
 
 
-def base_env(**extra: str) -> dict[str, str]:
-    """os.environ without launcher variables, plus the test mark and Open MPI's root permission."""
+def base_env(**extra: Optional[str]) -> dict[str, str]:
+    """os.environ without launcher variables, plus the test mark and Open MPI's root permission; ``extra`` on top
+    (a value of None removes the variable)."""
     drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_RUN_ID", "DISTKIT_SPAWN_ID", "DISTKIT_FAULT", "PYTEST_ADDOPTS")  # (a pytest a test starts is its own)
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
@@ -205,12 +206,14 @@ def base_env(**extra: str) -> dict[str, str]:
     # changes.
     env.update(DISTKIT_TEST_MARK=MARK, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1")
-    env.update(extra)
+    env.update({k: v for k, v in extra.items() if v is not None})
+    for k in [k for k, v in extra.items() if v is None]:
+        env.pop(k, None)
     return env
 
 
 @starts_processes
-def run(cmd: list[str], timeout: float = 180, cwd: Optional[Path] = None, **env: str) -> subprocess.CompletedProcess[str]:
+def run(cmd: list[str], timeout: float = 180, cwd: Optional[Path] = None, **env: Optional[str]) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` to completion (killing its whole process group on timeout)."""
     p = subprocess.Popen(cmd, cwd=cwd or ROOT, env=base_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)

@@ -207,3 +207,25 @@ def test_horovod_require_without_horovod_is_one_line_exit_2(tmp_path: Path) -> N
     assert len(lines) == 1 and lines[0].startswith("distkit: error: horovod_require")
     assert "make horovod" in lines[0] and "Traceback" not in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+YIELD_SCRIPT = """
+import os, distkit
+dk = distkit.init({"distributed": {"backend": "horovod", "require_horovod": True}, "device": "cpu"})
+print(f"rank {dk.rank}: OMPI_MCA_mpi_yield_when_idle={os.environ.get('OMPI_MCA_mpi_yield_when_idle')}", flush=True)
+dk.close()
+"""
+
+
+def test_cpu_ranks_tell_open_mpi_to_yield_while_horovod_waits_unless_the_user_chose(horovod: None,
+                                                                                     tmp_path: Path) -> None:
+    """Horovod's background thread waits for every reduction inside Open MPI, which busy-polls the rank's own core
+    unless told to yield: on CPU the engine sets ``OMPI_MCA_mpi_yield_when_idle=1`` before ``hvd.init`` (where
+    MPI_Init reads it; benchmarks/README.md has what it is worth), and keeps a value the user set."""
+    script = tmp_path / "yield.py"
+    script.write_text(YIELD_SCRIPT)
+    for given, want in ((None, "1"), ("0", "0")):
+        res = run([*MPIRUN, sys.executable, str(script)], timeout=120, OMPI_MCA_mpi_yield_when_idle=given)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert sorted(ln for ln in res.stdout.splitlines() if ln.startswith("rank ")) == [
+            f"rank {r}: OMPI_MCA_mpi_yield_when_idle={want}" for r in range(2)], res.stdout

@@ -102,7 +102,10 @@ CASES = [  # (source engine, target engine, target ranks)
     ("fsdp", "ddp", 2),
     ("fsdp", "zero3", 2),
     ("fsdp", "horovod", 2),
+    ("fsdp", "mpi", 2),
+    ("fsdp", "zero2", 2),
     ("zero3", "fsdp", 2),
+    ("horovod", "fsdp", 2),
     ("ddp", "fsdp", 3),
 ]
 

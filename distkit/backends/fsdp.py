@@ -41,10 +41,10 @@ from distkit.errors import ConfigError, UnsupportedCombination, UsageError
 from distkit import portable
 from distkit.portable import group_names, optimizer_state_by_name, optimizer_state_from_names
 
-from .parts import persistent_buffers, unused_parameters, whole
+from .parts import local, persistent_buffers, unused_parameters, whole
 from .buffers import DDPBufferRule
 from .ddp import DDPStrategy
-from .fsdp_copy import COPIER, deep_copy, local, make_copier, skeleton
+from .fsdp_copy import COPIER, deep_copy, make_copier, skeleton
 from .fsdp_order import collectives
 
 #: ``distributed.fsdp`` keys, their defaults and meaning (also shown by ``distkit keys``' row for the dict)

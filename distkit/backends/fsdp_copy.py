@@ -23,6 +23,8 @@ from torch import nn
 
 from distkit.errors import UsageError
 
+from .parts import local
+
 if TYPE_CHECKING:
     from .fsdp import FSDPStrategy
 
@@ -83,12 +85,6 @@ def materialised(module: nn.Module, device: torch.device) -> nn.Module:
                         else empty
                 table[key] = made[id(t)]  # type: ignore[assignment]
     return module
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view: writing it writes the parameter), a plain tensor as it is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def deep_copy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:

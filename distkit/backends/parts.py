@@ -139,6 +139,13 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (a DTensor: a view, writing it writes the parameter; no
+    communication), any other tensor as it is: :func:`whole`'s local counterpart."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def float_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``module``'s floating-point parameters and buffers by name (each tensor once): what parameter
     averaging averages of a module registered with ``dk.keep_in_sync``."""
