@@ -79,12 +79,9 @@ class HorovodEngine(HorovodCollectives, Strategy):
             os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(timeout)
             os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(min(60, timeout)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(max(timeout, int(startup_s + 0.5))))
-        # On CPU, Horovod's background thread waits for each step's reductions inside Open MPI, which polls at
-        # 100 % of a core unless told to yield, and that core is the training's own: the thread shares the rank's
-        # core with torch's compute, and a rank that waits for a slower peer spins the time away. Yielding while
-        # idle (read by MPI_Init, inside hvd.init) gave charlm small on 2 pinned ranks a 30 % shorter step, and
-        # made distkit's per-step overhead against the hand-written loop 1.01 instead of 1.03 (benchmarks/README.md,
-        # interleaved.py). Scheduling only: no result changes. The user's own setting wins.
+        # On CPU Horovod's background thread waits for the reductions inside Open MPI, polling the training's own
+        # core unless told to yield (read by MPI_Init in hvd.init): 30 % shorter steps here (benchmarks/README.md,
+        # "Horovod: the 3 % found and removed"). Scheduling only. The user's own setting wins.
         if self.device.type == "cpu":
             os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         # hvd.init() waits for its background thread's first collectives, which never complete where
