@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
+from workload import RawLoop, parse_baseline_args, run_timed, shard_batches
 
 
 def build(args: argparse.Namespace, names: str = "") -> RawLoop:
@@ -59,11 +59,7 @@ def build(args: argparse.Namespace, names: str = "") -> RawLoop:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_arguments(ap)
-    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="accepted for overhead.py's command line; unused")
-    args = ap.parse_args()
-    pin_rank()
+    args = parse_baseline_args(__doc__.splitlines()[0])
 
     hvd.init()
     raw = build(args)

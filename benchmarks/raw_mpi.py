@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from distkit.evaluation import param_checksum
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
+from workload import RawLoop, parse_baseline_args, run_timed, shard_batches
 
 
 def build(args: argparse.Namespace, comm: "MPI.Comm") -> RawLoop:
@@ -63,11 +63,7 @@ def build(args: argparse.Namespace, comm: "MPI.Comm") -> RawLoop:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_arguments(ap)
-    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="accepted for overhead.py's command line; unused")
-    args = ap.parse_args()
-    pin_rank()
+    args = parse_baseline_args(__doc__.splitlines()[0])
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()

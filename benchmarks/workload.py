@@ -97,3 +97,15 @@ def run_timed(raw: RawLoop, steps: int) -> tuple[dict[str, list[float]], "torch.
         rec["cpu_starts"].append(c0)
     assert loss is not None, "steps must be at least 1"
     return rec, loss
+
+
+def parse_baseline_args(description: str) -> argparse.Namespace:
+    """The command line of a hand-written baseline whose engine has no bucket setting (``raw_mpi.py``,
+    ``raw_horovod.py``): the workload's flags plus ``--bucket-cap-mb`` (overhead.py passes it to every baseline),
+    parsed; then this rank pinned (``--pin``) before torch starts its threads."""
+    ap = argparse.ArgumentParser(description=description)
+    add_workload_arguments(ap)
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="accepted for overhead.py's command line; unused")
+    args = ap.parse_args()
+    pin_rank()
+    return args
