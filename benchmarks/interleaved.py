@@ -50,6 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import overhead  # noqa: E402  (the launchers, the engines' distributed sections, the statistics, the runner)
+from workload import launcher_rank, pin_rank  # noqa: E402
 
 #: per-rank worker: the schedule and the workload travel in one JSON file
 WORKER = "--worker"
@@ -155,40 +156,49 @@ class Toggler:
 THREADS_CPU = False
 
 
+def _thread_cpu_s(tid: int) -> Optional[float]:
+    """CPU seconds (user + system, 10 ms ticks) thread ``tid`` of this process has used, or None once it is gone."""
+    # /proc/self/task/TID/stat: the thread's own counters (/proc/TID/stat, what distkit.procfs reads, holds the
+    # whole process's)
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def threads_cpu() -> dict[str, float]:
-    """CPU seconds (user + system, 10 ms ticks) of every thread of this process so far, by ``name#tid`` (the main
-    thread: ``main``): Horovod's background thread, MPI's and gloo's, torch's pool, distkit's."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds of every thread of this process so far, by ``name#tid`` (the main thread: ``main``): Horovod's
+    background thread, MPI's and gloo's, torch's pool, distkit's."""
     out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid in map(int, os.listdir("/proc/self/task")):
+        cpu = _thread_cpu_s(tid)
+        if cpu is None:
+            continue
+        if tid == os.getpid():
+            out["main"] = cpu
+            continue
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                text = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()  # (threads inherit the process's name)
         except OSError:
             continue
-        name, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
-        key = "main" if int(tid) == os.getpid() else f"{name}#{tid}"  # (threads inherit the process's name)
-        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[f"{name}#{tid}"] = cpu
     return out
 
 
 def background_cpu() -> dict[str, float]:
-    """CPU seconds (user + system, from ``/proc/self/task/<tid>/stat``, 10 ms ticks) each of distkit's background
-    threads (``distkit-*``: the watchdog's heartbeat and judge, ...) has used so far in this process: an upper
-    bound of what they take from the training, which an in-process A/B cannot see (they run beside both sides)."""
+    """CPU seconds each of distkit's background threads (``distkit-*``: the watchdog's heartbeat and judge, ...)
+    has used so far in this process: an upper bound of what they take from the training, which an in-process A/B
+    cannot see (they run beside both sides)."""
     import threading
 
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for t in threading.enumerate():
-        if not t.name.startswith("distkit-") or t.native_id is None:
-            continue
-        try:
-            with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[t.name] = out.get(t.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        cpu = _thread_cpu_s(t.native_id) if t.name.startswith("distkit-") and t.native_id is not None else None
+        if cpu is not None:
+            out[t.name] = out.get(t.name, 0.0) + cpu
     return out
 
 
@@ -214,15 +224,8 @@ def build_raw(backend: str, args: argparse.Namespace, names: str = "") -> Any:
         return raw_horovod.build(args, names=names)
 
 
-def _rank() -> int:
-    return next((int(os.environ[k]) for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-                 if os.environ.get(k, "").strip()), 0)
-
-
 def worker(spec_path: str, argv: list[str]) -> int:
     """One rank: side B's loop (or ``distkit train``) driving an :class:`Alternator` over side A."""
-    from workload import pin_rank
-
     pin_rank()  # before torch starts its threads
     with open(spec_path) as f:
         spec = json.load(f)
@@ -307,7 +310,7 @@ def worker(spec_path: str, argv: list[str]) -> int:
             result["b_checksum"] = summary["param_checksum"]
             result["summary"] = {k: summary[k] for k in ("backend", "backend_impl", "launcher", "world_size")}
         dk.close()
-    if _rank() == 0:
+    if launcher_rank() == 0:
         result.update(blocks=alt.blocks, a_steps=alt.a_step, torch_threads=torch.get_num_threads())
         with open(spec["times"], "w") as f:
             json.dump(result, f)

@@ -384,7 +384,7 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
     """Per rank, under the launcher: time every ``TrainingRun.train_step`` call, then run the real CLI."""
     from time import perf_counter, process_time
 
-    from workload import pin_rank
+    from workload import launcher_rank, pin_rank
 
     pin_rank()  # (--pin) as the hand-written scripts do, before torch starts threads
     import torch
@@ -414,9 +414,7 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
 
         job.start_watchdog = lambda strategy, timeout_s: None  # type: ignore[assignment]
     rc = cli.main(argv)
-    # torchrun sets RANK; mpirun sets OMPI_COMM_WORLD_RANK (PMIX_RANK for other MPIs) and no RANK.
-    rank = next((int(os.environ[k]) for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-                 if os.environ.get(k, "").strip()), 0)
+    rank = launcher_rank()
     if rc == 0 and rank == 0:
         with open(times_path, "w") as f:
             json.dump({"impl": "distkit", "starts": starts, "ends": ends, "cpu_starts": cpu_starts, "cpu_ends": cpu_ends,

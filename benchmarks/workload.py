@@ -19,6 +19,13 @@ from distkit.tasks.charlm import SIZES
 _LOCAL_RANK = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
 
 
+def launcher_rank() -> int:
+    """This process's global rank as its launcher set it: torchrun's ``RANK``, mpirun's ``OMPI_COMM_WORLD_RANK``
+    (``PMIX_RANK``/``PMI_RANK`` for other MPIs, which set no ``RANK``); 0 without a launcher."""
+    return next((int(os.environ[k]) for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+                 if os.environ.get(k, "").strip()), 0)
+
+
 def pin_rank() -> None:
     """With ``DISTKIT_BENCH_PIN=1`` (``overhead.py --pin``): bind this rank, and the threads it starts from now on,
     to one core, local rank r to the r-th core it may run on (mod their number). Both sides of a comparison do
