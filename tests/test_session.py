@@ -465,6 +465,36 @@ def test_the_session_s_rooms_do_not_import_it() -> None:
     assert not {d for d in graph["distkit.trainer"] if d.startswith("distkit.backends")}
 
 
+
+def _third_party_imports(path: Path) -> set[str]:
+    """The top-level packages a module imports (any depth in it, lazy ones too), not distkit's own."""
+    tree = ast.parse(path.read_text())
+    names = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return {m.split(".")[0] for m in names if m and not m.startswith("distkit")}
+
+
+def test_only_the_bridges_import_lightning_and_accelerate_and_nothing_imports_the_bridges() -> None:
+    """Issue 39: the frameworks are optional extras. distkit.lightning imports Lightning and distkit.hf
+    Accelerate; no other module imports either framework (transformers, a model library, stays the tasks'
+    lazy import), and no module of distkit imports the two bridges (a user imports them)."""
+    frameworks = {"lightning", "pytorch_lightning", "lightning_fabric", "accelerate"}
+    bridges = {"distkit.lightning": {"lightning"}, "distkit.hf": {"accelerate"}}
+    graph = _import_graph()
+    seen = {}
+    for path in (ROOT / "distkit").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        bridge = next((b for b in bridges if name == b or name.startswith(b + "_")), None)
+        used = _third_party_imports(path) & frameworks
+        if bridge is None:
+            assert not used, f"{name} imports {used}: only distkit.lightning and distkit.hf may"
+        else:
+            seen[bridge] = seen.get(bridge, set()) | used
+    assert seen == bridges, seen  # the bridges exist and import what they bridge
+    for name, deps in graph.items():
+        if not any(name == b or name.startswith(b + "_") for b in bridges):
+            assert not {d for d in deps if any(d == b or d.startswith(b + "_") for b in bridges)}, (name, deps)
+
 # -- model state with buffers: finish() leaves every rank equal, ranks_in_sync checks buffers too ----
 BN_SCRIPT = '''
 import argparse, json, os, torch, distkit
