@@ -1,0 +1,272 @@
+"""distkit.lightning: ``Trainer(strategy=DistkitStrategy(...))`` on real Lightning, 2 real ranks, every engine.
+
+Each test is one job whose ranks run both sides of a comparison one after the other in the same processes (Lightning
+imports in 5-6 s per process here: one job per case) and write what they measured to files the test reads:
+grad mode against Lightning's own ``DDPStrategy`` on the same LightningModule and seed, param mode against distkit's
+own loop on the same model, data order (the same ``DistributedSampler``) and settings, a resume from a
+``ModelCheckpoint`` file against the uninterrupted run, and ``self.log(..., sync_dist=True)``, ``trainer.validate``
+and ``trainer.test`` against their closed forms (the loss over the whole set, computed from the final weights).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, ok, run
+
+#: the LightningModule of Lightning's bug report template (BoringModel, RandomDataset), its loss a mean square so that
+#: training moves it, logged with sync_dist; used by every case below
+COMMON = r'''
+import argparse, json, os, sys
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+import lightning.pytorch as pl
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+import distkit
+from distkit.lightning import DistkitStrategy
+
+class RandomDataset(Dataset):
+    def __init__(self, size, length, seed):
+        self.data = torch.randn(length, size, generator=torch.Generator().manual_seed(seed))
+    def __getitem__(self, index):
+        return self.data[index]
+    def __len__(self):
+        return len(self.data)
+
+class BoringModel(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 2)
+    def forward(self, x):
+        return self.layer(x)
+    def training_step(self, batch, batch_idx):
+        loss = self(batch).pow(2).mean()
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+    def validation_step(self, batch, batch_idx):
+        self.log("valid_loss", self(batch).pow(2).mean(), sync_dist=True)
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self(batch).pow(2).mean(), sync_dist=True)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+TRAIN, VAL = RandomDataset(32, 64, 1), RandomDataset(32, 16, 2)
+SEED, EPOCHS, BATCH = 7, 2, 4
+
+def loader(data, **kw):
+    return DataLoader(data, batch_size=BATCH, **kw)
+
+class Spread(pl.Callback):
+    """After the first step: how far apart the ranks' weights are (all_gather, collective): 0 in grad mode."""
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:
+            w = trainer.strategy.all_gather(module.layer.weight.detach())
+            self.spread = float((w[0] - w[1]).abs().max())
+
+def trainer(strategy, out=None, **kw):
+    cb = [ModelCheckpoint(dirpath=out, save_top_k=-1, filename="{epoch}")] if out else []
+    cb.append(SPREAD)
+    return Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=EPOCHS, logger=False,
+                   enable_checkpointing=bool(out), callbacks=cb, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+def fit(strategy, out=None, ckpt_path=None, evaluate=True):
+    """seed, model, fit (+ validate and test): the final state and the logged values, with their closed forms."""
+    global SPREAD
+    SPREAD = Spread()
+    pl.seed_everything(SEED)
+    model = BoringModel()
+    t = trainer(strategy, out)
+    t.fit(model, loader(TRAIN, shuffle=True), loader(VAL), ckpt_path=ckpt_path)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    res = {"spread": getattr(SPREAD, "spread", None)}  # (None: a resume, which starts past step 1)
+    if evaluate:
+        res["validate"] = t.validate(model, loader(VAL), verbose=False)[0]["valid_loss"]
+        res["test"] = t.test(model, loader(VAL), verbose=False)[0]["test_loss"]
+        with torch.no_grad():
+            res["closed_form"] = float(model(VAL.data).pow(2).mean())  # the mean over all 16 samples, 1 process
+    return state, res
+
+def maxdiff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+def own_loop(source):
+    """distkit's own-loop param mode on the same model, data order (Lightning's DistributedSampler, seed, set_epoch)."""
+    dk = distkit.init(source)
+    pl.seed_everything(SEED)
+    model = BoringModel()
+    model, optimizer = dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    sampler = DistributedSampler(TRAIN, num_replicas=dk.world_size, rank=dk.rank, shuffle=True, seed=SEED)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for x in loader(TRAIN, sampler=sampler):
+            dk.backward(model(x).pow(2).mean())
+            dk.step()
+    dk.finish()
+    return {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}, dk.num_steps
+
+parser = argparse.ArgumentParser()
+parser.add_argument("case")
+parser.add_argument("out")
+distkit.add_arguments(parser)
+args = parser.parse_args()
+strategy = DistkitStrategy(args)  # under --nprocs N: starts the N ranks here
+result = {}
+'''
+
+#: grad mode: Lightning's DDPStrategy, then DistkitStrategy (with ModelCheckpoint) in the same processes; on ddp also
+#: a resume from the first epoch's checkpoint
+GRAD = COMMON + r'''
+ref, ref_res = fit(DDPStrategy())
+got, got_res = fit(strategy, out=os.path.join(args.out, "ckpt"))
+result.update(engine=strategy.dk.backend, mode=strategy.dk.cfg.distributed.reduce_type, max_diff=maxdiff(ref, got),
+              ref=ref_res, got=got_res, world=strategy.world_size)
+if args.case == "resume":
+    again, _ = fit(DistkitStrategy(args), ckpt_path=os.path.join(args.out, "ckpt", "epoch=0.ckpt"), evaluate=False)
+    result["resume_diff"] = maxdiff(got, again)
+'''
+
+#: param mode: distkit's own loop, then DistkitStrategy on the same settings, each config in turn; the first also
+#: resumed from its first epoch's ModelCheckpoint file (and sidecar) against its uninterrupted run
+PARAM = COMMON + r'''
+configs = json.loads(os.environ["CONFIGS"])
+for i, cfg in enumerate(configs):
+    ref, steps = own_loop(cfg)
+    out = os.path.join(args.out, f"ckpt{i}") if i == 0 else None
+    got, res = fit(DistkitStrategy(cfg), out=out)
+    row = {"max_diff": maxdiff(ref, got), "steps": steps, "res": res}
+    if i == 0:
+        again, _ = fit(DistkitStrategy(cfg), ckpt_path=os.path.join(out, "epoch=0.ckpt"), evaluate=False)
+        row["resume_diff"] = maxdiff(got, again)
+        row["sidecar"] = os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit"))
+    result[str(i)] = row
+'''
+
+END = r'''
+with open(os.path.join(args.out, f"result-{strategy.global_rank}.json"), "w") as f:
+    json.dump(result, f)
+'''
+
+
+def _job(tmp_path: Path, body: str, case: str, *flags: str, timeout: float = 170, **env: str) -> list[dict]:
+    script = tmp_path / "boring.py"
+    script.write_text(body + END)
+    out = tmp_path / "out"
+    out.mkdir()
+    ok(run([sys.executable, str(script), case, str(out), *flags], timeout=timeout, **env))
+    return [json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1)]
+
+
+def _check_logged(res: dict) -> None:
+    """validate/test logged with sync_dist: the mean over both ranks' samples, i.e. the one-process closed form."""
+    assert abs(res["validate"] - res["closed_form"]) < 1e-6 and abs(res["test"] - res["closed_form"]) < 1e-6, res
+
+
+def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(tmp_path: Path) -> None:
+    """Trainer(devices=2) starts the ranks (Lightning's own launcher); ddp grad mode equals DDPStrategy's run
+    (measured: 0.0), validate/test equal their closed forms, and fit(ckpt_path=epoch 0) ends where the run ended."""
+    rows = _job(tmp_path, GRAD, "resume")
+    for row in rows:
+        assert (row["engine"], row["mode"], row["world"]) == ("ddp", "grad", 2)
+        assert row["max_diff"] <= 1e-6 and row["resume_diff"] <= 1e-6, row
+        assert row["got"]["spread"] == 0.0  # every rank steps on the all-reduced gradient
+        _check_logged(row["got"])
+        assert abs(row["got"]["validate"] - row["ref"]["validate"]) <= 1e-6
+    assert rows[0]["got"] == rows[1]["got"]
+
+
+@pytest.mark.parametrize("engine", ["mpi", "horovod"])
+def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path, engine: str) -> None:
+    """``--nprocs 2`` starts the ranks under mpirun (distkit's launcher for the MPI engines), where Lightning's
+    DDPStrategy runs too (MPIEnvironment): the mpi engine and Horovod equal it (measured: 0.0 on both)."""
+    rows = _job(tmp_path, GRAD, "grad", "--nprocs", "2", "++distributed.backend", engine)
+    for row in rows:
+        assert (row["engine"], row["mode"], row["world"]) == (engine, "grad", 2)
+        assert row["max_diff"] <= 1e-6, row
+        _check_logged(row["got"])
+
+
+def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) -> None:
+    """param mode (param_sync_step 3; then DiLoCo's Nesterov outer step with 2 fragments, int8 exchange and an
+    overlap of 1 step) equals distkit's own loop on the same data order; a resume from the first epoch's checkpoint
+    (Lightning's file + each rank's sidecar) ends where the uninterrupted run ended."""
+    plain = {"distributed": {"reduce_type": "param", "param_sync_step": 3}}
+    diloco = {"distributed": {"reduce_type": "param", "param_sync_step": 4, "param_sync_fragments": 2,
+                              "param_sync_compression": "int8", "param_sync_overlap": 1,
+                              "outer_optimizer": {"class": "nesterov", "lr": 0.7, "momentum": 0.9}}}
+    rows = _job(tmp_path, PARAM, "param", "--nprocs", "2", CONFIGS=json.dumps([plain, diloco]))
+    for row in rows:
+        for case in ("0", "1"):
+            assert row[case]["steps"] == 16 and row[case]["max_diff"] <= 1e-6, row
+            assert row[case]["res"]["spread"] > 1e-3  # the ranks stepped on their own (local steps)
+            _check_logged(row[case]["res"])
+        assert row["0"]["sidecar"] and row["0"]["resume_diff"] <= 1e-6, row
+
+
+#: what cannot work, each refused in one line before training starts; the last one uncaught (exit 2, one line)
+REFUSE = r'''
+import json, os, sys
+import distkit, distkit.session, distkit.trainer, distkit.cli
+core_clean = not any(m == "lightning" or m.startswith(("lightning.", "pytorch_lightning")) for m in sys.modules)
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins.precision import MixedPrecision
+from distkit.errors import DistkitError
+from distkit.lightning import DistkitStrategy
+
+class Manual(BoringModel):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+def refused(make):
+    try:
+        make()
+    except DistkitError as e:
+        return f"{type(e).__name__}: {e}"
+    return "not refused"
+
+def fit(model, **kw):
+    Trainer(strategy=DistkitStrategy(), accelerator="cpu", devices=1, max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, **kw).fit(model)
+
+lines = {
+    "deepspeed": refused(lambda: DistkitStrategy({"distributed": {"backend": "deepspeed",
+                                                                   "deepspeed_config": {"zero_optimization": {"stage": 3}}}})),
+    "fsdp": refused(lambda: DistkitStrategy({"distributed": {"backend": "fsdp"}})),
+    "precision": refused(lambda: DistkitStrategy({"precision": "bf16-mixed"})),
+    "manual": refused(lambda: fit(Manual())),
+    "fp16": refused(lambda: fit(BoringModel(), plugins=[MixedPrecision("16-mixed", "cpu")])),
+}
+with open(sys.argv[1], "w") as f:
+    json.dump({"core_clean": core_clean, "lines": lines}, f)
+os.environ.pop("LOCAL_RANK")  # (set by Lightning's launcher of the fits above: a later Trainer would take it as started)
+Trainer(strategy=DistkitStrategy({"distributed": {"backend": "mpi"}}), accelerator="cpu", devices=2)
+print("not refused")
+'''
+
+
+def test_refusals_are_one_line_and_core_does_not_import_lightning(tmp_path: Path) -> None:
+    """deepspeed/fsdp name Lightning's own strategy; distkit's precision key, manual optimization (the only way to
+    several optimizers in Lightning) and a GradScaler name what works; mpi under Trainer(devices=2) alone exits 2 with one line naming --nprocs/mpirun.
+    Importing distkit's core (session, Trainer, CLI) loads no lightning module."""
+    script, out = tmp_path / "refuse.py", tmp_path / "lines.json"
+    script.write_text(REFUSE)
+    res = run([sys.executable, str(script), str(out)], timeout=120)
+    got = json.loads(out.read_text())
+    assert got["core_clean"]
+    lines = got["lines"]
+    assert lines["deepspeed"].startswith("UnsupportedCombination") and "DeepSpeedStrategy" in lines["deepspeed"]
+    assert lines["fsdp"].startswith("UnsupportedCombination") and "FSDPStrategy" in lines["fsdp"]
+    assert lines["precision"].startswith("ConfigError") and "Trainer(precision=" in lines["precision"]
+    assert lines["manual"].startswith("UnsupportedCombination") and "DDPStrategy" in lines["manual"]
+    assert lines["fp16"].startswith("UnsupportedCombination") and "bf16-mixed" in lines["fp16"]
+    assert res.returncode == 2 and "not refused" not in res.stdout, res
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("distkit: error:")]
+    assert len(errors) == 1 and "--nprocs 2" in errors[0] and "mpirun -np 2" in errors[0], res.stderr[-2000:]
