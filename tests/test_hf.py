@@ -1,0 +1,322 @@
+"""distkit.hf (issue 39, Hugging Face part): ParamSync under Accelerate and DistkitTrainer under transformers, on 2
+real ranks (torchrun, gloo, CPU), real accelerate/transformers, tiny models, synthetic data, no downloads.
+
+Two jobs for the whole file (process starts are the cost here): the first runs every training and writes what
+it measured, per rank, to a file; the second starts new processes that resume from the first one's checkpoints.
+
+- ParamSync at LocalSGD's settings equals Accelerate's LocalSGD bit for bit (a BatchNorm model: LocalSGD leaves
+  buffers alone, and so does ParamSync), the same instance re-entered for a second epoch; in Accelerate's own
+  LocalSGD example converted to ParamSync too (examples/hf_local_sgd.py against the same file with LocalSGD back).
+- ParamSync with the outer optimizer, 2 fragments, int8 and overlap 1 equals distkit's own loop in param mode with
+  the same keys on the same per-rank batches, bit for bit.
+- accelerator.save_state mid-period (ranks differ; with an exchange in flight) and load_state in new processes
+  end where the uninterrupted run ends, bit for bit, on both of ParamSync's paths.
+- DistkitTrainer in grad mode equals transformers.Trainer's own DDP run (tiny GPT-2, dropout on): bit for bit
+  here; the bound asserted is 1e-6. In param mode (outer optimizer) it equals distkit's own loop on the batches the
+  Trainer drew; a checkpoint at step 5 (mid-period) resumed in new processes ends bit for bit where the run ended.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, ok, run
+
+EXAMPLE = ROOT / "examples" / "hf_local_sgd.py"
+#: grad mode against the Trainer's DDP: the bound asserted (measured: 0.0, bit for bit)
+GRAD_TOL = 1e-6
+
+JOB = r'''
+import importlib.util, os, sys
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from accelerate import Accelerator
+from accelerate.local_sgd import LocalSGD
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator
+import distkit
+from distkit.hf import DistkitTrainer, ParamSync
+
+out, phase, example = sys.argv[1], sys.argv[2], sys.argv[3]
+rank = int(os.environ["RANK"])
+OUTER = {"class": "nesterov", "lr": 0.7, "momentum": 0.9}
+# H = 4, F = 2 (offsets 0, 2), int8, each exchange applied one step after it starts
+EXTRAS = {"param_outer_optimizer": OUTER,
+          "distributed": {"param_sync_fragments": 2, "param_sync_compression": "int8", "param_sync_overlap": 1}}
+res = {}
+
+
+def state(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# -- ParamSync under Accelerate --------------------------------------------------------------------------------
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def data(step):  # each rank its own batches, the same in every run
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.randn(8, 8, generator=g)
+    return x, 2 * x[:, :1] - x[:, 1:2]
+
+
+def prepared():
+    acc = Accelerator(cpu=True)
+    m = mlp()
+    m, opt = acc.prepare(m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9))
+    return acc, m, opt
+
+
+def train(acc, m, opt, sync, steps, save_at=None, save_dir=None):
+    for step in steps:
+        x, y = data(step)
+        acc.backward(nn.functional.mse_loss(m(x), y))
+        opt.step()
+        opt.zero_grad()
+        sync.step()
+        if step == save_at:
+            acc.save_state(save_dir)
+
+
+# -- DistkitTrainer ------------------------------------------------------------------------------------------
+PARAM = {"distributed": {"reduce_type": "param", "param_sync_step": 3}, "param_outer_optimizer": OUTER}
+
+
+class Tokens(Dataset):  # 64 random sequences of the model's length: what a tokenized text dataset holds
+    ids = torch.randint(0, 64, (64, 32), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def gpt2(dropout):
+    torch.manual_seed(0)
+    p = 0.1 if dropout else 0.0
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                      resid_pdrop=p, embd_pdrop=p, attn_pdrop=p))
+
+
+def targs(name, **kw):  # 64 samples / (4 per rank x 2 ranks): 8 steps, one epoch
+    kw = {"save_strategy": "no", **kw}
+    return TrainingArguments(output_dir=os.path.join(out, name), use_cpu=True, seed=3, report_to=[], max_steps=8,
+                             per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=100, disable_tqdm=True,
+                             dataloader_num_workers=0, **kw)
+
+
+def sgd(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+
+def param_trainer(name, **kw):
+    m = gpt2(False)
+    t = DistkitTrainer(m, targs(name, **kw), train_dataset=Tokens(), optimizers=sgd(m), distkit=PARAM)
+    t.model_accepts_loss_kwargs = False  # the loss as the model returns it (the own loop's)
+    return t
+
+
+if phase == "run":
+    # ParamSync at LocalSGD's settings against LocalSGD: one instance, re-entered for a second epoch; K = 3
+    for name, cls in (("localsgd", LocalSGD), ("paramsync", ParamSync)):
+        acc, m, opt = prepared()
+        sync = cls(accelerator=acc, model=m, local_sgd_steps=3, enabled=True)
+        if cls is ParamSync:
+            acc.register_for_checkpointing(sync)
+        for epoch in range(2):  # ParamSync saves after call 10 (syncs at 3, 6, 7 = the block's end, 9, 12)
+            with sync:
+                train(acc, m, opt, sync, range(7 * epoch, 7 * epoch + 7), save_at=9 if cls is ParamSync else None,
+                      save_dir=os.path.join(out, "ckpt-plain"))
+        res[name] = state(acc.unwrap_model(m))
+    try:
+        ParamSync(acc, m, config={"distributed": {"backend": "mpi"}})
+    except Exception as e:
+        res["refusal_sync"] = f"{type(e).__name__}: {e}"
+    # distkit's own loop in param mode with the extras, 12 steps ...
+    dk = distkit.init({"distributed": {"reduce_type": "param", "param_sync_step": 4, **EXTRAS["distributed"]},
+                       "param_outer_optimizer": OUTER, "output_dir": os.path.join(out, "own-sync")})
+    m = mlp()
+    m, opt = dk.setup(m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9))
+    for step in range(12):
+        x, y = data(step)
+        dk.backward(nn.functional.mse_loss(m(x), y))
+        dk.step()
+    dk.finish()
+    res["own"] = state(m)
+    # ... and ParamSync with the same keys; save_state after call 6 (fragment 1's exchange in flight)
+    acc, m, opt = prepared()
+    sync = ParamSync(acc, m, local_sgd_steps=4, config=EXTRAS)
+    acc.register_for_checkpointing(sync)
+    with sync:
+        train(acc, m, opt, sync, range(12), save_at=5, save_dir=os.path.join(out, "ckpt-extras"))
+    res["extras"] = state(acc.unwrap_model(m))
+    res["extras_syncs"] = sync.averager.num_syncs
+
+    # DistkitTrainer, grad mode, against the Trainer's own DDP run (dropout on: the RNG streams must match too)
+    res["gpt2_init"] = state(gpt2(True))
+    t = Trainer(gpt2(True), targs("plain"), train_dataset=Tokens())
+    t.train()
+    res["trainer_ddp"] = state(t.model)
+    t = DistkitTrainer(gpt2(True), targs("grad"), train_dataset=Tokens())
+    t.train()
+    res["trainer_grad"] = state(t.model)
+    try:
+        DistkitTrainer(gpt2(True), targs("refused"), train_dataset=Tokens(), distkit={"distributed": {"backend": "mpi"}})
+    except Exception as e:
+        res["refusal_trainer"] = f"{type(e).__name__}: {e}"
+    # param mode, saving at step 5 (syncs at 3 and 6), recording the batches this rank drew
+    seen = []
+    def recording(features):
+        batch = default_data_collator(features)
+        seen.append({k: v.clone() for k, v in batch.items()})
+        return batch
+    t = param_trainer("param", save_strategy="steps", save_steps=5)
+    t.data_collator = recording
+    t.train()
+    res["trainer_param"] = state(t.model)
+    res["trainer_syncs"] = t.dk._strategy.averager.num_syncs
+    # distkit's own loop on those batches (the Trainer's clipping: max_grad_norm 1.0)
+    dk = distkit.init({**PARAM, "gradient_clip": 1.0, "output_dir": os.path.join(out, "own-trainer")})
+    m = gpt2(False)
+    m, opt = dk.setup(m, sgd(m)[0])
+    m.train()
+    for batch in seen[:8]:  # (the loader may have fetched one batch ahead)
+        dk.backward(m(**batch).loss)
+        dk.step()
+    dk.finish()
+    res["trainer_own"] = state(m)
+
+    # examples/hf_local_sgd.py as converted, then with LocalSGD back in, then with distkit's extras from ++keys
+    spec = importlib.util.spec_from_file_location("hf_local_sgd", example)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    converted = ex.ParamSync
+    m, res["example_accuracy"] = ex.main(["--cpu", "--local_sgd_steps", "2"])
+    res["example_paramsync"] = state(m)
+    ex.ParamSync = lambda config=None, **kw: LocalSGD(**kw)  # the example before its conversion
+    m, _ = ex.main(["--cpu", "--local_sgd_steps", "2"])
+    res["example_localsgd"] = state(m)
+    ex.ParamSync = converted
+    m, _ = ex.main(["--cpu", "--local_sgd_steps", "2", "--gradient_accumulation_steps", "2",
+                    "++param_outer_optimizer", repr(OUTER), "++distributed.param_sync_compression", "int8"])
+    res["example_extras"] = state(m)
+else:
+    # new processes: each run resumed from its checkpoint
+    acc, m, opt = prepared()
+    sync = ParamSync(acc, m, local_sgd_steps=3)
+    acc.register_for_checkpointing(sync)
+    acc.load_state(os.path.join(out, "ckpt-plain"))
+    res["plain_num_steps"] = sync.num_steps
+    with sync:
+        train(acc, m, opt, sync, range(10, 14))
+    res["paramsync"] = state(acc.unwrap_model(m))
+    acc, m, opt = prepared()
+    sync = ParamSync(acc, m, local_sgd_steps=4, config=EXTRAS)
+    acc.register_for_checkpointing(sync)
+    acc.load_state(os.path.join(out, "ckpt-extras"))
+    res["in_flight"] = len(sync.averager._in_flight)
+    with sync:
+        train(acc, m, opt, sync, range(6, 12))
+    res["extras"] = state(acc.unwrap_model(m))
+    t = param_trainer("resumed")
+    t.train(resume_from_checkpoint=os.path.join(out, "param", "checkpoint-5"))
+    res["trainer_param"] = state(t.model)
+    res["trainer_steps"] = t.state.global_step
+torch.save(res, os.path.join(out, f"{phase}-{rank}.pt"))
+'''
+
+
+def _job(out: Path, phase: str) -> list[dict[str, Any]]:
+    """Run JOB's ``phase`` on 2 ranks under torchrun; each rank's results."""
+    script = out / "job.py"
+    script.write_text(JOB)
+    ok(run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "0", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "localhost:0", str(script), str(out), phase, str(EXAMPLE)], timeout=300))
+    return [torch.load(out / f"{phase}-{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("hf")
+    return out, _job(out, "run")
+
+
+@pytest.fixture(scope="module")
+def resumed(job: tuple[Path, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return _job(job[0], "resume")
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_param_sync_is_local_sgd_bit_for_bit(job: tuple[Path, list[dict[str, Any]]]) -> None:
+    ranks = job[1]
+    for r in ranks:
+        assert identical(r["paramsync"], r["localsgd"])
+        assert identical(r["example_paramsync"], r["example_localsgd"])  # Accelerate's example, converted
+        assert r["example_accuracy"]["accuracy"] >= 0.0
+    a, b = ranks[0]["paramsync"], ranks[1]["paramsync"]
+    # the last sync made the parameters equal; the BatchNorm statistics stay each rank's own (as LocalSGD leaves them)
+    assert all(torch.equal(a[k], b[k]) for k in a if "running" not in k)
+    assert not torch.equal(a["1.running_mean"], b["1.running_mean"])
+    assert "ConfigError" in ranks[0]["refusal_sync"] and "distributed.backend must be 'ddp'" in ranks[0]["refusal_sync"]
+
+
+def test_param_sync_extras_equal_distkits_own_loop(job: tuple[Path, list[dict[str, Any]]]) -> None:
+    ranks = job[1]
+    for r in ranks:
+        assert identical(r["extras"], r["own"]), max_diff(r["extras"], r["own"])
+        # 6 fragment syncs in 12 steps (fragment 1 at 2, 6, 10; fragment 0 at 4, 8, 12), and the final one
+        assert r["extras_syncs"] == 7
+    assert identical(ranks[0]["extras"], ranks[1]["extras"])  # parameters and BatchNorm statistics averaged
+    # the example with the outer optimizer and int8 from ++keys: a different model, the same on both ranks
+    assert identical(ranks[0]["example_extras"], ranks[1]["example_extras"])
+    assert not identical(ranks[0]["example_extras"], ranks[0]["example_paramsync"])
+
+
+def test_save_state_mid_period_resumes_bit_for_bit(job: tuple[Path, list[dict[str, Any]]],
+                                                   resumed: list[dict[str, Any]]) -> None:
+    out, ranks = job
+    for r, again in zip(ranks, resumed, strict=True):
+        assert again["plain_num_steps"] == 10 and again["in_flight"] == 1
+        assert identical(again["paramsync"], r["paramsync"]), max_diff(again["paramsync"], r["paramsync"])
+        assert identical(again["extras"], r["extras"]), max_diff(again["extras"], r["extras"])
+    # the ranks really differed at the save: rank 0's weights alone (what Accelerate keeps) would not resume
+    files = [torch.load(out / "ckpt-plain" / "distkit_param_sync" / f"rank-{r:05d}.pt", weights_only=False)
+             for r in (0, 1)]
+    assert max_diff(files[0]["models"][0], files[1]["models"][0]) > 1e-4
+
+
+def test_distkit_trainer_grad_mode_equals_the_trainers_ddp(job: tuple[Path, list[dict[str, Any]]]) -> None:
+    ranks = job[1]
+    for r in ranks:
+        assert max_diff(r["trainer_grad"], r["trainer_ddp"]) <= GRAD_TOL
+        assert max_diff(r["trainer_grad"], r["gpt2_init"]) > 1e-3  # (it trained)
+    assert "UnsupportedCombination" in ranks[0]["refusal_trainer"] and "ddp engine" in ranks[0]["refusal_trainer"]
+
+
+def test_distkit_trainer_param_mode_equals_own_loop_and_resumes(job: tuple[Path, list[dict[str, Any]]],
+                                                                resumed: list[dict[str, Any]]) -> None:
+    out, ranks = job
+    for r, again in zip(ranks, resumed, strict=True):
+        assert r["trainer_syncs"] == 3  # at steps 3 and 6, and train()'s final sync
+        assert identical(r["trainer_param"], r["trainer_own"]), max_diff(r["trainer_param"], r["trainer_own"])
+        assert again["trainer_steps"] == 8
+        assert identical(again["trainer_param"], r["trainer_param"]), max_diff(again["trainer_param"], r["trainer_param"])
+    assert identical(ranks[0]["trainer_param"], ranks[1]["trainer_param"])
+    models = [torch.load(out / "param" / "checkpoint-5" / "distkit" / f"rank-{r:05d}.pt", weights_only=False)["model"]
+              for r in (0, 1)]
+    assert max_diff(models[0], models[1]) > 1e-4  # mid-period: each rank's own state was needed
