@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 import distkit
 from distkit.backends import check_backend, strategy_class
 from distkit.components import pick_device
+from distkit.config import RunConfig
 from distkit.config.arguments import Source, config_from
 from distkit.env import ClusterEnv, detect
 from distkit.errors import ConfigError, UnsupportedCombination, UsageError
@@ -59,6 +60,10 @@ class _FixedEnvironment(ClusterEnvironment):
     def __init__(self, env: ClusterEnv) -> None:
         super().__init__()
         self.env = env
+
+    @classmethod
+    def of(cls, env: Optional[ClusterEnv]) -> Optional["_FixedEnvironment"]:
+        return cls(env) if env is not None else None
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -104,6 +109,97 @@ class _FixedEnvironment(ClusterEnvironment):
         pass
 
 
+def _resolve(source: Source, keys: dict[str, Any]) -> tuple[RunConfig, type, Optional[ClusterEnv]]:
+    """The config the distkit way, its engine, and the ranks a launcher outside Lightning started (None: Lightning's
+    own launcher starts them, or one process). Under plain ``python`` with ``nprocs > 1`` this process does not
+    return: it starts the script again as the ranks (as :func:`distkit.init`)."""
+    install_excepthook(lambda: Session.current)  # a refusal below: one line and exit 2, not a traceback
+    cfg, _ = config_from(source, **keys)
+    check_backend(cfg)
+    engine = cfg.distributed.backend
+    if engine in _OWN:
+        raise UnsupportedCombination(f"DistkitStrategy cannot hand engine '{engine}' to Lightning (the engine owns the "
+                                     f"model wrapper and its checkpoints): use {_OWN[engine]}")
+    if cfg.precision != "32":
+        raise ConfigError(f"DistkitStrategy: precision {cfg.precision!r} in distkit's config: set it on the Trainer or "
+                          "Fabric instead (precision='bf16-mixed') and leave distkit's at '32'")
+    env = detect(os.environ)
+    if env.launcher == "single" and cfg.nprocs > 1:
+        distkit.init(cfg)  # starts the script again as nprocs ranks and exits with their status
+    return cfg, strategy_class(engine), env if env.launcher != "single" else None
+
+
+def _devices(cfg: RunConfig, env: Optional[ClusterEnv]) -> Optional[list[torch.device]]:
+    """One device per local rank of an outside launcher (Lightning's connector then keeps them); None: Lightning's."""
+    if env is None:
+        return None
+    return [pick_device(cfg.device, env.local_rank, env.local_world_size)] * env.local_world_size
+
+
+def _check_launcher(strategy: Any) -> None:
+    """The MPI engines need ranks an MPI launcher started: refused under Lightning's own ``devices=N`` launcher."""
+    ce = strategy.cluster_environment
+    ranks = strategy.num_processes * strategy.num_nodes
+    if not isinstance(ce, _FixedEnvironment) and ranks > 1 and strategy._engine.local_launcher == "mpirun" \
+            and not ce.creates_processes_externally:
+        raise UnsupportedCombination(f"engine '{strategy._cfg.distributed.backend}' needs MPI ranks, which "
+                                     f"devices={strategy.num_processes} alone does not start: run `python SCRIPT "
+                                     f"--nprocs {ranks}` (distkit starts mpirun) or `mpirun -np {ranks} python SCRIPT`")
+
+
+def _set_ranks(strategy: Any) -> None:
+    """DDPStrategy's rule under Lightning's own launcher; the outside launcher's ranks else."""
+    ce = strategy.cluster_environment
+    if ce is not None and not isinstance(ce, _FixedEnvironment):
+        ce.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        ce.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = strategy.global_rank
+
+
+def _join(strategy: Any) -> Session:
+    """Collective: ``distkit.init`` with the strategy's ranks (Lightning's, or the outside launcher's)."""
+    ce = strategy.cluster_environment
+    env = ce.env if isinstance(ce, _FixedEnvironment) else ClusterEnv(
+        strategy.global_rank, strategy.local_rank, strategy.world_size, strategy.num_processes, strategy.node_rank,
+        strategy.num_nodes, ce.main_address, ce.main_port, "env", None, None)
+    dk = distkit.init(strategy._cfg, env=env)
+    reset_seed()  # Lightning's seed_everything wins over the Session's cfg.seed, as in DDPStrategy
+    return dk
+
+
+def _reduce(dk: Optional[Session], tensor: Any, group: Any, reduce_op: Any) -> Any:
+    """Collective: ``tensor`` reduced over every rank (a copy); a non-tensor is returned as is."""
+    if not isinstance(tensor, torch.Tensor) or dk is None:
+        return tensor
+    op = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", str(reduce_op))
+    op = _OPS.get(str(op).lower().replace("redop.", ""))
+    if op is None or group is not None:
+        raise UsageError(f"DistkitStrategy reduce: op {reduce_op!r} over group {group!r}: distkit reduces over every "
+                         "rank with mean, sum, max or min")
+    out = tensor.detach().clone()
+    if not out.is_floating_point() and op == "mean":
+        out = out.float()
+    return dk.all_reduce(out, op=op)
+
+
+def _gather(dk: Optional[Session], tensor: torch.Tensor, sync_grads: bool) -> torch.Tensor:
+    """Collective: every rank's ``tensor``, stacked in rank order (no gradient through it)."""
+    if sync_grads:
+        raise UnsupportedCombination("DistkitStrategy all_gather(sync_grads=True): distkit's engines gather without "
+                                     "autograd; use DDPStrategy for a differentiable all_gather")
+    if dk is None:
+        return tensor.unsqueeze(0)
+    return torch.stack(dk.all_gather_object(tensor.detach().cpu())).to(tensor.device)
+
+
+def _backward(dk: Session, loss: torch.Tensor) -> None:
+    """``dk.backward`` (grad mode: collective); outside ``no_sync`` the reduced gradients are waited for, so that
+    hooks and Lightning's clipping see what DDP shows them (the mpi engine and Horovod reduce in the background)."""
+    dk.backward(loss)
+    if dk._strategy.outside_no_sync:
+        dk._strategy.wait_for_gradients(dk.model, dk.optimizer)
+
+
 class _SessionStep:
     """The optimizer as Lightning's precision plugin sees it: ``step(closure)`` runs the closure (training_step,
     ``dk.backward``, Lightning's clipping and hooks), then ``dk.step()`` (collective: optimizer step, zero_grad,
@@ -135,24 +231,8 @@ class DistkitStrategy(ParallelStrategy):
     """
 
     def __init__(self, source: Source = None, **keys: Any) -> None:
-        install_excepthook(lambda: Session.current)  # a refusal below: one line and exit 2, not a traceback
-        cfg, _ = config_from(source, **keys)
-        check_backend(cfg)
-        engine = cfg.distributed.backend
-        if engine in _OWN:
-            raise UnsupportedCombination(f"DistkitStrategy cannot hand engine '{engine}' to Lightning (the engine "
-                                         f"owns the model wrapper and its checkpoints): use {_OWN[engine]}")
-        if cfg.precision != "32":
-            raise ConfigError(f"DistkitStrategy: precision {cfg.precision!r} in distkit's config: set it on the "
-                              "Trainer instead (Trainer(precision='bf16-mixed')) and leave distkit's at '32'")
-        env = detect(os.environ)
-        if env.launcher == "single" and cfg.nprocs > 1:
-            distkit.init(cfg)  # starts the script again as nprocs ranks and exits with their status
-        self._cfg, self._engine = cfg, strategy_class(engine)
-        fixed = env.launcher != "single"
-        device = pick_device(cfg.device, env.local_rank, env.local_world_size) if fixed else None
-        super().__init__(parallel_devices=[device] * env.local_world_size if fixed else None,
-                         cluster_environment=_FixedEnvironment(env) if fixed else None)
+        self._cfg, self._engine, env = _resolve(source, keys)
+        super().__init__(parallel_devices=_devices(self._cfg, env), cluster_environment=_FixedEnvironment.of(env))
         self._num_nodes = 1
         self.dk: Optional[Session] = None
         self._wrapped: Optional[nn.Module] = None
@@ -185,28 +265,13 @@ class DistkitStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    @property
-    def fixed(self) -> bool:
-        """Whether a launcher outside Lightning started the ranks (else Lightning's own starts them at ``fit``)."""
-        return isinstance(self.cluster_environment, _FixedEnvironment)
-
     def set_world_ranks(self) -> None:
         """(Lightning's connector) DDPStrategy's rule under Lightning's own launcher; the launcher's ranks else."""
-        ce = self.cluster_environment
-        if ce is not None and not self.fixed:
-            ce.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            ce.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        _set_ranks(self)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        ranks = self.num_processes * self.num_nodes
-        if not self.fixed and ranks > 1 and self._engine.local_launcher == "mpirun" \
-                and not self.cluster_environment.creates_processes_externally:
-            e = self._cfg.distributed.backend
-            raise UnsupportedCombination(f"engine '{e}' needs MPI ranks, which Trainer(devices={self.num_processes}) "
-                                         f"alone does not start: run `python SCRIPT --nprocs {ranks}` (distkit starts "
-                                         f"mpirun) or `mpirun -np {ranks} python SCRIPT`")
+        _check_launcher(self)
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     # -- the Session -----------------------------------------------------------------------------------------------
@@ -222,15 +287,8 @@ class DistkitStrategy(ParallelStrategy):
         if scaler is not None:
             raise UnsupportedCombination("DistkitStrategy with precision='16-mixed' (a GradScaler steps the optimizer "
                                          "itself): use precision='bf16-mixed' or '32-true', or DDPStrategy")
-        if self.dk is not None:
-            return
-        ce = self.cluster_environment
-        assert ce is not None
-        env = ce.env if isinstance(ce, _FixedEnvironment) else ClusterEnv(
-            self.global_rank, self.local_rank, self.world_size, self.num_processes, self.node_rank, self.num_nodes,
-            ce.main_address, ce.main_port, "env", None, None)
-        self.dk = distkit.init(self._cfg, env=env)
-        reset_seed()  # Lightning's seed_everything wins over the Session's cfg.seed, as in DDPStrategy
+        if self.dk is None:
+            self.dk = _join(self)
 
     def setup(self, trainer: Any) -> None:
         """Collective. Fitting: the optimizer from ``configure_optimizers``, then ``dk.setup`` (rank 0's state
@@ -265,14 +323,10 @@ class DistkitStrategy(ParallelStrategy):
 
     # -- the step --------------------------------------------------------------------------------------------------
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """``dk.backward`` (grad mode: collective, the engine's all-reduce) between Lightning's hooks; outside
-        ``no_sync`` the reduced gradients are waited for, so that ``on_before_optimizer_step`` and Lightning's
-        clipping see what DDP shows them (the mpi engine and Horovod reduce in the background)."""
+        """``dk.backward`` between Lightning's hooks (grad mode: collective; see :func:`_backward`)."""
         assert self.lightning_module is not None and self.dk is not None
         loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.dk.backward(loss)
-        if self.dk._strategy.outside_no_sync:
-            self.dk._strategy.wait_for_gradients(self.dk.model, self.dk.optimizer)
+        _backward(self.dk, loss)
         return self.precision_plugin.post_backward(loss, self.lightning_module)
 
     @contextlib.contextmanager
@@ -296,17 +350,7 @@ class DistkitStrategy(ParallelStrategy):
     # -- collectives -----------------------------------------------------------------------------------------------
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
         """Collective: ``tensor`` reduced over every rank (a copy); a non-tensor is returned as is."""
-        if not isinstance(tensor, torch.Tensor) or self.dk is None:
-            return tensor
-        op = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", str(reduce_op))
-        op = _OPS.get(str(op).lower().replace("redop.", ""))
-        if op is None or group is not None:
-            raise UsageError(f"DistkitStrategy.reduce: op {reduce_op!r} over group {group!r}: distkit reduces over "
-                             "every rank with mean, sum, max or min")
-        out = tensor.detach().clone()
-        if not out.is_floating_point() and op == "mean":
-            out = out.float()
-        return self.dk.all_reduce(out, op=op)
+        return _reduce(self.dk, tensor, group, reduce_op)
 
     def barrier(self, name: Optional[str] = None) -> None:
         """Collective (a no-op before the Session exists)."""
@@ -319,12 +363,7 @@ class DistkitStrategy(ParallelStrategy):
 
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
         """Collective: every rank's ``tensor``, stacked in rank order (no gradient through it)."""
-        if sync_grads:
-            raise UnsupportedCombination("DistkitStrategy.all_gather(sync_grads=True): distkit's engines gather "
-                                         "without autograd; use DDPStrategy for a differentiable all_gather")
-        if self.dk is None:
-            return tensor.unsqueeze(0)
-        return torch.stack(self.dk.all_gather_object(tensor.detach().cpu())).to(tensor.device)
+        return _gather(self.dk, tensor, sync_grads)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -382,3 +421,6 @@ class DistkitStrategy(ParallelStrategy):
 
 if "distkit" not in StrategyRegistry:
     DistkitStrategy.register_strategies(StrategyRegistry)
+
+
+from distkit.lightning_fabric import DistkitFabricStrategy  # noqa: E402,F401 (its module imports the helpers above)
