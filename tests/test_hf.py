@@ -105,8 +105,8 @@ def gpt2(dropout):
 
 
 def targs(name, **kw):  # 64 samples / (4 per rank x 2 ranks): 8 steps, one epoch
-    kw = {"save_strategy": "no", **kw}
-    return TrainingArguments(output_dir=os.path.join(out, name), use_cpu=True, seed=3, report_to=[], max_steps=8,
+    kw = {"save_strategy": "no", "max_steps": 8, **kw}
+    return TrainingArguments(output_dir=os.path.join(out, name), use_cpu=True, seed=3, report_to=[],
                              per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=100, disable_tqdm=True,
                              dataloader_num_workers=0, **kw)
 
@@ -167,6 +167,13 @@ if phase == "run":
     t = DistkitTrainer(gpt2(True), targs("grad"), train_dataset=Tokens())
     t.train()
     res["trainer_grad"] = state(t.model)
+    # with gradient accumulation: the micro-batches before the last one inside the Session's no_sync
+    t = Trainer(gpt2(True), targs("plain-ga", max_steps=4, gradient_accumulation_steps=2), train_dataset=Tokens())
+    t.train()
+    res["trainer_ddp_ga"] = state(t.model)
+    t = DistkitTrainer(gpt2(True), targs("grad-ga", max_steps=4, gradient_accumulation_steps=2), train_dataset=Tokens())
+    t.train()
+    res["trainer_grad_ga"] = state(t.model)
     try:
         DistkitTrainer(gpt2(True), targs("refused"), train_dataset=Tokens(), distkit={"distributed": {"backend": "mpi"}})
     except Exception as e:
@@ -304,6 +311,7 @@ def test_distkit_trainer_grad_mode_equals_the_trainers_ddp(job: tuple[Path, list
     ranks = job[1]
     for r in ranks:
         assert max_diff(r["trainer_grad"], r["trainer_ddp"]) <= GRAD_TOL
+        assert max_diff(r["trainer_grad_ga"], r["trainer_ddp_ga"]) <= GRAD_TOL  # gradient_accumulation_steps 2
         assert max_diff(r["trainer_grad"], r["gpt2_init"]) > 1e-3  # (it trained)
     assert "UnsupportedCombination" in ranks[0]["refusal_trainer"] and "ddp engine" in ranks[0]["refusal_trainer"]
 
