@@ -153,8 +153,16 @@ class DistkitTrainer(Trainer):
             cfg.output_dir = os.path.join(self.args.output_dir, STATE_DIR)  # the Session's files with the run's
         with _rng_kept():
             self.dk = _init(cfg)
-        # Accelerate's backward (a plain loss.backward() at the Trainer's settings) becomes the engine's
-        self.accelerator.backward = lambda loss, **_: self.dk.backward(loss)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's Accelerator (it initialises the process group distkit's Session adopts), whose ``backward``
+        (a plain ``loss.backward()`` at the Trainer's settings: accumulation 1, no fp16 scaler) becomes the
+        engine's, ``dk.backward`` (collective in grad mode outside ``no_sync``). Also after a re-creation."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator.backward = self._distkit_backward  # type: ignore[method-assign]
+
+    def _distkit_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.dk.backward(loss)
 
     @property
     def param_mode(self) -> bool:
