@@ -100,13 +100,19 @@ class ParamSync:
         config: distkit config: a dict, config file path(s), an ``argparse.Namespace`` from
             :func:`distkit.add_arguments` (``--config``, ``++key value``) or a RunConfig; ``keys`` override it.
 
-    Cross-rank contract: the constructor (with extras: it may create a process group on first sync), ``step()``,
-    leaving the block, ``state_dict()`` is not collective; ``step()`` and ``__exit__`` are collective: every rank
-    calls them the same number of times, in the same order relative to its other collectives.
+    Cross-rank contract: ``step()`` (when it syncs; with ``param_sync_time_diff`` at every call) and leaving the
+    block are collective: every rank calls them the same number of times, in the same order relative to its other
+    collectives (with int8 or overlap the first exchange also creates a process group). So is
+    ``accelerator.load_state`` when an exchange was in flight at the save. The constructor and ``state_dict()`` are
+    not. An uncaught distkit error prints one line ``distkit: error: ...`` (as under ``distkit.init``).
     """
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, local_sgd_steps: Optional[int] = None,
                  enabled: bool = True, config: Source = None, **keys: Any) -> None:
+        from distkit.guards import install_excepthook
+        from distkit.session import Session
+
+        install_excepthook(lambda: Session.current)  # a refusal below is one line, as under distkit.init
         allowed = {getattr(DistributedType, n) for n in _LOCAL_SGD_TYPES if hasattr(DistributedType, n)}
         if accelerator.distributed_type not in allowed:
             raise UnsupportedCombination(
