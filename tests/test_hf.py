@@ -13,7 +13,8 @@ it measured, per rank, to a file; the second starts new processes that resume fr
   end where the uninterrupted run ends, bit for bit, on both of ParamSync's paths.
 - DistkitTrainer in grad mode equals transformers.Trainer's own DDP run (tiny GPT-2, dropout on): bit for bit
   here; the bound asserted is 1e-6. In param mode (outer optimizer) it equals distkit's own loop on the batches the
-  Trainer drew; a checkpoint at step 5 (mid-period) resumed in new processes ends bit for bit where the run ended.
+  Trainer drew (outer optimizer, 2 fragments, int8, overlap 1); a checkpoint after step 4 (mid-period, an exchange in
+  flight) resumed in new processes ends bit for bit where the run ended.
 """
 from __future__ import annotations
 
@@ -84,7 +85,10 @@ def train(acc, m, opt, sync, steps, save_at=None, save_dir=None):
 
 
 # -- DistkitTrainer ------------------------------------------------------------------------------------------
-PARAM = {"distributed": {"reduce_type": "param", "param_sync_step": 3}, "param_outer_optimizer": OUTER}
+# H = 3, F = 2 (fragment 1 at steps 1, 4, 7; fragment 0 at 3, 6), int8, overlap 1: at the checkpoint after step 4
+# fragment 1's exchange is in flight
+PARAM = {"distributed": {"reduce_type": "param", "param_sync_step": 3, **EXTRAS["distributed"]},
+         "param_outer_optimizer": OUTER}
 
 
 class Tokens(Dataset):  # 64 random sequences of the model's length: what a tokenized text dataset holds
@@ -178,17 +182,19 @@ if phase == "run":
         DistkitTrainer(gpt2(True), targs("refused"), train_dataset=Tokens(), distkit={"distributed": {"backend": "mpi"}})
     except Exception as e:
         res["refusal_trainer"] = f"{type(e).__name__}: {e}"
-    # param mode, saving at step 5 (syncs at 3 and 6), recording the batches this rank drew
+    # param mode with every extra, saving after step 4, recording the batches this rank drew
     seen = []
     def recording(features):
         batch = default_data_collator(features)
         seen.append({k: v.clone() for k, v in batch.items()})
         return batch
-    t = param_trainer("param", save_strategy="steps", save_steps=5)
+    t = param_trainer("param", save_strategy="steps", save_steps=4)
     t.data_collator = recording
     t.train()
     res["trainer_param"] = state(t.model)
     res["trainer_syncs"] = t.dk._strategy.averager.num_syncs
+    res["trainer_in_flight"] = len(torch.load(os.path.join(out, "param", "checkpoint-4", "distkit", f"rank-{rank:05d}.pt"),
+                                              weights_only=False)["distkit"]["averager"].get("in_flight", []))
     # distkit's own loop on those batches (the Trainer's clipping: max_grad_norm 1.0)
     dk = distkit.init({**PARAM, "gradient_clip": 1.0, "output_dir": os.path.join(out, "own-trainer")})
     m = gpt2(False)
@@ -233,7 +239,7 @@ else:
         train(acc, m, opt, sync, range(6, 12))
     res["extras"] = state(acc.unwrap_model(m))
     t = param_trainer("resumed")
-    t.train(resume_from_checkpoint=os.path.join(out, "param", "checkpoint-5"))
+    t.train(resume_from_checkpoint=os.path.join(out, "param", "checkpoint-4"))
     res["trainer_param"] = state(t.model)
     res["trainer_steps"] = t.state.global_step
 torch.save(res, os.path.join(out, f"{phase}-{rank}.pt"))
@@ -320,11 +326,12 @@ def test_distkit_trainer_param_mode_equals_own_loop_and_resumes(job: tuple[Path,
                                                                 resumed: list[dict[str, Any]]) -> None:
     out, ranks = job
     for r, again in zip(ranks, resumed, strict=True):
-        assert r["trainer_syncs"] == 3  # at steps 3 and 6, and train()'s final sync
+        # 5 fragment syncs (fragment 1 at 1, 4, 7; fragment 0 at 3, 6) and train()'s final one; one in flight saved
+        assert r["trainer_syncs"] == 6 and r["trainer_in_flight"] == 1
         assert identical(r["trainer_param"], r["trainer_own"]), max_diff(r["trainer_param"], r["trainer_own"])
         assert again["trainer_steps"] == 8
         assert identical(again["trainer_param"], r["trainer_param"]), max_diff(again["trainer_param"], r["trainer_param"])
     assert identical(ranks[0]["trainer_param"], ranks[1]["trainer_param"])
-    models = [torch.load(out / "param" / "checkpoint-5" / "distkit" / f"rank-{r:05d}.pt", weights_only=False)["model"]
+    models = [torch.load(out / "param" / "checkpoint-4" / "distkit" / f"rank-{r:05d}.pt", weights_only=False)["model"]
               for r in (0, 1)]
     assert max_diff(models[0], models[1]) > 1e-4  # mid-period: each rank's own state was needed
