@@ -11,6 +11,7 @@ Only this module and :mod:`distkit.hf_trainer` import accelerate and transformer
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from typing import Any, Optional
@@ -52,10 +53,10 @@ def param_config(config: Source = None, local_sgd_steps: Optional[int] = None, *
     if isinstance(config, RunConfig):
         if keys:
             raise UsageError("ParamSync(config=RunConfig, **keys): put the keys into the RunConfig, or pass a dict")
-        cfg = config
-        cfg.distributed.reduce_type = "param"
-        if local_sgd_steps is not None:
-            cfg.distributed.param_sync_step = local_sgd_steps
+        step = config.distributed.param_sync_step if local_sgd_steps is None else local_sgd_steps
+        # a copy: the caller's RunConfig stays as it was (it may configure distkit's own loop too)
+        cfg = dataclasses.replace(config, distributed=dataclasses.replace(
+            config.distributed, reduce_type="param", param_sync_step=step))
         _validate(cfg)
         return cfg
     if config is None or isinstance(config, dict):  # dotted keys set into a copy (the user's dict stays as it was)
@@ -65,7 +66,7 @@ def param_config(config: Source = None, local_sgd_steps: Optional[int] = None, *
         for key, value in [*keys.items(), *forced.items()]:
             apply_override(raw, key, value)
         return resolve(raw)
-    return config_from(config, **keys, **forced)[0]
+    return config_from(config, **{**keys, **forced})[0]
 
 
 def _uses_averager(cfg: RunConfig) -> bool:

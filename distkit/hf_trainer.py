@@ -149,7 +149,7 @@ class DistkitTrainer(Trainer):
         if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.fp16:
             raise UnsupportedCombination("DistkitTrainer replaces the Trainer's DDP: remove deepspeed/fsdp/fp16 from "
                                          "TrainingArguments (bf16 is fine), or use transformers.Trainer for them")
-        if not cfg.explicit_keys or "output_dir" not in cfg.explicit_keys:
+        if cfg.explicit_keys is not None and "output_dir" not in cfg.explicit_keys:  # (None: a RunConfig, as given)
             cfg.output_dir = os.path.join(self.args.output_dir, STATE_DIR)  # the Session's files with the run's
         with _rng_kept():
             self.dk = _init(cfg)
