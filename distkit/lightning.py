@@ -27,194 +27,18 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.distributed import ReduceOp
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-import distkit
-from distkit.backends import check_backend, strategy_class
-from distkit.components import pick_device
-from distkit.config import RunConfig
-from distkit.config.arguments import Source, config_from
-from distkit.env import ClusterEnv, detect
-from distkit.errors import ConfigError, UnsupportedCombination, UsageError
-from distkit.guards import install_excepthook
+from distkit.config.arguments import Source
+from distkit.errors import UnsupportedCombination, UsageError
+from distkit.lightning_fabric import (  # noqa: F401 (DistkitFabricStrategy: imported from here)
+    SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _SessionStep, _backward, _check_launcher, _devices, _gather,
+    _join, _reduce, _resolve, _set_ranks,
+)
 from distkit.session import Session
-
-#: what the lightning side of each refused engine is
-_OWN = {"deepspeed": "lightning.pytorch.strategies.DeepSpeedStrategy (Trainer(strategy='deepspeed_stage_2'))",
-        "fsdp": "lightning.pytorch.strategies.FSDPStrategy (Trainer(strategy='fsdp'))"}
-_OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
-#: the per-rank state of a param-mode checkpoint (replicas, optimizer moments, averager) beside Lightning's file
-SIDECAR = ".distkit"
-
-
-class _FixedEnvironment(ClusterEnvironment):
-    """The ranks a launcher outside Lightning started (``--nprocs``, torchrun, mpirun, srun), as distkit's
-    :func:`~distkit.env.detect` read them: Lightning starts no processes and sets no ranks."""
-
-    def __init__(self, env: ClusterEnv) -> None:
-        super().__init__()
-        self.env = env
-
-    @classmethod
-    def of(cls, env: Optional[ClusterEnv]) -> Optional["_FixedEnvironment"]:
-        return cls(env) if env is not None else None
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return self.env.master_addr or "127.0.0.1"
-
-    @property
-    def main_port(self) -> int:
-        return self.env.master_port or 0
-
-    @staticmethod
-    def detect() -> bool:
-        return False
-
-    def world_size(self) -> int:
-        return self.env.world_size
-
-    def set_world_size(self, size: int) -> None:
-        pass  # (fixed by the launcher)
-
-    def global_rank(self) -> int:
-        return self.env.rank
-
-    def set_global_rank(self, rank: int) -> None:
-        rank_zero_only.rank = self.env.rank
-
-    def local_rank(self) -> int:
-        return self.env.local_rank
-
-    def node_rank(self) -> int:
-        return self.env.node_rank
-
-    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        if num_devices * num_nodes != self.env.world_size:
-            raise ConfigError(f"Trainer(devices={num_devices}, num_nodes={num_nodes}) but the {self.env.launcher} "
-                              f"launcher started {self.env.world_size} ranks on {self.env.num_nodes} node(s): pass "
-                              f"num_nodes={self.env.num_nodes} (devices follow the launcher)")
-
-    def teardown(self) -> None:
-        pass
-
-
-def _resolve(source: Source, keys: dict[str, Any]) -> tuple[RunConfig, type, Optional[ClusterEnv]]:
-    """The config the distkit way, its engine, and the ranks a launcher outside Lightning started (None: Lightning's
-    own launcher starts them, or one process). Under plain ``python`` with ``nprocs > 1`` this process does not
-    return: it starts the script again as the ranks (as :func:`distkit.init`)."""
-    install_excepthook(lambda: Session.current)  # a refusal below: one line and exit 2, not a traceback
-    cfg, _ = config_from(source, **keys)
-    check_backend(cfg)
-    engine = cfg.distributed.backend
-    if engine in _OWN:
-        raise UnsupportedCombination(f"DistkitStrategy cannot hand engine '{engine}' to Lightning (the engine owns the "
-                                     f"model wrapper and its checkpoints): use {_OWN[engine]}")
-    if cfg.precision != "32":
-        raise ConfigError(f"DistkitStrategy: precision {cfg.precision!r} in distkit's config: set it on the Trainer or "
-                          "Fabric instead (precision='bf16-mixed') and leave distkit's at '32'")
-    env = detect(os.environ)
-    if env.launcher == "single" and cfg.nprocs > 1:
-        distkit.init(cfg)  # starts the script again as nprocs ranks and exits with their status
-    return cfg, strategy_class(engine), env if env.launcher != "single" else None
-
-
-def _devices(cfg: RunConfig, env: Optional[ClusterEnv]) -> Optional[list[torch.device]]:
-    """One device per local rank of an outside launcher (Lightning's connector then keeps them); None: Lightning's."""
-    if env is None:
-        return None
-    return [pick_device(cfg.device, env.local_rank, env.local_world_size)] * env.local_world_size
-
-
-def _check_launcher(strategy: Any) -> None:
-    """The MPI engines need ranks an MPI launcher started: refused under Lightning's own ``devices=N`` launcher."""
-    ce = strategy.cluster_environment
-    ranks = strategy.num_processes * strategy.num_nodes
-    if not isinstance(ce, _FixedEnvironment) and ranks > 1 and strategy._engine.local_launcher == "mpirun" \
-            and not ce.creates_processes_externally:
-        raise UnsupportedCombination(f"engine '{strategy._cfg.distributed.backend}' needs MPI ranks, which "
-                                     f"devices={strategy.num_processes} alone does not start: run `python SCRIPT "
-                                     f"--nprocs {ranks}` (distkit starts mpirun) or `mpirun -np {ranks} python SCRIPT`")
-
-
-def _set_ranks(strategy: Any) -> None:
-    """DDPStrategy's rule under Lightning's own launcher; the outside launcher's ranks else."""
-    ce = strategy.cluster_environment
-    if ce is not None and not isinstance(ce, _FixedEnvironment):
-        ce.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
-        ce.set_world_size(strategy.num_nodes * strategy.num_processes)
-    rank_zero_only.rank = strategy.global_rank
-
-
-def _join(strategy: Any) -> Session:
-    """Collective: ``distkit.init`` with the strategy's ranks (Lightning's, or the outside launcher's)."""
-    ce = strategy.cluster_environment
-    env = ce.env if isinstance(ce, _FixedEnvironment) else ClusterEnv(
-        strategy.global_rank, strategy.local_rank, strategy.world_size, strategy.num_processes, strategy.node_rank,
-        strategy.num_nodes, ce.main_address, ce.main_port, "env", None, None)
-    dk = distkit.init(strategy._cfg, env=env)
-    reset_seed()  # Lightning's seed_everything wins over the Session's cfg.seed, as in DDPStrategy
-    return dk
-
-
-def _reduce(dk: Optional[Session], tensor: Any, group: Any, reduce_op: Any) -> Any:
-    """Collective: ``tensor`` reduced over every rank (a copy); a non-tensor is returned as is."""
-    if not isinstance(tensor, torch.Tensor) or dk is None:
-        return tensor
-    op = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", str(reduce_op))
-    op = _OPS.get(str(op).lower().replace("redop.", ""))
-    if op is None or group is not None:
-        raise UsageError(f"DistkitStrategy reduce: op {reduce_op!r} over group {group!r}: distkit reduces over every "
-                         "rank with mean, sum, max or min")
-    out = tensor.detach().clone()
-    if not out.is_floating_point() and op == "mean":
-        out = out.float()
-    return dk.all_reduce(out, op=op)
-
-
-def _gather(dk: Optional[Session], tensor: torch.Tensor, sync_grads: bool) -> torch.Tensor:
-    """Collective: every rank's ``tensor``, stacked in rank order (no gradient through it)."""
-    if sync_grads:
-        raise UnsupportedCombination("DistkitStrategy all_gather(sync_grads=True): distkit's engines gather without "
-                                     "autograd; use DDPStrategy for a differentiable all_gather")
-    if dk is None:
-        return tensor.unsqueeze(0)
-    return torch.stack(dk.all_gather_object(tensor.detach().cpu())).to(tensor.device)
-
-
-def _backward(dk: Session, loss: torch.Tensor) -> None:
-    """``dk.backward`` (grad mode: collective); outside ``no_sync`` the reduced gradients are waited for, so that
-    hooks and Lightning's clipping see what DDP shows them (the mpi engine and Horovod reduce in the background)."""
-    dk.backward(loss)
-    if dk._strategy.outside_no_sync:
-        dk._strategy.wait_for_gradients(dk.model, dk.optimizer)
-
-
-class _SessionStep:
-    """The optimizer as Lightning's precision plugin sees it: ``step(closure)`` runs the closure (training_step,
-    ``dk.backward``, Lightning's clipping and hooks), then ``dk.step()`` (collective: optimizer step, zero_grad,
-    param mode's averaging when due); every other attribute is the optimizer's own."""
-
-    def __init__(self, dk: Session) -> None:
-        self._dk = dk
-
-    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        out = closure() if closure is not None else None
-        self._dk.step()
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._dk.optimizer, name)
 
 
 class DistkitStrategy(ParallelStrategy):
@@ -422,5 +246,3 @@ class DistkitStrategy(ParallelStrategy):
 if "distkit" not in StrategyRegistry:
     DistkitStrategy.register_strategies(StrategyRegistry)
 
-
-from distkit.lightning_fabric import DistkitFabricStrategy  # noqa: E402,F401 (its module imports the helpers above)

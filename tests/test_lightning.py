@@ -120,12 +120,19 @@ result = {}
 '''
 
 #: grad mode: Lightning's DDPStrategy, then DistkitStrategy (with ModelCheckpoint) in the same processes; on ddp also
-#: a resume from the first epoch's checkpoint
+#: a resume from the first epoch's checkpoint; with case "horovod_too" (under the mpi engine's mpirun) Horovod after it
 GRAD = COMMON + r'''
 ref, ref_res = fit(DDPStrategy())
 got, got_res = fit(strategy, out=os.path.join(args.out, "ckpt"))
 result.update(engine=strategy.dk.backend, mode=strategy.dk.cfg.distributed.reduce_type, max_diff=maxdiff(ref, got),
               ref=ref_res, got=got_res, world=strategy.world_size)
+if args.case == "horovod_too":
+    # --nprocs recorded the engine it launched for (mpi), which distkit.init checks; this job runs a second one on purpose
+    os.environ.pop("DISTKIT_LAUNCH_ENGINE")
+    hvd = DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})
+    again, res = fit(hvd)
+    result["horovod"] = dict(engine=hvd.dk.backend, mode=hvd.dk.cfg.distributed.reduce_type, max_diff=maxdiff(ref, again),
+                             got=res, world=hvd.world_size)
 if args.case == "resume":
     again, _ = fit(DistkitStrategy(args), ckpt_path=os.path.join(args.out, "ckpt", "epoch=0.ckpt"), evaluate=False)
     result["resume_diff"] = maxdiff(got, again)
@@ -180,15 +187,17 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
     assert rows[0]["got"] == rows[1]["got"]
 
 
-@pytest.mark.parametrize("engine", ["mpi", "horovod"])
-def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path, engine: str) -> None:
+def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) -> None:
     """``--nprocs 2`` starts the ranks under mpirun (distkit's launcher for the MPI engines), where Lightning's
-    DDPStrategy runs too (MPIEnvironment): the mpi engine and Horovod equal it (measured: 0.0 on both)."""
-    rows = _job(tmp_path, GRAD, "grad", "--nprocs", "2", "++distributed.backend", engine)
+    DDPStrategy runs too (MPIEnvironment): the mpi engine, then Horovod in the same ranks, equal it (measured: 0.0
+    on both)."""
+    rows = _job(tmp_path, GRAD, "horovod_too", "--nprocs", "2", "++distributed.backend", "mpi")
     for row in rows:
-        assert (row["engine"], row["mode"], row["world"]) == (engine, "grad", 2)
-        assert row["max_diff"] <= 1e-6, row
-        _check_logged(row["got"])
+        for got in (row, row["horovod"]):
+            assert (got["mode"], got["world"]) == ("grad", 2) and got["max_diff"] <= 1e-6, row
+            assert got["got"]["spread"] == 0.0
+            _check_logged(got["got"])
+        assert (row["engine"], row["horovod"]["engine"]) == ("mpi", "horovod")
 
 
 def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) -> None:
@@ -253,9 +262,9 @@ print("not refused")
 
 
 def test_refusals_are_one_line_and_core_does_not_import_lightning(tmp_path: Path) -> None:
-    """deepspeed/fsdp name Lightning's own strategy; distkit's precision key, manual optimization (the only way to
-    several optimizers in Lightning) and a GradScaler name what works; mpi under Trainer(devices=2) alone exits 2 with one line naming --nprocs/mpirun.
-    Importing distkit's core (session, Trainer, CLI) loads no lightning module."""
+    """deepspeed/fsdp name Lightning's own strategy; distkit's precision key, manual optimization (Lightning's only
+    way to several optimizers) and a GradScaler name what works; mpi under Trainer(devices=2) alone exits 2 with one
+    line naming --nprocs/mpirun. Importing distkit's core (session, Trainer, CLI) loads no lightning module."""
     script, out = tmp_path / "refuse.py", tmp_path / "lines.json"
     script.write_text(REFUSE)
     res = run([sys.executable, str(script), str(out)], timeout=120)
@@ -264,7 +273,7 @@ def test_refusals_are_one_line_and_core_does_not_import_lightning(tmp_path: Path
     lines = got["lines"]
     assert lines["deepspeed"].startswith("UnsupportedCombination") and "DeepSpeedStrategy" in lines["deepspeed"]
     assert lines["fsdp"].startswith("UnsupportedCombination") and "FSDPStrategy" in lines["fsdp"]
-    assert lines["precision"].startswith("ConfigError") and "Trainer(precision=" in lines["precision"]
+    assert lines["precision"].startswith("ConfigError") and "on the Trainer or Fabric" in lines["precision"]
     assert lines["manual"].startswith("UnsupportedCombination") and "DDPStrategy" in lines["manual"]
     assert lines["fp16"].startswith("UnsupportedCombination") and "bf16-mixed" in lines["fp16"]
     assert res.returncode == 2 and "not refused" not in res.stdout, res
@@ -345,3 +354,20 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
         row = json.loads((tmp_path / f"result-{r}.json").read_text())
         assert row["engines"] == ["ddp", "param"] and row["grad"] <= 1e-6 and row["param"] <= 1e-6, row
         assert row["param_vs_grad"] > 1e-2, row
+
+
+def test_example_bug_report_template_on_the_mpi_engine(tmp_path: Path) -> None:
+    """examples/lightning_boring.py (Lightning's bug-report template, converted) as the docs run it:
+    ``--nprocs 2 ++distributed.backend mpi``; its synced test loss is the one-process loss of the final weights over
+    the 4 test samples the 2 ranks took (closed form)."""
+    import torch
+
+    out = tmp_path / "result.json"
+    ok(run([sys.executable, str(ROOT / "examples" / "lightning_boring.py"), "--nprocs", "2",
+            "++distributed.backend", "mpi", "--out", str(out)], timeout=170, cwd=tmp_path))
+    got = json.loads(out.read_text())
+    assert (got["engine"], got["mode"], got["world_size"]) == ("mpi", "grad", 2)
+    x, w, b = torch.tensor(got["test_batches"]), torch.tensor(got["weight"]), torch.tensor(got["bias"])
+    preds = x @ w.T + b
+    closed = float(torch.nn.functional.mse_loss(preds, torch.ones_like(preds)))
+    assert abs(got["test_loss"] - closed) < 1e-6, (got["test_loss"], closed)
