@@ -298,8 +298,9 @@ SEED, EPOCHS = 7, 2
 torch.manual_seed(1)
 DATA = RandomDataset(32, 64)
 
-def train(strategy):
-    """Fabric's loop on Lightning's BoringModel layer: setup, setup_dataloaders (DistributedSampler), backward, step."""
+def train(strategy, start_epoch=0, save=None, load=None):
+    """Fabric's loop on Lightning's BoringModel layer: setup, setup_dataloaders (DistributedSampler), backward, step;
+    fabric.save after the first epoch (save), or fabric.load and the second epoch only (load)."""
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()
     seed_everything(SEED)
@@ -307,12 +308,16 @@ def train(strategy):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(DATA, batch_size=4, shuffle=True))
-    for epoch in range(EPOCHS):
-        loader.sampler.set_epoch(epoch)
+    if load:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+    loader._num_iter_calls = start_epoch  # (Fabric sets the sampler's epoch from its own count of passes)
+    for epoch in range(start_epoch, EPOCHS):
         for x in loader:
             optimizer.zero_grad()
             fabric.backward(model(x).pow(2).mean())
             optimizer.step()
+        if save and epoch == 0:
+            fabric.save(save, {"model": model, "optimizer": optimizer})
     if hasattr(strategy, "dk"):
         strategy.dk.finish()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, fabric
@@ -325,7 +330,10 @@ grad_strategy = DistkitFabricStrategy()
 grad, _ = train(grad_strategy)
 grad_engine = grad_strategy.dk.backend
 param_strategy = DistkitFabricStrategy({"distributed": {"reduce_type": "param", "param_sync_step": 3}})
-param, _ = train(param_strategy)
+CKPT = os.path.join(sys.argv[1], "e0.ckpt")
+param, _ = train(param_strategy, save=CKPT)
+resumed, _ = train(DistkitFabricStrategy({"distributed": {"reduce_type": "param", "param_sync_step": 3}}), start_epoch=1,
+                   load=CKPT)
 # distkit's own loop, same sampler order
 dk = distkit.init({"distributed": {"reduce_type": "param", "param_sync_step": 3}}, env=param_strategy.dk.env)
 seed_everything(SEED)
@@ -341,6 +349,7 @@ dk.finish()
 own = {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}
 with open(os.path.join(sys.argv[1], f"result-{fabric.global_rank}.json"), "w") as f:
     json.dump({"grad": maxdiff(ref, grad), "param": maxdiff(own, param), "param_vs_grad": maxdiff(grad, param),
+               "resume": maxdiff(param, resumed), "sidecar": os.path.isdir(CKPT + ".distkit"),
                "engines": [grad_engine, param_strategy.dk.cfg.distributed.reduce_type]}, f)
 '''
 
@@ -348,7 +357,8 @@ with open(os.path.join(sys.argv[1], f"result-{fabric.global_rank}.json"), "w") a
 def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_path: Path) -> None:
     """Fabric(strategy=DistkitFabricStrategy(...), devices=2) under Fabric's own launcher: fabric.setup,
     fabric.backward and optimizer.step in grad mode equal Fabric's "ddp" (measured: 0.0), in param mode distkit's own
-    loop (0.0), which differs from grad mode (by 0.39: the ranks took local steps)."""
+    loop (0.0), which differs from grad mode (by 0.39: the ranks took local steps); fabric.load of the first epoch's
+    fabric.save (param mode: + each rank's sidecar) then the second epoch ends where the run ended (0.0)."""
     script = tmp_path / "fabric_boring.py"
     script.write_text(FABRIC)
     ok(run([sys.executable, str(script), str(tmp_path)], timeout=170))
@@ -356,6 +366,7 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
         row = json.loads((tmp_path / f"result-{r}.json").read_text())
         assert row["engines"] == ["ddp", "param"] and row["grad"] <= 1e-6 and row["param"] <= 1e-6, row
         assert row["param_vs_grad"] > 1e-2, row
+        assert row["sidecar"] and row["resume"] <= 1e-6, row  # fabric.save/load mid-period, each rank's own state
 
 
 def test_example_bug_report_template_on_the_mpi_engine(tmp_path: Path) -> None:
