@@ -138,6 +138,14 @@ if args.case == "resume":
     again, _ = fit(DistkitStrategy(args), ckpt_path=os.path.join(args.out, "ckpt", "epoch=0.ckpt"), evaluate=False,
                    **KW)
     result["resume_diff"] = maxdiff(got, again)
+    # validate without fit on a fresh strategy: rank 0's weights go everywhere first (each rank made its own here)
+    torch.manual_seed(100 + strategy.global_rank)
+    model, fresh = BoringModel(), DistkitStrategy(args)
+    logged = trainer(fresh).validate(model, loader(VAL), verbose=False)[0]["valid_loss"]
+    w = fresh.all_gather(model.layer.weight.detach())
+    with torch.no_grad():
+        result["validate_only"] = dict(spread=float((w[0] - w[1]).abs().max()), logged=logged,
+                                       closed_form=float(model(VAL.data).pow(2).mean()))
 '''
 
 #: param mode: distkit's own loop, then DistkitStrategy on the same settings, each config in turn; the first also
@@ -178,7 +186,8 @@ def _check_logged(res: dict) -> None:
 
 def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(tmp_path: Path) -> None:
     """Trainer(devices=2) starts the ranks (Lightning's own launcher); ddp grad mode equals DDPStrategy's run
-    (measured: 0.0), validate/test equal their closed forms, and fit(ckpt_path=epoch 0) ends where the run ended."""
+    (measured: 0.0), validate/test equal their closed forms, fit(ckpt_path=epoch 0) ends where the run ended, and
+    validate without fit on ranks that built different weights evaluates rank 0's."""
     rows = _job(tmp_path, GRAD, "resume")
     for row in rows:
         assert (row["engine"], row["mode"], row["world"]) == ("ddp", "grad", 2)
@@ -186,7 +195,9 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
         assert row["got"]["spread"] == 0.0  # every rank steps on the all-reduced gradient
         _check_logged(row["got"])
         assert abs(row["got"]["validate"] - row["ref"]["validate"]) <= 1e-6
-    assert rows[0]["got"] == rows[1]["got"]
+        fresh = row["validate_only"]  # trainer.validate without fit: rank 0's weights everywhere, then the loss
+        assert fresh["spread"] == 0.0 and abs(fresh["logged"] - fresh["closed_form"]) < 1e-6, fresh
+    assert rows[0]["got"] == rows[1]["got"] and rows[0]["validate_only"] == rows[1]["validate_only"]
 
 
 def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) -> None:
