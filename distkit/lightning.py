@@ -7,6 +7,7 @@ int8 included); the config comes the distkit way: a file, a dict, or the namespa
 
     parser = argparse.ArgumentParser(); distkit.add_arguments(parser)
     trainer = Trainer(strategy=DistkitStrategy(parser.parse_args()), accelerator="cpu", devices=2)
+    fabric = Fabric(strategy=DistkitStrategy(parser.parse_args()), accelerator="cpu", devices=2)
 
 Launch: Lightning's own ``devices=N`` (ddp engine), ``python script.py --nprocs N`` (distkit starts the ranks when the
 strategy is made; under ``mpirun`` for mpi/horovod), torchrun, mpirun or srun. Every step goes through one
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -35,8 +37,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from distkit.config.arguments import Source
 from distkit.errors import UnsupportedCombination, UsageError
 from distkit.lightning_fabric import (  # noqa: F401 (DistkitFabricStrategy: imported from here)
-    SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _SessionStep, _backward, _check_launcher, _devices, _gather,
-    _join, _reduce, _resolve, _set_ranks,
+    SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _NoSync, _SessionStep, _backward, _check_launcher, _devices,
+    _gather, _join, _reduce, _resolve, _set_ranks,
 )
 from distkit.session import Session
 
@@ -61,6 +63,7 @@ class DistkitStrategy(ParallelStrategy):
         self.dk: Optional[Session] = None
         self._wrapped: Optional[nn.Module] = None
         self._resume_from: Optional[str] = None
+        self._precision = None  # (read by Fabric's connector before it knows the frontend: see _set_world_ranks)
 
     # -- topology ------------------------------------------------------------------------------------------------
     @property
@@ -92,6 +95,17 @@ class DistkitStrategy(ParallelStrategy):
     def set_world_ranks(self) -> None:
         """(Lightning's connector) DDPStrategy's rule under Lightning's own launcher; the launcher's ranks else."""
         _set_ranks(self)
+
+    def _set_world_ranks(self) -> None:
+        """``Fabric(strategy=DistkitStrategy(...))``: only Fabric's connector calls this name (the Trainer's calls
+        :meth:`set_world_ranks`), after it has given the strategy its accelerator, precision and devices. From here
+        on this object is a :class:`DistkitFabricStrategy` (the same config, ranks and devices; its methods have
+        Fabric's signatures), so one strategy object serves both frontends without guessing which one calls."""
+        precision = self.__dict__.pop("precision", None)  # set by Fabric's connector: Fabric's property holds it
+        self.__class__ = DistkitFabricStrategy  # type: ignore[assignment]
+        self._precision = precision
+        self._backward_sync_control = _NoSync(self)  # type: ignore[arg-type]
+        self._set_world_ranks()
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -245,4 +259,7 @@ class DistkitStrategy(ParallelStrategy):
 
 if "distkit" not in StrategyRegistry:
     DistkitStrategy.register_strategies(StrategyRegistry)
+# Fabric accepts a strategy object that is one of its own (an isinstance check); DistkitStrategy becomes
+# DistkitFabricStrategy when Fabric's connector sets its ranks (_set_world_ranks above)
+FabricParallelStrategy.register(DistkitStrategy)
 

@@ -1,13 +1,13 @@
-"""distkit under Lightning Fabric: ``Fabric(strategy=DistkitFabricStrategy(...))`` (import it from :mod:`distkit.lightning`),
-and what :class:`~distkit.lightning.DistkitStrategy` shares with it: the config, the ranks, the launch, the Session's
-start and the collectives (all on ``lightning.fabric``'s pieces, which the Trainer's strategies are built on too).
+"""distkit under Lightning Fabric: ``Fabric(strategy=DistkitStrategy(...))`` (or this module's
+``DistkitFabricStrategy``, both imported from :mod:`distkit.lightning`), and what
+:class:`~distkit.lightning.DistkitStrategy` shares with it: the config, the ranks, the launch, the Session's start and
+the collectives (all on ``lightning.fabric``'s pieces, which the Trainer's strategies are built on too).
 
-A class of its own, not :class:`~distkit.lightning.DistkitStrategy` registered as a virtual Fabric strategy: the two
-Lightning base classes share method names with other signatures and meanings (``backward(loss, optimizer)`` against
-``backward(tensor, module)``, ``optimizer_step(optimizer, closure)`` against ``optimizer_step(optimizer)``,
-``save_checkpoint(checkpoint, path)`` against ``save_checkpoint(path, state)``, ``precision_plugin`` against
-``precision``), so one object would have to guess its frontend in every one of them. The config, launch, ranks and
-collectives are the same code (:mod:`distkit.lightning`'s helpers).
+A class of its own: the Trainer's and Fabric's strategy bases share method names with other signatures and meanings
+(``backward(loss, optimizer)`` against ``backward(tensor, module)``, ``optimizer_step(optimizer, closure)`` against
+``optimizer_step(optimizer)``, ``save_checkpoint(checkpoint, path)`` against ``save_checkpoint(path, state)``,
+``precision_plugin`` against ``precision``). A ``DistkitStrategy`` handed to Fabric turns into this class at the one
+call only Fabric's connector makes (``_set_world_ranks``), so no method has to guess its frontend.
 
     fabric = Fabric(strategy=DistkitFabricStrategy(args), accelerator="cpu", devices=2)
     fabric.launch()

@@ -303,7 +303,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning.fabric import Fabric, seed_everything
 from lightning.pytorch.demos.boring_classes import RandomDataset
 import distkit
-from distkit.lightning import DistkitFabricStrategy
+from distkit.lightning import DistkitFabricStrategy, DistkitStrategy
 
 SEED, EPOCHS = 7, 2
 torch.manual_seed(1)
@@ -337,10 +337,10 @@ def maxdiff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 ref, fabric = train("ddp")
-grad_strategy = DistkitFabricStrategy()
+grad_strategy = DistkitStrategy()  # the Trainer's class given to Fabric: it becomes DistkitFabricStrategy
 grad, _ = train(grad_strategy)
 grad_engine = grad_strategy.dk.backend
-param_strategy = DistkitFabricStrategy({"distributed": {"reduce_type": "param", "param_sync_step": 3}})
+param_strategy = DistkitStrategy({"distributed": {"reduce_type": "param", "param_sync_step": 3}})
 CKPT = os.path.join(sys.argv[1], "e0.ckpt")
 param, _ = train(param_strategy, save=CKPT)
 resumed, _ = train(DistkitFabricStrategy({"distributed": {"reduce_type": "param", "param_sync_step": 3}}), start_epoch=1,
@@ -361,12 +361,14 @@ own = {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}
 with open(os.path.join(sys.argv[1], f"result-{fabric.global_rank}.json"), "w") as f:
     json.dump({"grad": maxdiff(ref, grad), "param": maxdiff(own, param), "param_vs_grad": maxdiff(grad, param),
                "resume": maxdiff(param, resumed), "sidecar": os.path.isdir(CKPT + ".distkit"),
-               "engines": [grad_engine, param_strategy.dk.cfg.distributed.reduce_type]}, f)
+               "engines": [grad_engine, param_strategy.dk.cfg.distributed.reduce_type],
+               "classes": [type(grad_strategy).__name__, type(param_strategy).__name__]}, f)
 '''
 
 
 def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_path: Path) -> None:
-    """Fabric(strategy=DistkitFabricStrategy(...), devices=2) under Fabric's own launcher: fabric.setup,
+    """Fabric(strategy=DistkitStrategy(...), devices=2) under Fabric's own launcher (the resumed run: the explicit
+    DistkitFabricStrategy): fabric.setup,
     fabric.backward and optimizer.step in grad mode equal Fabric's "ddp" (measured: 0.0), in param mode distkit's own
     loop (0.0), which differs from grad mode (by 0.39: the ranks took local steps); fabric.load of the first epoch's
     fabric.save (param mode: + each rank's sidecar) then the second epoch ends where the run ended (0.0)."""
@@ -376,6 +378,7 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
     for r in (0, 1):
         row = json.loads((tmp_path / f"result-{r}.json").read_text())
         assert row["engines"] == ["ddp", "param"] and row["grad"] <= 1e-6 and row["param"] <= 1e-6, row
+        assert row["classes"] == ["DistkitFabricStrategy"] * 2, row
         assert row["param_vs_grad"] > 1e-2, row
         assert row["sidecar"] and row["resume"] <= 1e-6, row  # fabric.save/load mid-period, each rank's own state
 
