@@ -10,12 +10,13 @@ and ``trainer.test`` against their closed forms (the loss over the whole set, co
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, ok, run
+from conftest import BIN, ROOT, ok, run
 
 #: the LightningModule of Lightning's bug report template (BoringModel, RandomDataset), its loss a mean square so that
 #: training moves it, logged with sync_dist; used by every case below
@@ -165,17 +166,26 @@ for i, cfg in enumerate(configs):
 '''
 
 END = r'''
+from distkit.env import detect
+result["launcher"] = detect(os.environ).launcher
 with open(os.path.join(args.out, f"result-{strategy.global_rank}.json"), "w") as f:
     json.dump(result, f)
 '''
 
 
-def _job(tmp_path: Path, body: str, case: str, *flags: str, timeout: float = 170, **env: str) -> list[dict]:
+#: torchrun starting the 2 ranks (its own rendezvous on a free port)
+TORCHRUN = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "0", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "localhost:0"]
+
+
+def _job(tmp_path: Path, body: str, case: str, *flags: str, timeout: float = 170, launcher: tuple[str, ...] = (),
+         **env: str) -> list[dict]:
+    """One 2-rank job of ``body`` (plain python: Lightning's launcher or ``--nprocs``; else under ``launcher``)."""
     script = tmp_path / "boring.py"
     script.write_text(body + END)
     out = tmp_path / "out"
     out.mkdir()
-    ok(run([sys.executable, str(script), case, str(out), *flags], timeout=timeout, **env))
+    ok(run([*(launcher or [sys.executable]), str(script), case, str(out), *flags], timeout=timeout, **env))
     return [json.loads((out / f"result-{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -214,15 +224,16 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
 
 
 def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) -> None:
-    """param mode (param_sync_step 3; then DiLoCo's Nesterov outer step with 2 fragments, int8 exchange and an
-    overlap of 1 step) equals distkit's own loop on the same data order; a resume from the first epoch's checkpoint
+    """Under torchrun: param mode (param_sync_step 3; then DiLoCo's Nesterov outer step with 2 fragments, int8
+    exchange and an overlap of 1 step) equals distkit's own loop on the same data order; a resume from the first epoch's checkpoint
     (Lightning's file + each rank's sidecar) ends where the uninterrupted run ended."""
     plain = {"distributed": {"reduce_type": "param", "param_sync_step": 3}}
     diloco = {"distributed": {"reduce_type": "param", "param_sync_step": 4, "param_sync_fragments": 2,
                               "param_sync_compression": "int8", "param_sync_overlap": 1,
                               "outer_optimizer": {"class": "nesterov", "lr": 0.7, "momentum": 0.9}}}
-    rows = _job(tmp_path, PARAM, "param", "--nprocs", "2", CONFIGS=json.dumps([plain, diloco]))
+    rows = _job(tmp_path, PARAM, "param", launcher=tuple(TORCHRUN), CONFIGS=json.dumps([plain, diloco]))
     for row in rows:
+        assert row["launcher"] == "torchrun", row
         for case in ("0", "1"):
             assert row[case]["steps"] == 16 and row[case]["max_diff"] <= 1e-6, row
             assert row[case]["res"]["spread"] > 1e-3  # the ranks stepped on their own (local steps)
@@ -398,3 +409,31 @@ def test_example_bug_report_template_on_the_mpi_engine(tmp_path: Path) -> None:
     preds = x @ w.T + b
     closed = float(torch.nn.functional.mse_loss(preds, torch.ones_like(preds)))
     assert abs(got["test_loss"] - closed) < 1e-6, (got["test_loss"], closed)
+
+
+def test_an_srun_step_s_ranks_reach_lightning_through_the_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``srun`` (2 nodes x 1 task; this process task 1) the strategy hands Lightning the ranks distkit's
+    environment detection read (Lightning's own SLURMEnvironment is not consulted: it would demand devices ==
+    SLURM_NTASKS_PER_NODE on its own terms), and a Trainer whose num_nodes disagrees stops in one line."""
+    from lightning.pytorch import Trainer
+
+    from distkit.errors import ConfigError
+    from distkit.lightning import DistkitStrategy
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI", "RANK", "LOCAL_RANK",
+                                                                     "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))]:
+        monkeypatch.delenv(key)
+    for key, value in {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+                       "SLURM_NODEID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "2",
+                       "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                       "SLURM_STEP_NODELIST": "node[1-2]"}.items():
+        monkeypatch.setenv(key, value)
+    strategy = DistkitStrategy({"distributed": {"backend": "mpi"}})
+    env = strategy.cluster_environment
+    assert (env.global_rank(), env.local_rank(), env.node_rank(), env.world_size()) == (1, 0, 1, 2)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, num_nodes=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    assert (trainer.global_rank, trainer.world_size, trainer.node_rank, trainer.local_rank) == (1, 2, 1, 0)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+    with pytest.raises(ConfigError, match="pass num_nodes=2"):
+        env.validate_settings(1, 1)
