@@ -37,13 +37,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from distkit.config.arguments import Source
 from distkit.errors import UnsupportedCombination, UsageError
 from distkit.lightning_fabric import (  # noqa: F401 (DistkitFabricStrategy: imported from here)
-    SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _NoSync, _SessionStep, _backward, _check_launcher, _devices,
-    _gather, _join, _reduce, _resolve, _set_ranks,
+    SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _NoSync, _SessionStep, _Shared, _backward, _devices, _join,
+    _reduce, _resolve, _set_ranks,
 )
 from distkit.session import Session
 
 
-class DistkitStrategy(ParallelStrategy):
+class DistkitStrategy(_Shared, ParallelStrategy):
     """A Lightning ``ParallelStrategy`` whose engine and mode come from distkit's config.
 
     ``source``: a config file path (or list), a dict (``{"distributed": {"backend": "mpi"}}``), an
@@ -71,26 +71,7 @@ class DistkitStrategy(ParallelStrategy):
         """True: Lightning then inserts the DistributedSampler and syncs ``self.log(..., sync_dist=True)``."""
         return True
 
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+    _LAUNCHER = _SubprocessScriptLauncher
 
     def set_world_ranks(self) -> None:
         """(Lightning's connector) DDPStrategy's rule under Lightning's own launcher; the launcher's ranks else."""
@@ -106,11 +87,6 @@ class DistkitStrategy(ParallelStrategy):
         self._precision = precision
         self._backward_sync_control = _NoSync(self)  # type: ignore[arg-type]
         self._set_world_ranks()
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        _check_launcher(self)
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     # -- the Session -----------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -189,19 +165,6 @@ class DistkitStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
         """Collective: ``tensor`` reduced over every rank (a copy); a non-tensor is returned as is."""
         return _reduce(self.dk, tensor, group, reduce_op)
-
-    def barrier(self, name: Optional[str] = None) -> None:
-        """Collective (a no-op before the Session exists)."""
-        if self.dk is not None:
-            self.dk.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Collective: ``src``'s picklable ``obj``."""
-        return self.dk.broadcast_object(obj, src) if self.dk is not None else obj
-
-    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
-        """Collective: every rank's ``tensor``, stacked in rank order (no gradient through it)."""
-        return _gather(self.dk, tensor, sync_grads)
 
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -225,7 +225,62 @@ class _NoSync(_BackwardSyncControl):
         return dk.no_sync() if enabled and dk is not None else contextlib.nullcontext()
 
 
-class DistkitFabricStrategy(ParallelStrategy):
+class _Shared:
+    """What both strategies define alike (first in their bases, so these win over Lightning's abstract ones): the
+    devices and rank counts Lightning reads, the launcher (``_LAUNCHER``: the Trainer's or Fabric's subprocess
+    launcher class) and the collectives without a reduction op."""
+
+    _LAUNCHER: Any
+    _num_nodes: int
+    _launcher: Any
+    dk: Optional[Session]
+    parallel_devices: Optional[list[torch.device]]
+    cluster_environment: Optional[ClusterEnvironment]
+    local_rank: int
+    global_rank: int
+    world_size: int
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:  # (the Trainer's connector sets it; Fabric's sets _num_nodes)
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        _check_launcher(self)
+        self._launcher = self._LAUNCHER(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Collective (a no-op before the Session exists)."""
+        if self.dk is not None:
+            self.dk.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Collective: ``src``'s picklable ``obj``."""
+        return self.dk.broadcast_object(obj, src) if self.dk is not None else obj
+
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        """Collective: every rank's ``tensor``, stacked in rank order (no gradient through it)."""
+        return _gather(self.dk, tensor, sync_grads)
+
+
+class DistkitFabricStrategy(_Shared, ParallelStrategy):
     """A Fabric ``ParallelStrategy`` whose engine and mode come from distkit's config (the arguments and the
     launch of :class:`~distkit.lightning.DistkitStrategy`).
 
@@ -241,30 +296,10 @@ class DistkitFabricStrategy(ParallelStrategy):
         self._backward_sync_control = _NoSync(self)
         self.dk: Optional[Session] = None
 
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+    _LAUNCHER = _SubprocessScriptLauncher
 
     def _set_world_ranks(self) -> None:
         _set_ranks(self)
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        _check_launcher(self)
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         """Collective (``fabric.launch()``): join the job, once."""
@@ -313,16 +348,6 @@ class DistkitFabricStrategy(ParallelStrategy):
 
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean") -> Any:
         return _reduce(self.dk, tensor, group, reduce_op)
-
-    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
-        return _gather(self.dk, tensor, sync_grads)
-
-    def barrier(self, name: Optional[str] = None) -> None:
-        if self.dk is not None:
-            self.dk.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.dk.broadcast_object(obj, src) if self.dk is not None else obj
 
     def _param_state(self) -> Optional[dict[str, Any]]:
         dk = self.dk
