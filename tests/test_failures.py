@@ -123,3 +123,30 @@ def test_failed_rank_stops_mpirun_run(tmp_path: Path, kind: str) -> None:
             text[-4000:]
     else:
         assert re.search(rf"process rank {FAULT_RANK} with PID \d+ .*\s*signal 9", text), text[-4000:]
+
+
+#: the mpi engine's ranks start a torch.distributed group of their own after distkit.init (as Lightning's or
+#: Accelerate's DDP does in the same ranks), whose excepthook wraps distkit's and buffers stderr while it runs
+TORCH_GROUP_THEN_RAISE = '''
+import sys, torch.distributed as dist
+import distkit
+dk = distkit.init({"distributed": {"backend": "mpi"}, "nprocs": 2})
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=dk.rank, world_size=dk.world_size)
+if dk.rank == 1:
+    raise ValueError("boom on rank 1")
+dk.barrier()  # rank 0 waits here: the abort of rank 1 ends it
+'''
+
+
+def test_a_failing_mpi_rank_names_its_error_under_torch_distributed_s_excepthook(tmp_path: Path) -> None:
+    """torch.distributed's excepthook calls distkit's with sys.stderr swapped for a buffer that it prints after;
+    distkit's hook ends the job (MPI_Abort) inside it, so the cause went down with the buffer (found through
+    Lightning's DDPStrategy in mpi ranks: the job ended naming nothing). The failure is written to the real
+    stderr: the traceback and distkit's line naming the rank and the error."""
+    script = tmp_path / "raise_under_torch_hook.py"
+    script.write_text(TORCH_GROUP_THEN_RAISE)
+    res = run([sys.executable, str(script), str(tmp_path / "pg")], timeout=120)
+    assert res.returncode != 0
+    assert "distkit: rank 1 failed: ValueError: boom on rank 1 (aborting all 2 MPI ranks)" in res.stderr, \
+        res.stderr[-3000:]
+    assert 'raise ValueError("boom on rank 1")' in res.stderr, res.stderr[-3000:]  # the traceback too

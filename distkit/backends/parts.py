@@ -100,12 +100,16 @@ def report_failure(rank: int, world_size: int, engine: str) -> int:
     """
     from distkit.watchdog import lost_peer_error
 
+    # sys.__stderr__: torch.distributed's excepthook (installed when a process group starts after distkit's hook,
+    # e.g. by Lightning's or Accelerate's DDP in the same ranks) calls distkit's with sys.stderr swapped for a buffer
+    # that it prints afterwards; the abort below ends the process first, and the buffer with it
+    err = sys.__stderr__ or sys.stderr
     exc = sys.exc_info()[1]
     if exc is not None and not isinstance(exc, DistkitError):
-        traceback.print_exc()
+        traceback.print_exc(file=err)
         exc = lost_peer_error(exc) or exc  # a peer is gone: name it
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "aborted"
-    print(f"distkit: rank {rank} failed: {what} (aborting all {world_size} {engine} ranks)", file=sys.stderr, flush=True)
+    print(f"distkit: rank {rank} failed: {what} (aborting all {world_size} {engine} ranks)", file=err, flush=True)
     sys.stdout.flush()
     return exc.exit_code if isinstance(exc, DistkitError) else 1
 
