@@ -24,6 +24,7 @@ from torch import nn
 import distkit
 from distkit.config.arguments import Source, config_from
 from distkit.errors import BackendUnavailable, UnsupportedCombination
+from distkit.session_optimizer import SessionOptimizer
 
 try:
     from transformers import Trainer
@@ -34,61 +35,6 @@ except ImportError:
 
 #: the sub-directory of a Trainer checkpoint that holds distkit's per-rank state (param mode)
 STATE_DIR = "distkit"
-
-
-class _SessionOptimizer(torch.optim.Optimizer):
-    """The Session's optimizer as the Trainer steps it: ``step()`` is ``dk.step()`` (the optimizer's step, zero_grad,
-    and in param mode the averaging when due: collective). An ``Optimizer`` (without its constructor, as
-    Accelerate's own ``AcceleratedOptimizer``) so that Accelerate prepares it and the LR scheduler accepts it; the
-    parameter groups, state and state dicts are the wrapped optimizer's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, dk: Any) -> None:  # noqa: D107 - no super().__init__ on purpose
-        self.optimizer, self._dk = optimizer, dk
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = groups
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        self.optimizer.state = state
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, defaults: dict[str, Any]) -> None:
-        self.optimizer.defaults = defaults
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise UnsupportedCombination("DistkitTrainer: an optimizer step with a closure (LBFGS) is not supported: "
-                                         "use a first-order optimizer")
-        self._dk.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
-
-    def __repr__(self) -> str:
-        return f"distkit({self.optimizer!r})"
 
 
 class _SessionModule(nn.Module):
@@ -178,7 +124,7 @@ class DistkitTrainer(Trainer):
                                          "new process for another train() with model_init or another model")
         self.dk.set_accumulation(self.args.gradient_accumulation_steps)
         wrapped, optimizer = self.dk.setup(self.accelerator.unwrap_model(model), self.optimizer)
-        self.optimizer = _SessionOptimizer(optimizer, self.dk)  # (Accelerate prepares it next)
+        self.optimizer = SessionOptimizer(optimizer, self.dk)  # (Accelerate prepares it next)
         return _SessionModule(wrapped, self.dk)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

@@ -41,6 +41,7 @@ from distkit.env import ClusterEnv, detect
 from distkit.errors import ConfigError, UnsupportedCombination, UsageError
 from distkit.guards import install_excepthook
 from distkit.session import Session
+from distkit.session_optimizer import SessionOptimizer
 
 #: what the lightning side of each refused engine is
 _OWN = {"deepspeed": "lightning.pytorch.strategies.DeepSpeedStrategy (Trainer(strategy='deepspeed_stage_2'))",
@@ -319,7 +320,7 @@ class DistkitFabricStrategy(_Shared, ParallelStrategy):
             raise UnsupportedCombination(f"DistkitFabricStrategy steps one optimizer, fabric.setup got "
                                          f"{len(optimizers)}: set up one, or use Fabric(strategy='ddp')")
         wrapped, optimizer = self.dk.setup(module, optimizers[0])
-        return wrapped, [optimizer], scheduler
+        return wrapped, [SessionOptimizer(optimizer, self.dk)], scheduler  # (Fabric subclasses it: see there)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Collective: a module without an optimizer (evaluation): rank 0's weights everywhere."""

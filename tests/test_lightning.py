@@ -96,6 +96,20 @@ def fit(strategy, out=None, ckpt_path=None, evaluate=True, **kw):
 def maxdiff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
+def fabric_fit(strategy):
+    """Fabric's loop on the same layer and data: setup, setup_dataloaders (DistributedSampler), backward, step."""
+    from lightning.fabric import Fabric
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+    fabric.launch()
+    pl.seed_everything(SEED)
+    model = torch.nn.Linear(32, 2)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for x in fabric.setup_dataloaders(loader(TRAIN, shuffle=True)):
+        optimizer.zero_grad()
+        fabric.backward(model(x).pow(2).mean())
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
 def own_loop(source):
     """distkit's own-loop param mode on the same model, data order (Lightning's DistributedSampler, seed, set_epoch)."""
     dk = distkit.init(source)
@@ -129,12 +143,17 @@ got, got_res = fit(strategy, out=os.path.join(args.out, "ckpt"), **KW)
 result.update(engine=strategy.dk.backend, mode=strategy.dk.cfg.distributed.reduce_type, max_diff=maxdiff(ref, got),
               ref=ref_res, got=got_res, world=strategy.world_size)
 if args.case == "horovod_too":
+    # Fabric on the same engine (a second Session of it), against Fabric's own "ddp" in the same ranks
+    fabric_ref, fabric_dk = fabric_fit("ddp"), DistkitStrategy(args)
+    result["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_fit(fabric_dk)), engine=fabric_dk.dk.backend)
     # --nprocs recorded the engine it launched for (mpi), which distkit.init checks; this job runs a second one on purpose
     os.environ.pop("DISTKIT_LAUNCH_ENGINE")
     hvd = DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})
     again, res = fit(hvd, **KW)
     result["horovod"] = dict(engine=hvd.dk.backend, mode=hvd.dk.cfg.distributed.reduce_type, max_diff=maxdiff(ref, again),
                              got=res, world=hvd.world_size)
+    hvd_fabric = DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})
+    result["horovod"]["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_fit(hvd_fabric)), engine=hvd_fabric.dk.backend)
 if args.case == "resume":
     again, _ = fit(DistkitStrategy(args), ckpt_path=os.path.join(args.out, "ckpt", "epoch=0.ckpt"), evaluate=False,
                    **KW)
@@ -213,7 +232,7 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
 def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) -> None:
     """``--nprocs 2`` starts the ranks under mpirun (distkit's launcher for the MPI engines), where Lightning's
     DDPStrategy runs too (MPIEnvironment): the mpi engine, then Horovod in the same ranks, equal it (measured: 0.0
-    on both)."""
+    on both); under Fabric too, each against Fabric's own "ddp" (0.0 on both)."""
     rows = _job(tmp_path, GRAD, "horovod_too", "--nprocs", "2", "++distributed.backend", "mpi")
     for row in rows:
         for got in (row, row["horovod"]):
@@ -221,6 +240,8 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
             assert got["got"]["spread"] == 0.0
             _check_logged(got["got"])
         assert (row["engine"], row["horovod"]["engine"]) == ("mpi", "horovod")
+        for got, engine in ((row, "mpi"), (row["horovod"], "horovod")):  # Fabric on each, against Fabric's "ddp"
+            assert got["fabric"]["engine"] == engine and got["fabric"]["max_diff"] <= 1e-6, got["fabric"]
 
 
 def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) -> None:
