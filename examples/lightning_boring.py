@@ -1,5 +1,5 @@
 """Lightning's bug-report template (examples/pytorch/bug_report/bug_report_model.py: BoringModel on RandomDataset,
-``trainer.fit`` then ``trainer.test``) on distkit's engines, converted as docs/integrations_lightning.md says.
+``trainer.fit`` then ``trainer.test``) on distkit's engines, converted as docs/integrations.md says.
 
 The template's ``run()`` is kept as it is except for the marked lines: a parser with distkit's flags and the
 strategy (4 lines), a seed so that the ranks draw the same random data (1 line),
