@@ -12,18 +12,25 @@ Only this module and :mod:`distkit.hf_trainer` import accelerate and transformer
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import weakref
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from distkit.backends.ddp import DDPStrategy
+from distkit.backends.parts import param_averager
 from distkit.config import RunConfig, resolve
 from distkit.config.arguments import Source, config_from
 from distkit.config.loader import apply_override
 from distkit.config.validate import _validate
+from distkit.env import ClusterEnv
 from distkit.errors import BackendUnavailable, ConfigError, UnsupportedCombination, UsageError
+from distkit.guards import install_excepthook
+from distkit.session import Session
 
 try:
     from accelerate import Accelerator, DistributedType
@@ -110,9 +117,6 @@ class ParamSync:
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, local_sgd_steps: Optional[int] = None,
                  enabled: bool = True, config: Source = None, **keys: Any) -> None:
-        from distkit.guards import install_excepthook
-        from distkit.session import Session
-
         install_excepthook(lambda: Session.current)  # a refusal below is one line, as under distkit.init
         allowed = {getattr(DistributedType, n) for n in _LOCAL_SGD_TYPES if hasattr(DistributedType, n)}
         if accelerator.distributed_type not in allowed:
@@ -143,14 +147,6 @@ class ParamSync:
         """The :class:`~distkit.averaging.ParamAverager` of the bare model on distkit's ddp Strategy, which adopts
         the process group Accelerate initialised (``DDPStrategy.init`` returns when one exists); the same one
         for a later ParamSync of the same model and config."""
-        import json
-
-        import torch.distributed as dist
-
-        from distkit.backends.ddp import DDPStrategy
-        from distkit.backends.parts import param_averager
-        from distkit.env import ClusterEnv
-
         module = self.accelerator.unwrap_model(self.model)
         key = json.dumps(self.cfg.to_json()["distributed"], sort_keys=True)
         known = _AVERAGERS.get(module)
