@@ -181,8 +181,9 @@ class DistkitStrategy(_Shared, ParallelStrategy):
         ``fit`` set up the Session, every rank also writes its replica, optimizer and averager state to
         ``FILE.distkit`` (``dk.save``), which :meth:`load_optimizer_state_dict` restores on resume."""
         super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self._param_mode and self.dk is not None and self._wrapped is not None:
-            self.dk.save(str(filepath) + SIDECAR, {"model": self.dk.model, "optimizer": self.dk.optimizer})
+        own = self._param_state()
+        if own is not None:
+            self.dk.save(str(filepath) + SIDECAR, own)  # type: ignore[union-attr]
 
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
@@ -197,9 +198,9 @@ class DistkitStrategy(_Shared, ParallelStrategy):
         """Collective in param mode: Lightning's optimizer state (rank 0's), then this rank's own state from the
         sidecar, if the checkpoint has one."""
         super().load_optimizer_state_dict(checkpoint)
-        side = (self._resume_from or "") + SIDECAR
-        if self._param_mode and self.dk is not None and self._wrapped is not None and os.path.isdir(side):
-            self.dk.load(side, {"model": self.dk.model, "optimizer": self.dk.optimizer})
+        own, side = self._param_state(), (self._resume_from or "") + SIDECAR
+        if own is not None and os.path.isdir(side):
+            self.dk.load(side, own)  # type: ignore[union-attr]
 
     # -- the end ---------------------------------------------------------------------------------------------------
     def teardown(self) -> None:

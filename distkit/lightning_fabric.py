@@ -267,6 +267,15 @@ class _Shared:
         _check_launcher(self)
         self._launcher = self._LAUNCHER(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    def _param_state(self) -> Optional[dict[str, Any]]:
+        """What a param-mode checkpoint keeps per rank beside the framework's file (``dk.save``/``dk.load`` of
+        ``PATH.distkit``): this rank's replica and optimizer (with the averager's state); None in grad mode (every
+        rank holds the same) or before the model was set up."""
+        dk = self.dk
+        if dk is None or dk.cfg.distributed.reduce_type != "param" or dk._model is None:
+            return None
+        return {"model": dk.model, "optimizer": dk.optimizer}
+
     def barrier(self, name: Optional[str] = None) -> None:
         """Collective (a no-op before the Session exists)."""
         if self.dk is not None:
@@ -349,12 +358,6 @@ class DistkitFabricStrategy(_Shared, ParallelStrategy):
 
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean") -> Any:
         return _reduce(self.dk, tensor, group, reduce_op)
-
-    def _param_state(self) -> Optional[dict[str, Any]]:
-        dk = self.dk
-        if dk is None or dk.cfg.distributed.reduce_type != "param" or dk._model is None:
-            return None
-        return {"model": dk.model, "optimizer": dk.optimizer}
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Any]] = None) -> None:
