@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any
 
-from distkit.launch import free_port
+from distkit.launch.spawner import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from distkit.launch import free_port
+from distkit.launch.spawner import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable

@@ -158,7 +158,7 @@ THREADS_CPU = False
 
 def _thread_cpu_s(tid: int) -> Optional[float]:
     """CPU seconds (user + system, 10 ms ticks) thread ``tid`` of this process has used, or None once it is gone."""
-    # /proc/self/task/TID/stat: the thread's own counters (/proc/TID/stat, what distkit.procfs reads, holds the
+    # /proc/self/task/TID/stat: the thread's own counters (/proc/TID/stat, what distkit.launch.procfs reads, holds the
     # whole process's)
     try:
         with open(f"/proc/self/task/{tid}/stat") as f:
@@ -237,8 +237,9 @@ def worker(spec_path: str, argv: list[str]) -> int:
 
     result: dict[str, Any] = {}
     if path == "cli":
-        from distkit import cli, trainer
+        from distkit import trainer
 
+        from distkit.commands import cli
         holder: dict[str, Any] = {}
         inner = trainer.TrainingRun.train_step
 

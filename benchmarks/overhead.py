@@ -215,7 +215,7 @@ def _signal(pid: int, sig: int) -> None:
 def _kill_run(proc: "subprocess.Popen[bytes]", grace_s: float = 5.0) -> None:
     """End a run and everything it started. First SIGTERM to the run's process group (its id is the
     launcher's pid: ``start_new_session``), so torchrun / mpirun stop their ranks and clean up (a
-    SIGKILLed mpirun leaves a session directory that can break a later one, see ``distkit.ompi_leftovers``).
+    SIGKILLed mpirun leaves a session directory that can break a later one, see ``distkit.launch.ompi_leftovers``).
     After ``grace_s``, whatever is left is frozen (SIGSTOP: a stopped process cannot fork) and SIGKILLed:
     the group, and every process of the tree found before the SIGTERM or since (torchrun starts each rank
     in a session of its own, which the group does not reach), each with its own group."""
@@ -389,8 +389,10 @@ def distkit_worker(times_path: str, argv: list[str]) -> int:
     pin_rank()  # (--pin) as the hand-written scripts do, before torch starts threads
     import torch
 
-    from distkit import cli, trainer
+    from distkit import trainer
 
+
+    from distkit.commands import cli
     starts: list[float] = []
     ends: list[float] = []
     cpu_starts: list[float] = []

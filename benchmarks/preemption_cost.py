@@ -1,5 +1,5 @@
 """What the preemption check costs per step: ``distkit train`` with ``preemption = True`` (one MAX all-reduce of one
-number after every optimizer step, :mod:`distkit.preemption`) against the same run with ``preemption = False``.
+number after every optimizer step, :mod:`distkit.health.preemption`) against the same run with ``preemption = False``.
 
     python benchmarks/preemption_cost.py [--engine ddp|mpi] [--size small|medium] [--steps 200] [--repeats 5]
 

@@ -3,10 +3,10 @@
     python benchmarks/stall_matrix.py [--timeout-s 4] [--faults stop,stop0,kill,raise,hang] [--cases ddp-nprocs,...]
 
 For each case (engine x launcher) and fault, one real 2-rank run of the digits task with
-``distributed.timeout_s = T``; after step 5 one rank (``DISTKIT_FAULT``, :mod:`distkit.faults`):
+``distributed.timeout_s = T``; after step 5 one rank (``DISTKIT_FAULT``, :mod:`distkit.health.faults`):
 
 * ``stop``: rank 1 SIGSTOPs itself (frozen, as a stalled or cut-off process);
-* ``stop0``: rank 0 does (the host of the heartbeat store, :mod:`distkit.watchdog`);
+* ``stop0``: rank 0 does (the host of the heartbeat store, :mod:`distkit.health.watchdog`);
 * ``kill``: rank 1 SIGKILLs itself;
 * ``raise``: rank 1 raises RuntimeError;
 * ``hang``: rank 1's main thread sleeps forever (alive: its heartbeat goes on, so the engine's own
@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from distkit.launch import free_port
+from distkit.launch.spawner import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -3,7 +3,7 @@
     python benchmarks/startup.py [--pairs 5] [--nprocs 2] [--steps 20] [--engine ddp]
 
 Runs the same short job (``configs/demo.py``: the digits task, ``--steps`` steps) alternately with
-the ranks forked from the checked launching process (the default, :mod:`distkit.forkrank`) and
+the ranks forked from the checked launching process (the default, :mod:`distkit.launch.forkrank`) and
 with ``DISTKIT_RANK_START=exec`` (each rank a new ``python -m distkit``), ``--pairs`` times each,
 and reports the median wall time of the whole command and the CPU time of it and its children
 (user + system, from ``os.wait4``). Both runs of a pair must end with the same ``param_checksum``

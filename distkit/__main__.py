@@ -1,4 +1,4 @@
 """``python -m distkit`` is the ``distkit`` command."""
-from distkit.cli import entry
+from distkit.commands.cli import entry
 
 entry()

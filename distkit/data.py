@@ -265,7 +265,7 @@ def sharded_loader(session: "Session", dataset: Any, batch_size: Optional[int], 
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise UsageError("dk.dataloader needs a map-style dataset (with __len__ and __getitem__), got "
                          f"{type(dataset).__name__}")
-    from distkit.ft_state import data_place
+    from distkit.ft.state import data_place
 
     # fault-tolerant replica groups: group i takes what its ranks would take in one job of all the groups
     rank, world = data_place(session.cfg.fault_tolerance, session.rank, session.world_size)

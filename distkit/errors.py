@@ -84,7 +84,7 @@ class CheckpointError(DistkitError):
 class RankStalled(RankFailure):
     """A rank stopped responding: its heartbeat did not change for ``distributed.timeout_s`` seconds
     (stopped with SIGSTOP, frozen, or cut off from the network). The text names it; ``stalled_ranks``
-    lists the global ranks (see :mod:`distkit.watchdog`)."""
+    lists the global ranks (see :mod:`distkit.health.watchdog`)."""
 
     def __init__(self, message: str, stalled_ranks: list[int]) -> None:
         super().__init__(message)
@@ -94,7 +94,7 @@ class RankStalled(RankFailure):
 class RankLost(RankStalled):
     """A rank is gone: this rank's connection to a peer closed (reset, refused) and a rank's heartbeat
     stopped with it: it died, was killed, or its host went down or was cut off. The text names it;
-    ``stalled_ranks`` lists the global ranks (see :func:`distkit.watchdog.lost_peer_error`)."""
+    ``stalled_ranks`` lists the global ranks (see :func:`distkit.health.watchdog.lost_peer_error`)."""
 
 
 class NonFiniteLoss(DistkitError):
@@ -123,7 +123,7 @@ class UnusedParameters(UsageError):
 
 class Preempted(DistkitError):
     """The run was asked to stop (SIGTERM or SIGUSR1: a scheduler's preemption or time limit) and stopped
-    after an agreed step with a checkpoint of it (see :mod:`distkit.preemption`). Exit status 75
+    after an agreed step with a checkpoint of it (see :mod:`distkit.health.preemption`). Exit status 75
     (``EX_TEMPFAIL``: try again), on which ``distkit sbatch --requeue``'s script requeues the job; the text
     names the step, the checkpoint and how to continue."""
 

@@ -40,7 +40,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from distkit import checkpoint, lazy_import, ompi_leftovers, report
+from distkit import checkpoint, lazy_import, report
+
+from distkit.launch import ompi_leftovers
 from distkit.backends import check_backend, startup, strategy_class
 from distkit.backends.parts import float_state, persistent_buffers
 from distkit.components import check_device, check_stepped_scheduler, scheduler_and_interval
@@ -51,15 +53,15 @@ from distkit.config.arguments import (  # noqa: F401 (distkit.session's names be
 from distkit.data import ShardedLoader, sharded_loader
 from distkit.env import ClusterEnv, detect
 from distkit.errors import ConfigError, UsageError
-from distkit.fault_tolerance import join as join_groups
-from distkit.guards import (
+from distkit.ft.groups import join as join_groups
+from distkit.health.guards import (
     LossWatch, check_backward, check_step, guard_raw_clip, install_excepthook, name_missing_module, setup_optimizer,
 )
-from distkit.job import Job
-from distkit.launch import record_stall
+from distkit.job import Job, gather
+from distkit.launch.spawner import record_stall
 from distkit.main_process import set_current_strategy
-from distkit.meter import StepMeter
-from distkit.watchdog import explain_stall, lost_peer_error
+from distkit.report import StepMeter
+from distkit.health.watchdog import explain_stall, lost_peer_error
 
 
 def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -> "Session":
@@ -87,7 +89,7 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
     if env.launcher == "openmpi" and env.local_rank == 0:  # so a killed mpirun's pid can serve the next one
         ompi_leftovers.clear()
     if env.launcher == "single" and cfg.nprocs > 1:
-        from distkit.launch import relaunch_command, run_local, script_target
+        from distkit.launch.spawner import relaunch_command, run_local, script_target
 
         # The ranks resolve their config again from the same command line; they check that they chose this engine.
         os.environ[LAUNCH_ENGINE_VAR] = cfg.distributed.backend
@@ -167,7 +169,7 @@ class Session(Job):
 
     @property
     def compute_time_s(self) -> float:
-        """Seconds this rank spent computing training steps, less the waits below (:mod:`distkit.meter`)."""
+        """Seconds this rank spent computing training steps, less the waits below (:class:`distkit.report.StepMeter`)."""
         return self._meter.compute_time_s
 
     @property
@@ -233,7 +235,7 @@ class Session(Job):
 
     @property
     def fault_tolerance(self) -> Any:
-        """The run's :class:`~distkit.fault_tolerance.FaultTolerance` (its ``syncs``, ``heals``), or None."""
+        """The run's :class:`~distkit.ft.groups.FaultTolerance` (its ``syncs``, ``heals``), or None."""
         return self._ft
 
     def set_accumulation(self, steps: int) -> None:
@@ -338,8 +340,6 @@ class Session(Job):
         last batch of a ``dataloader(..., drop_last=False)``, the padded copies are dropped, so an evaluation's
         gathered outputs hold every sample once, in the loader's global order, and a metric over them equals the
         one-process value. Ranks may hold different numbers of rows; other dimensions and dtype must agree."""
-        from distkit.gather import gather
-
         with self._collective("dk.gather()"):
             return gather(self, data, self._gather_keep)
 
@@ -524,7 +524,7 @@ class Session(Job):
         """This rank failed: make sure no other rank waits for it (MPI engines end the job). Not collective;
         call it from an ``except`` block. A later :meth:`close` then leaves without waiting for the others."""
         self._failed = True
-        explain_stall()  # a peer stopped responding: name it (distkit.watchdog) rather than "timed out"
+        explain_stall()  # a peer stopped responding: name it (distkit.health.watchdog) rather than "timed out"
         exc = sys.exc_info()[1]
         lost = lost_peer_error(exc) if exc is not None else None  # a peer is gone: which (the failure line names it)
         if lost is not None:

@@ -16,12 +16,14 @@ from typing import Any, Callable, Optional
 import torch
 from tqdm import tqdm
 
-from distkit import checkpoint, faults
+from distkit import checkpoint
+
+from distkit.health import faults
 from distkit.components import build_optimizer, build_scheduler, check_components
 from distkit.config import RunConfig, resolve
 from distkit.env import ClusterEnv
 from distkit.errors import DistkitError, OutputError, Preempted, report_agreed
-from distkit.preemption import Preemption
+from distkit.health.preemption import Preemption
 from distkit.evaluation import batch_loss, evaluate
 from distkit.session import Session, init
 from distkit.tasks import Task, check_task, make_task

@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 import torch
 
-from distkit import ompi_leftovers
-from distkit.launch import free_port  # noqa: F401  (the tests import it from here)
+from distkit.launch import ompi_leftovers
+from distkit.launch.spawner import free_port  # noqa: F401  (the tests import it from here)
 
 import tiers
 from tiers import full_tier, starts_processes

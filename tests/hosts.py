@@ -26,7 +26,7 @@ import socket
 import subprocess
 from typing import Any, Optional, Sequence
 
-from distkit import procfs
+from distkit.launch import procfs
 from tiers import full_tier
 
 PREFIX = "dkt"

@@ -37,7 +37,7 @@ def test_average_closed_form_2_and_3_ranks(tmp_path: Path) -> None:
 
 
 def _averager_steps(rank: int, world: int, sync_step: int, steps: int) -> tuple[int, list[float]]:
-    from distkit.averaging import ParamAverager
+    from distkit.sync.averager import ParamAverager
 
     s = _strategy(rank, world)
     p = torch.zeros(4)
@@ -58,7 +58,7 @@ def test_sync_every_k_steps_and_final_sync(tmp_path: Path) -> None:
 
 
 def _time_based(rank: int, world: int) -> int:
-    from distkit.averaging import ParamAverager
+    from distkit.sync.averager import ParamAverager
 
     s = _strategy(rank, world)
     p = torch.zeros(2)
@@ -76,7 +76,7 @@ def test_time_based_decision_is_identical_on_all_ranks(tmp_path: Path) -> None:
 
 
 def _outer(rank: int, world: int, lr: float, momentum: float) -> list[float]:
-    from distkit.averaging import ParamAverager
+    from distkit.sync.averager import ParamAverager
 
     s = _strategy(rank, world)
     p = torch.ones(3)
@@ -96,7 +96,7 @@ def test_outer_nesterov_closed_form(tmp_path: Path) -> None:
 
 def _fragments(rank: int, world: int, outer: bool) -> dict[str, object]:
     """Four tensors in 2 fragments, H = 4, 11 steps: each step every element of rank r grows by r + 1."""
-    from distkit.averaging import ParamAverager
+    from distkit.sync.averager import ParamAverager
 
     s = _strategy(rank, world)
     tensors = [torch.zeros(6), torch.zeros(2, 5), torch.zeros(3), torch.zeros(9)]
@@ -147,7 +147,7 @@ def test_fragments_outer_nesterov_is_torchs_sgd_per_fragment(tmp_path: Path) -> 
 
 
 def _compressed(rank: int, world: int) -> dict[str, dict[str, object]]:
-    from distkit.compression import Exchange
+    from distkit.sync.compression import Exchange
 
     s = _strategy(rank, world)
     g = torch.Generator().manual_seed(rank)
@@ -163,7 +163,7 @@ def _compressed(rank: int, world: int) -> dict[str, dict[str, object]]:
 
 
 def test_compressed_mean_closed_forms(tmp_path: Path) -> None:
-    from distkit.compression import BLOCK, encoded_size, roundtrip
+    from distkit.sync.compression import BLOCK, encoded_size, roundtrip
 
     runs = {world: run_ranks(_compressed, world, tmp_path) for world in (2, 3)}
     for world, codec, bytes_per in ((2, "bf16", 2), (2, "fp16", 2), (2, "int8", 1), (3, "bf16", 2), (3, "int8", 1)):
@@ -193,7 +193,7 @@ def test_compressed_mean_closed_forms(tmp_path: Path) -> None:
 
 def _error_feedback(rank: int, world: int) -> list[list[float]]:
     """Plain averaging with int8 and error feedback, one tensor, 3 syncs: each rank's pseudo-gradients."""
-    from distkit.averaging import ParamAverager
+    from distkit.sync.averager import ParamAverager
 
     s = _strategy(rank, world)
     p = torch.nn.Parameter(torch.zeros(4))
@@ -217,7 +217,7 @@ def test_error_feedback_carries_what_int8_could_not_send(tmp_path: Path) -> None
 
 def _overlapped(rank: int, world: int, outer: bool) -> list[list[float]]:
     """One tensor, H = 4, tau = 2, 11 steps then the final sync: each step every element of rank r grows by r + 1."""
-    from distkit.averaging import ParamAverager
+    from distkit.sync.averager import ParamAverager
 
     s = _strategy(rank, world)
     p = torch.nn.Parameter(torch.zeros(3))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import distkit, run
-from distkit.cli import main
+from distkit.commands.cli import main
 
 # (id, config file text or None, extra CLI args, words the one line must contain)
 CASES = [

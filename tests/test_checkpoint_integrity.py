@@ -17,7 +17,7 @@ import torch
 
 from conftest import ROOT, distkit, final_params, ok
 from distkit import checkpoint, portable
-from distkit.cli import main
+from distkit.commands.cli import main
 from distkit.errors import ConfigError
 
 ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", "10", "++checkpoint_every", "5", "++log_every", "5",

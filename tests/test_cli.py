@@ -97,7 +97,7 @@ def _imports(cmd: list[str], tmp_path: Path, status: int = 0) -> tuple[set[str],
 
 def test_commands_that_do_not_train_do_not_import_torch(tmp_path: Path) -> None:
     # what the package root, the parser and the lighthouse import lazily (distkit/__init__.py, cli.build_parser,
-    # distkit/ft_lighthouse.py): a refused config, `distkit keys` and the lighthouse start without torch
+    # distkit/ft/lighthouse.py): a refused config, `distkit keys` and the lighthouse start without torch
     refused, _ = _imports(["-m", "distkit", "train", str(ROOT / "configs" / "demo.py"), "++nosuchkey", "1",
                         "++output_dir", str(tmp_path / "out")], tmp_path, status=2)
     assert "distkit.config" in refused and "torch" not in refused

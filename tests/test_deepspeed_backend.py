@@ -21,7 +21,7 @@ import torch.distributed as dist
 from conftest import BIN, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, run, summary
 
 from distkit.backends.deepspeed import consolidated_state_dict
-from distkit.launch import free_port
+from distkit.launch.spawner import free_port
 from distkit.tasks.charlm import SIZES, CharTransformer, datasets
 
 TOL = 1e-5
@@ -72,7 +72,7 @@ def zero(stage: int, **extra: Any) -> dict[str, Any]:
 
 
 def export(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
-    res = ok(run([str(BIN / "python"), "-m", "distkit.export", str(ckpt), str(out)], timeout=120))
+    res = ok(run([str(BIN / "python"), "-m", "distkit.commands.export", str(ckpt), str(out)], timeout=120))
     assert "exported" in res.stdout
     return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
 

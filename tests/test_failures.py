@@ -3,7 +3,7 @@
 A rank that raises, or is killed with SIGKILL, makes every other rank and the launching
 command exit non-zero within 30 seconds, naming the failed rank; a rank that hangs makes
 the others fail after ``distributed.timeout_s``. Faults are real (``DISTKIT_FAULT``, see
-:mod:`distkit.faults`): rank 1 raises, SIGKILLs itself or sleeps forever after step 5 of a
+:mod:`distkit.health.faults`): rank 1 raises, SIGKILLs itself or sleeps forever after step 5 of a
 run long enough that the surviving rank would otherwise keep going. The autouse fixture in
 conftest fails a test that leaves any of its processes running.
 """

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from distkit import procfs
+from distkit.launch import procfs
 
 from conftest import ROOT, SHORT, free_port, lighthouse_cmd, base_env, distkit, final_params, max_abs_diff, ok, run, stacks_of_marked, summary
 

@@ -139,7 +139,7 @@ def test_gpt2_in_an_own_loop_on_fsdp_gives_ddps_model(tmp_path: Path, mode: str)
     ``dk.save``, an EMA copy made after setup (``AveragedModel``, ``dk.keep_in_sync``, evaluated each step); the
     exported model is ddp's within 1e-6 (the clip's scale carries the norm's rounding; measured
     below), the tie kept."""
-    from distkit.export import main as export_main
+    from distkit.commands.export import main as export_main
 
     script = tmp_path / "own_loop.py"
     script.write_text(OWN_LOOP.replace("CONFIG", str(ROOT / "configs" / "gpt2_tiny.py")))

@@ -1,4 +1,4 @@
-"""The launcher watcher (:mod:`distkit.launcher_guard`) on a real process whose stderr is a log file."""
+"""The launcher watcher (:mod:`distkit.launch.guard`) on a real process whose stderr is a log file."""
 from __future__ import annotations
 
 import subprocess
@@ -6,8 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-from distkit import launcher_guard
-from distkit.procfs import stat_fields
+from distkit.launch import guard as launcher_guard
+from distkit.launch.procfs import stat_fields
 
 #: a stand-in launcher: writes what a job's log holds before the watcher acts, then waits (as a launcher waiting
 #: for a lost host does)

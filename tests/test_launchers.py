@@ -6,7 +6,7 @@ passes ``--local-rank=N`` as an argument) and Open MPI's ``mpirun``, where the u
 nothing but the command. Each run must report the launcher it really had, two ranks in
 sync, and the same final parameters, bit for bit: the launcher must not change the result.
 
-distkit's spawner forks its ranks from the launching process (:mod:`distkit.forkrank`, the ``spawn``
+distkit's spawner forks its ranks from the launching process (:mod:`distkit.launch.forkrank`, the ``spawn``
 run), or starts new interpreters where the config imports a module of the user's own code (the
 ``nprocs_key`` run): either way each rank must see its own environment, and torch its own thread
 count, where the config's code (and the user's module) runs.
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from conftest import BIN, distkit, ok, run, summary
 
-from distkit.launch import free_port
+from distkit.launch.spawner import free_port
 
 STEPS = 12
 
@@ -176,7 +176,7 @@ def test_torch_distributed_launch_passes_local_rank_argument(tmp_path: Path) -> 
 def test_local_rank_flags_accepted_single_process(tmp_path: Path, flags: list[str]) -> None:
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "cfg.py", out)
-    from distkit.cli import main
+    from distkit.commands.cli import main
 
     code = main([f.format(cfg=cfg) for f in flags] + ["++max_steps", "3"])
     assert code == 0
@@ -197,7 +197,7 @@ def test_local_rank_flag_real_single_process(tmp_path: Path) -> None:
 @pytest.mark.parametrize("engine,dynamo", [((), "_Deferred"), (("torch._dynamo",), "module")])
 def test_what_the_launcher_imports_for_its_forked_ranks_leaves_it_able_to_fork(engine: tuple[str, ...],
                                                                                dynamo: str) -> None:
-    """The spawner imports the engine's modules once before forking its ranks (distkit.forkrank.preimport): DDP's
+    """The spawner imports the engine's modules once before forking its ranks (distkit.launch.forkrank.preimport): DDP's
     grad mode lists torch._dynamo, which its constructor loads in every rank; the others leave it deferred
     (distkit.lazy_import.defer_dynamo), and the forks inherit that. Neither may start a thread (a fork would copy
     only the calling one, and can_fork would send every rank to a new interpreter instead)."""

@@ -265,7 +265,7 @@ def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) 
 #: what cannot work, each refused in one line before training starts; the last one uncaught (exit 2, one line)
 REFUSE = r'''
 import json, os, sys
-import distkit, distkit.session, distkit.trainer, distkit.cli
+import distkit, distkit.session, distkit.trainer, distkit.commands.cli
 core_clean = not any(m == "lightning" or m.startswith(("lightning.", "pytorch_lightning")) for m in sys.modules)
 import torch
 from lightning.pytorch import LightningModule, Trainer

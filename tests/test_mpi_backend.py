@@ -202,7 +202,7 @@ def test_failure_on_one_rank_ends_the_job_quickly(tmp_path: Path, kind: str) -> 
         # buckets (the preemption check of step 7 runs in the background, read after step 9; the one read after
         # step 7 was started at step 5, by both ranks, and libnbc may still need rank 1 to finish it)
         assert re.search(r"distkit: rank 0: (Iallreduce \(gradient buckets\)|Iallreduce\(max\) in the preemption check "
-                         r"after the step \(distkit.preemption\)) did not complete within distributed.timeout_s = 5 s",
+                         r"after the step \(distkit.health.preemption\)) did not complete within distributed.timeout_s = 5 s",
                          out), out[-3000:]
     assert not (tmp_path / "summary.json").exists()
 

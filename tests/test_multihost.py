@@ -26,7 +26,7 @@ import pytest
 import hosts as nethosts
 from conftest import BIN, MARK, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, stacks_of_marked, summary
 
-from distkit.launch import free_port
+from distkit.launch.spawner import free_port
 
 TOL = 1e-5
 TRAIN = ["train", str(ROOT / "configs" / "returnn_ddp.py"), *SHORT]
@@ -372,7 +372,7 @@ def test_a_host_lost_three_ways_ends_every_rank_and_resumes_bit_identical(ddp_sh
     next run resumes from the shared checkpoint directory (``++resume auto``); the last one finishes
     bit-identical to the uninterrupted run. 2 hosts x 1 rank, because a resumed run is bit-identical
     only with 2 ranks: see docs/multinode.md, "Resume". The torchrun agents whose ranks noticed the
-    loss end within the same bound (:mod:`distkit.launcher_guard`; without it host 0's agent waited
+    loss end within the same bound (:mod:`distkit.launch.guard`; without it host 0's agent waited
     40 s and a cut-off host's for good); a frozen rank's own agent waits for its worker (torchrun's
     behaviour, out of distkit's reach): the test ends it."""
     timeout_s = 5
@@ -399,7 +399,7 @@ def test_a_host_lost_three_ways_ends_every_rank_and_resumes_bit_identical(ddp_sh
                 while time.time() < seen["lost"] + 60 and any(rank_pids(h, i) for i in watched):
                     time.sleep(0.1)
                 seen["ranks_gone"] = time.time()
-                # the torchrun agents that can still act end too (distkit.launcher_guard): both after a
+                # the torchrun agents that can still act end too (distkit.launch.guard): both after a
                 # link cut, host 0's otherwise; a frozen rank's own agent waits for it (torchrun's)
                 agents = procs if how == "link down" else procs[:1]
                 while time.time() < seen["lost"] + 60 and any(p.poll() is None for p in agents):
@@ -451,7 +451,7 @@ def test_mpirun_ends_non_zero_naming_the_ranks_of_a_host_that_froze_or_was_cut_o
 
     Each time ``mpirun`` exits non-zero within timeout_s + 10 s and its output names both lost ranks
     ("ranks 2, 3 stopped responding"); after the cut, host 1 keeps no process either. Before
-    :mod:`distkit.launcher_guard`, the ranks on host 0 exited at about timeout_s + 1 s, but ``mpirun``
+    :mod:`distkit.launch.guard`, the ranks on host 0 exited at about timeout_s + 1 s, but ``mpirun``
     waited for host 1's daemon forever (4 of 4 still running at 120-300 s), as did host 1's daemon."""
     timeout_s = 5
     stamp = tmp_path / "fault"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHORT, distkit, ok
-from distkit.plot import figure, load_run, windowed_rates
+from distkit.commands.plot import figure, load_run, windowed_rates
 
 
 @pytest.fixture(scope="module")

@@ -189,7 +189,7 @@ def test_export_and_convert_from_any_engine(sources: dict[str, Path], tmp_path: 
     is complete and verified."""
     from safetensors.torch import load_file
 
-    from distkit.cli import main
+    from distkit.commands.cli import main
 
     want = final_model(sources["ddp"])
     assert main(["export", str(sources["zero3"]), str(tmp_path / "m.pt")]) == 0

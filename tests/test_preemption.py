@@ -145,7 +145,7 @@ ENGINES = {"ddp": [], "mpi": ["++torch_distributed", "None", "++distributed.back
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_a_signal_on_one_rank_stops_every_rank_two_steps_later(engine: str, tmp_path: Path) -> None:
     """The check after step s runs in the background (each engine's own non-blocking all-reduce) and is read
-    after step s + 2 (``distkit.preemption.LAG``): rank 1 alone gets SIGTERM right after step 10, so every rank
+    after step s + 2 (``distkit.health.preemption.LAG``): rank 1 alone gets SIGTERM right after step 10, so every rank
     stops after step 12, on every engine, with the checkpoint of that step. Rank 0 is slow on its way out (2 s after
     the engine's teardown): its line is printed before the ranks leave together, so a launcher that ends the job at
     the first rank that exits non-zero (mpirun, under the mpi and horovod engines) cannot cut it off (seen under

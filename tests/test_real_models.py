@@ -18,7 +18,7 @@ import torch
 
 import distkit
 from distkit.config.loader import load_file
-from distkit.export import main as export_main
+from distkit.commands.export import main as export_main
 
 from conftest import ROOT, distkit as distkit_cli, final_params, max_abs_diff, ok, summary
 

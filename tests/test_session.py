@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import distkit
 from distkit.env import detect
-from distkit.export import consolidated_state_dict
+from distkit.commands.export import consolidated_state_dict
 from distkit.errors import CheckpointError, ConfigError, UsageError
-from distkit.launch import free_port
+from distkit.launch.spawner import free_port
 
 from conftest import BIN, ROOT, distkit as distkit_cli, final_params, max_abs_diff, ok, run, run_ranks, summary
 
@@ -389,7 +389,7 @@ def test_layers_import_downward_only() -> None:
     """config <- backends, tasks <- session <- trainer <- cli (DESIGN.md 2a): config is data."""
     for path in (ROOT / "distkit" / "config").glob("*.py"):
         bad = {m for m in _distkit_imports(path) if m.startswith(("distkit.backends", "distkit.tasks", "distkit.session",
-                                                                   "distkit.trainer", "distkit.cli"))}
+                                                                   "distkit.trainer", "distkit.commands.cli"))}
         assert not bad, f"{path.name} imports {bad}"
     assert not {m for m in _distkit_imports(ROOT / "distkit" / "trainer.py") if m.startswith("distkit.backends")}
 
@@ -460,8 +460,8 @@ def test_the_session_s_rooms_do_not_import_it() -> None:
     graph = _import_graph()
     for name, deps in graph.items():
         if name.startswith(("distkit.checkpoint", "distkit.backends")) or name in (
-                "distkit.report", "distkit.guards", "distkit.data", "distkit.meter", "distkit.job", "distkit.watchdog"):
-            assert not deps & {"distkit.session", "distkit.trainer", "distkit.cli"}, (name, deps)
+                "distkit.report", "distkit.health.guards", "distkit.data", "distkit.job", "distkit.health.watchdog"):
+            assert not deps & {"distkit.session", "distkit.trainer", "distkit.commands.cli"}, (name, deps)
     assert not {d for d in graph["distkit.trainer"] if d.startswith("distkit.backends")}
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import slurm as testslurm
 from conftest import BIN, ROOT, SHORT, catches, distkit, ok, run, summary
-from distkit.cli import main
+from distkit.commands.cli import main
 
 CONFIG = str(ROOT / "configs" / "returnn_ddp.py")
 

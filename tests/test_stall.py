@@ -1,11 +1,11 @@
-"""A stalled rank never hangs the job, and is named (issue 10, item 6; :mod:`distkit.watchdog`).
+"""A stalled rank never hangs the job, and is named (issue 10, item 6; :mod:`distkit.health.watchdog`).
 
 A rank that stops (SIGSTOP: every thread frozen, as a process that is stopped or cut off) does not
 fail, it stops answering. With ``distributed.timeout_s = T`` every other rank and the launching
 command must exit non-zero within ``T + 5`` seconds of the stop, with a line naming the stopped
 rank ("rank K stopped responding"), and no process of the job may be left (not even the stopped
 one). Faults are real: ``DISTKIT_FAULT=K:STEP:stop`` makes rank K SIGSTOP itself after step STEP,
-after writing its pid and the time to ``DISTKIT_FAULT_STAMP`` (:mod:`distkit.faults`), from which
+after writing its pid and the time to ``DISTKIT_FAULT_STAMP`` (:mod:`distkit.health.faults`), from which
 the time to the launcher's exit is measured (start-up excluded).
 
 One run per engine (the representative launcher of each): ddp under ``--nprocs`` (distkit's spawner),
@@ -34,10 +34,12 @@ import pytest
 import torch.distributed as dist
 from conftest import BIN, base_env, run
 
-from distkit import launch, launcher_guard
-from distkit.netif import host_identity
-from distkit.procfs import is_stopped
-from distkit.watchdog import Watchdog
+from distkit.launch import spawner as launch
+
+from distkit.launch import guard as launcher_guard
+from distkit.launch.netif import host_identity
+from distkit.launch.procfs import is_stopped
+from distkit.health.watchdog import Watchdog
 
 T = 4.0  # distributed.timeout_s of these runs
 LIMIT_S = T + 5  # the contract: everything has exited this long after the stop
@@ -221,7 +223,7 @@ def test_a_rank_whose_own_heartbeat_did_not_run_blames_no_peer() -> None:
 _FROZEN_TOGETHER = """
 import datetime, sys, threading, time
 import torch.distributed as dist
-from distkit.watchdog import Watchdog
+from distkit.health.watchdog import Watchdog
 
 delta = datetime.timedelta(seconds=1.0)
 server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
@@ -322,7 +324,7 @@ def test_ranks_frozen_together_do_not_blame_each_other_when_woken() -> None:
 _PEER_STOPPED_WHILE_FROZEN = """
 import datetime, sys, time
 import torch.distributed as dist
-from distkit.watchdog import Watchdog, _key
+from distkit.health.watchdog import Watchdog, _key
 
 delta = datetime.timedelta(seconds=1.0)
 server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
@@ -437,7 +439,7 @@ def test_ddp_nprocs_names_stopped_rank(tmp_path: Path) -> None:
 
 
 def test_ddp_torchrun_on_one_host_ends_by_itself(tmp_path: Path) -> None:
-    """The launcher watcher (distkit.launcher_guard: for a launcher left waiting on a lost host) ended healthy
+    """The launcher watcher (distkit.launch.guard: for a launcher left waiting on a lost host) ended healthy
     single-host torchrun jobs with SIGTERM whenever torchrun took longer than the watcher's grace to end (5 of 6
     stall runs under load: exit -15, its line speaking of the lost host). Here torchrun is made that slow every
     time: held stopped for longer than the grace once distkit has named the stopped rank (the hold is the
@@ -592,7 +594,7 @@ def test_a_rank_stopped_while_the_job_ends_does_not_hang_it(tmp_path: Path,
     spawner ends a stopped rank 0 once the others have finished: the job ends non-zero, naming the rank.
     Stopped later, once it has marked itself as leaving (``left``), the rank hung mpirun (the other rank inside
     MPI_Finalize: every time; an operator's stop on summary.json, 1 run in 6) and torchrun (still there at
-    60 s): the lowest rank's exit watcher (distkit.exit_watch) ends it."""
+    60 s): the lowest rank's exit watcher (distkit.launch.exit_watch) ends it."""
     name, prefix, rank, extra, point = case
     out = tmp_path / "out"
     t0 = time.monotonic()

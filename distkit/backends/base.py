@@ -16,11 +16,11 @@ from typing import Any, Callable, ClassVar, Iterator, Optional
 import torch
 from torch import nn
 
-from distkit.averaging import flat_mean
+from distkit.sync.averager import flat_mean
 from distkit.config import RunConfig
 from distkit.env import ClusterEnv
 from distkit.errors import ConfigError, UnsupportedCombination
-from distkit.replicas import ReplicaGroups, replica_groups
+from distkit.sync.replicas import ReplicaGroups, replica_groups
 from distkit import portable
 from distkit.portable import optimizer_state_by_name
 
@@ -64,7 +64,7 @@ class Strategy(ABC):
     @classmethod
     def before_forks(cls, cfg: RunConfig) -> tuple[str, ...]:
         """Modules every rank of this engine imports before its first step, for ``distkit train --nprocs N`` to import
-        once in the launching process before it forks the N ranks (:func:`distkit.forkrank.preimport`), instead of N
+        once in the launching process before it forks the N ranks (:func:`distkit.launch.forkrank.preimport`), instead of N
         times at once; may set what their import reads from the environment (which the ranks inherit). Default:
         none."""
         return ()
@@ -104,7 +104,7 @@ class Strategy(ABC):
         self.replicas: Optional[ReplicaGroups] = replica_groups(
             self.reduce_type, cfg.distributed.param_sync_group_size, self.rank, self.world_size)
         #: fault-tolerant replica groups (``fault_tolerance``): the syncs across groups go through torchft
-        #: (:class:`distkit.fault_tolerance.FaultTolerance`, set by the Session after setup); None otherwise
+        #: (:class:`distkit.ft.groups.FaultTolerance`, set by the Session after setup); None otherwise
         self.ft: Any = None
 
     @property
@@ -361,7 +361,7 @@ class Strategy(ABC):
         flat_mean(buffers, self.group_mean)
         flat_mean(buffers, self.cross_group_mean)
 
-    # -- param mode's compressed exchange (param_sync_compression, distkit.compression) ---------------------
+    # -- param mode's compressed exchange (param_sync_compression, distkit.sync.compression) ---------------------
     def averaging_size(self) -> int:
         """How many copies of the parameters the averaging averages: the replica groups, else the ranks."""
         return self.replicas.count if self.replicas is not None else self.world_size

@@ -3,8 +3,8 @@
 grad mode: the model is wrapped in DistributedDataParallel (``distributed.options`` are
 passed through: ``bucket_cap_mb``, ``find_unused_parameters``, ...), so backward
 all-reduces gradient buckets while it runs. param mode: no wrapper; each rank steps on
-its own and :class:`~distkit.averaging.ParamAverager` averages with one flat all-reduce.
-param mode with replica groups (:mod:`distkit.replicas`): DistributedDataParallel on the
+its own and :class:`~distkit.sync.averager.ParamAverager` averages with one flat all-reduce.
+param mode with replica groups (:mod:`distkit.sync.replicas`): DistributedDataParallel on the
 rank's group, the averager's all-reduce on its cross group.
 """
 from __future__ import annotations
@@ -23,13 +23,13 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distkit import faults
+from distkit.health import faults
 from distkit.config import RunConfig
 from distkit.env import resolve_rendezvous
 from distkit.errors import PortInUse, RankStalled
-from distkit.launcher_guard import kill_stopped_siblings
-from distkit.netif import prepare_gloo
-from distkit.watchdog import ranks_text
+from distkit.launch.guard import kill_stopped_siblings
+from distkit.launch.netif import prepare_gloo
+from distkit.health.watchdog import ranks_text
 
 from .base import Strategy
 from .parts import bare_module, param_averager

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from distkit.averaging import ParamAverager
+from distkit.sync.averager import ParamAverager
 
 if TYPE_CHECKING:
     from .fsdp import FSDPStrategy
 
 
 class ShardAverager(ParamAverager):
-    """A :class:`~distkit.averaging.ParamAverager` of a sharded model: its tensors are this rank's shards of the
+    """A :class:`~distkit.sync.averager.ParamAverager` of a sharded model: its tensors are this rank's shards of the
     parameters (averaged over the cross group, the ranks holding the same shards), then the floating buffers
     (whole on every rank: over the group's ranks, then across the groups, :meth:`Strategy.average_parameters`'
     rule)."""

@@ -4,8 +4,8 @@ grad mode: ``hvd.DistributedOptimizer`` (its gradient hooks start an all-reduce 
 each gradient is ready; ``backward_passes_per_step`` = ``accum_grad_multiple_step``;
 ``hvd.Average``, or ``hvd.Sum`` with ``horovod_avg_grad = False``; fp16 compression with
 ``horovod_compression = "fp16"``). param mode: the plain optimizer and
-:class:`~distkit.averaging.ParamAverager`, averaging with one flat ``hvd.allreduce``.
-param mode with replica groups (:mod:`distkit.replicas`): static Horovod process sets, one per
+:class:`~distkit.sync.averager.ParamAverager`, averaging with one flat ``hvd.allreduce``.
+param mode with replica groups (:mod:`distkit.sync.replicas`): static Horovod process sets, one per
 replica group and one per cross group; ``hvd.DistributedOptimizer`` on the rank's group set,
 the averager's ``hvd.allreduce`` on its cross group set.
 Both modes start from rank 0's parameters and buffers (``hvd.broadcast_parameters``).
@@ -28,10 +28,10 @@ from typing import Any, Callable, ClassVar, Iterator, Optional
 import torch
 from torch import nn
 
-from distkit import faults
+from distkit.health import faults
 from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
-from distkit.netif import openmpi_interface_hint
-from distkit.watchdog import end_local_peers
+from distkit.launch.netif import openmpi_interface_hint
+from distkit.health.watchdog import end_local_peers
 
 from .buffers import DDPBufferRule
 from .base import Strategy
@@ -72,7 +72,7 @@ class HorovodEngine(HorovodCollectives, Strategy):
         # Gloo's timeout under horovodrun --gloo (Horovod's default: 30 s) bounds its rendezvous in hvd.init
         # too, where the others may still be importing torch: distributed.startup_s(), at least timeout_s.
         # The user's own settings in the environment win. A rank that is stopped (SIGSTOP) or cut off
-        # stalls the others' background threads too, so no stall check runs: distkit.watchdog names it.
+        # stalls the others' background threads too, so no stall check runs: distkit.health.watchdog names it.
         timeout = max(int(self.cfg.distributed.timeout_s), 1)
         startup_s = self.cfg.distributed.startup_s()
         if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in os.environ:

@@ -10,8 +10,8 @@ on the bucket's own memory (no copies between torch and MPI) while backward goes
 Buckets are started strictly in index order, so every rank issues the same collectives in
 the same order (MPI requires it). ``step()`` waits, divides by the world size
 (``avg_grad``; sums when False) and steps. param mode: a plain model and
-:class:`~distkit.averaging.ParamAverager`, averaging with one flat ``Allreduce``. param mode
-with replica groups (:mod:`distkit.replicas`): the reducer on the group's communicator (a
+:class:`~distkit.sync.averager.ParamAverager`, averaging with one flat ``Allreduce``. param mode
+with replica groups (:mod:`distkit.sync.replicas`): the reducer on the group's communicator (a
 ``Split`` of distkit's), the averager's ``Allreduce`` on the cross group's.
 
 Failures: an exception on one rank calls ``MPI_Abort`` (mpi4py's default would leave the
@@ -29,9 +29,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from distkit import faults
+from distkit.health import faults
 from distkit.errors import BackendUnavailable, UnsupportedCombination
-from distkit.netif import openmpi_interface_hint
+from distkit.launch.netif import openmpi_interface_hint
 
 from .base import Strategy
 from .parts import param_averager, persistent_buffers, report_failure

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from distkit.averaging import ParamAverager
+from distkit.sync.averager import ParamAverager
 from distkit.errors import DistkitError, UnusedParameters, UsageError
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def report_failure(rank: int, world_size: int, engine: str) -> int:
     Called from a Strategy's ``abort`` inside an ``except`` block; returns the exit status
     to abort the job with (the error's own for DistkitError, else 1).
     """
-    from distkit.watchdog import lost_peer_error
+    from distkit.health.watchdog import lost_peer_error
 
     # sys.__stderr__: torch.distributed's excepthook (installed when a process group starts after distkit's hook,
     # e.g. by Lightning's or Accelerate's DDP in the same ranks) calls distkit's with sys.stderr swapped for a buffer
@@ -166,7 +166,7 @@ def parameters_and_float_buffers(module: nn.Module) -> Iterator[tuple[str, torch
 
 
 def param_averager(strategy: "Strategy", module: nn.Module) -> ParamAverager:
-    """The :class:`~distkit.averaging.ParamAverager` of ``module``'s parameters and floating buffers,
+    """The :class:`~distkit.sync.averager.ParamAverager` of ``module``'s parameters and floating buffers,
     configured from ``strategy.cfg.distributed`` (param mode on the ddp, mpi and Horovod engines)."""
     named = list(parameters_and_float_buffers(bare_module(module)))
     d = strategy.cfg.distributed

@@ -9,7 +9,7 @@ job waiting until the benchmark killed it at 90 s). A rank that hangs alive keep
 distkit's watchdog rightly does not call it stalled. This guard bounds the waits themselves: the engine marks each
 wait (:meth:`WaitGuard.waiting`), a daemon thread looks every quarter of the bound (at most 1 s), and a wait older
 than the bound in force (:func:`distkit.backends.startup.bound`: start-up's until the ranks met after their first
-step, then ``timeout_s``) first lets the heartbeat watchdog name a stalled peer (:func:`distkit.watchdog.explain_stall`:
+step, then ``timeout_s``) first lets the heartbeat watchdog name a stalled peer (:func:`distkit.health.watchdog.explain_stall`:
 a peer whose heartbeat is late is the cause, named by the judge, which ends the job), else prints one line and ends
 the job the engine's way (MPI_Abort; Horovod: this rank exits 2 and its launcher ends the rest, the other ranks on
 this host ended first, ``before_exit``: a peer that hangs alive would otherwise outlive the launcher's first signal
@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from distkit.watchdog import explain_stall
+from distkit.health.watchdog import explain_stall
 
 
 class WaitGuard:

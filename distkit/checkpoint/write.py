@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from distkit import faults, portable
+from distkit import portable
+
+from distkit.health import faults
 from distkit.errors import CheckpointError
 
 from .manifest import latest

@@ -78,7 +78,7 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"'distributed.bucket_cap_mb' must be a positive number of MiB, got {d.bucket_cap_mb!r}")
     _int("distributed.param_sync_group_size", d.param_sync_group_size, 1)
     _int("distributed.param_sync_fragments", d.param_sync_fragments, 1)
-    from distkit.compression import CODECS
+    from distkit.sync.compression import CODECS
 
     choice("distributed.param_sync_compression", d.param_sync_compression, CODECS)
     if not isinstance(d.param_sync_error_feedback, bool):
@@ -126,7 +126,7 @@ def _validate(cfg: RunConfig) -> None:
     _int("log_every", cfg.log_every, 1)
     _int("checkpoint_every", cfg.checkpoint_every, 1, optional=True)
     _int("nprocs", cfg.nprocs, 1)
-    from distkit.launch import check_nprocs
+    from distkit.launch.spawner import check_nprocs
 
     check_nprocs(cfg.nprocs)  # here, not only where the ranks are started: before anything is written
     _int("charlm_seq_len", cfg.charlm_seq_len, 2)
@@ -168,8 +168,8 @@ def _validate(cfg: RunConfig) -> None:
     if not isinstance(cfg.preemption, bool):
         raise ConfigError(f"preemption must be True or False, got {cfg.preemption!r}")
     if cfg.fault_tolerance is not None:
-        from distkit import fault_tolerance
-        from distkit.ft_watch import probe_lighthouse
+        from distkit.ft import groups as fault_tolerance
+        from distkit.ft.watch import probe_lighthouse
 
         if not isinstance(cfg.fault_tolerance, dict):
             raise ConfigError(f"fault_tolerance must be a dict like {{'lighthouse': 'http://HOST:29510', 'replica_id': 0, "

@@ -160,7 +160,7 @@ class _DeepSpeedConfigured(DDPStrategy):
                               "the LR schedule: remove one of them")
         if cfg.fault_tolerance and stage >= 1 and _group_size(cfg) > 1:
             # a heal copies state rank by rank from live groups that torchft picks per rank: shards of one
-            # optimizer state cannot be put together that way (whole states can: distkit.fault_tolerance)
+            # optimizer state cannot be put together that way (whole states can: distkit.ft.groups)
             raise UnsupportedCombination(f"fault_tolerance with ZeRO stage {stage} shards the optimizer state over "
                                          "the ranks of a group, which a heal cannot copy rank by rank: use ZeRO stage "
                                          "0 inside fault-tolerant groups, or one rank per group")

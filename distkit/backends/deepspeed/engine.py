@@ -20,9 +20,9 @@ from torch import nn
 
 from distkit import lazy_import
 from distkit.config import DistributedConfig, RunConfig
-from distkit.averaging import flat_mean
+from distkit.sync.averager import flat_mean
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
-from distkit.replicas import ReplicaGroups
+from distkit.sync.replicas import ReplicaGroups
 
 from .. import startup
 from ..parts import bare_module, persistent_buffers, same_parameters_on_every_rank, unused_parameters

@@ -4,7 +4,7 @@ The ranks are cut into replica groups of
 ``distributed.param_sync_group_size`` consecutive ranks. Each group is one DeepSpeed
 data-parallel world (handed to DeepSpeed as a Megatron-style ``mpu``): inside it ZeRO
 partitions and gradients are reduced as usual; the groups step independently, and every
-``param_sync_step`` steps :class:`~distkit.averaging.ParamAverager` averages across
+``param_sync_step`` steps :class:`~distkit.sync.averager.ParamAverager` averages across
 groups. What is averaged is the optimizer's fp32 *master* copy (ZeRO-1/2
 ``single_partition_of_fp32_groups``, ZeRO-3 ``fp32_partitioned_groups_flat``, the bf16
 optimizer's ``fp32_groups_flat_partition``; the parameters themselves at stage 0 fp32),
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distkit.averaging import ParamAverager
-from distkit.replicas import ReplicaGroups
+from distkit.sync.averager import ParamAverager
+from distkit.sync.replicas import ReplicaGroups
 
 if TYPE_CHECKING:
     from .engine import DeepSpeedStrategy

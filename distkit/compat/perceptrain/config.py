@@ -38,7 +38,7 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 def install_error_hook() -> None:
     """Uncaught DistkitErrors print one line ``distkit: error: ...`` and exit with their status,
     also for bad input found before ``distkit.init`` runs (the hook ``init`` installs)."""
-    from distkit.guards import install_excepthook
+    from distkit.health.guards import install_excepthook
     from distkit.session import Session
 
     install_excepthook(lambda: Session.current)

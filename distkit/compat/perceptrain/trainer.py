@@ -184,7 +184,7 @@ class Trainer:
     # -- plain python, nprocs > 1: start the ranks, take rank 0's result -------------------------------
     def _spawn(self, cfg: Any, index: int) -> tuple[nn.Module, Any]:
         from distkit.backends import strategy_class
-        from distkit.launch import relaunch_command, run_local
+        from distkit.launch.spawner import relaunch_command, run_local
 
         handoff = tempfile.mkdtemp(prefix="distkit-perceptrain-")
         try:

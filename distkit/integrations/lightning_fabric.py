@@ -39,9 +39,9 @@ from distkit.config import RunConfig
 from distkit.config.arguments import Source, config_from
 from distkit.env import ClusterEnv, detect
 from distkit.errors import ConfigError, UnsupportedCombination, UsageError
-from distkit.guards import install_excepthook
+from distkit.health.guards import install_excepthook
 from distkit.session import Session
-from distkit.session_optimizer import SessionOptimizer
+from distkit.integrations.session_optimizer import SessionOptimizer
 
 #: what the lightning side of each refused engine is
 _OWN = {"deepspeed": "lightning.pytorch.strategies.DeepSpeedStrategy (Trainer(strategy='deepspeed_stage_2'))",

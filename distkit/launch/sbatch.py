@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
                    help="where to write the script (default <output_dir>/distkit-<job name>.sbatch)")
     p.add_argument("--requeue", action="store_true",
                    help="on preemption or near the time limit (SIGUSR1 90 s before it) the run stops with a checkpoint "
-                        "and the job is requeued; it continues with ++resume auto (distkit.preemption)")
+                        "and the job is requeued; it continues with ++resume auto (distkit.health.preemption)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the script, write nothing")
     mode.add_argument("--submit", action="store_true", help="write the script and submit it with sbatch")

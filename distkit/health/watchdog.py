@@ -21,7 +21,7 @@ after the engine joined its process group and stops it in ``close``):
   beater did not run (its process starved, or its main thread holding the GIL in C code), a peer's
   counter was not read, so it cannot have been seen unchanged.
   The judge prints ``distkit: rank K stopped responding: no heartbeat for T s (noticed by rank R)``
-  to stderr, records it for distkit's spawner (:func:`distkit.launch.record_stall`, so the spawner
+  to stderr, records it for distkit's spawner (:func:`distkit.launch.spawner.record_stall`, so the spawner
   names rank K, not the rank that noticed), SIGKILLs rank K when it runs on this host (a stopped
   process never acts on the SIGTERM launchers send it; the job is ending anyway) and ends the job
   through the engine (:meth:`~distkit.backends.base.Strategy.end_job`: ``MPI_Abort`` on the MPI
@@ -47,10 +47,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from distkit import procfs
+from distkit.launch import procfs
 from distkit.errors import RankLost, RankStalled
-from distkit.launcher_guard import end_launcher_after
-from distkit.netif import host_identity, reachable_address
+from distkit.launch.guard import end_launcher_after
+from distkit.launch.netif import host_identity, reachable_address
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
@@ -163,7 +163,7 @@ class Watchdog:
     # -- the end of the job: every rank on this host must have left ------------------------------
     def leave(self) -> None:
         """Mark this rank as leaving (after its engine's teardown), for :meth:`reap_local_peers`: the mark is
-        this process's name (:func:`distkit.procfs.mark_left`), local to the host. Not a key in the heartbeat
+        this process's name (:func:`distkit.launch.procfs.mark_left`), local to the host. Not a key in the heartbeat
         store: its server, rank 0, may be gone by now (on another host it can leave first), and a peer whose
         exit then waits on this host's reaper (MPI_Finalize under mpirun is collective) would deadlock with
         a reaper that waits for its mark or its exit."""
@@ -212,14 +212,14 @@ class Watchdog:
         gone. Marks this rank as leaving; the lowest rank of each host then waits for its host's ranks
         (:meth:`reap_local_peers`) and, if it had to end any, says so in one line and exits with status 1
         (the run's outputs are complete). The lowest rank then hands the watch over the host's ranks, itself
-        included, to a watcher process until they have exited (:mod:`distkit.exit_watch`: a rank stopped
+        included, to a watcher process until they have exited (:mod:`distkit.launch.exit_watch`: a rank stopped
         between its mark and its exit kept ``MPI_Finalize`` and the launcher waiting forever); not with
         ``watch_exit`` False (a launcher that does it itself). Not collective."""
         self.leave()
         killed = self.reap_local_peers(timeout_s)
         local = self._local_ranks()
         if watch_exit and not killed and len(local) > 1 and local[0] == self.rank:
-            from distkit import exit_watch
+            from distkit.launch import exit_watch
 
             exit_watch.watch_until_exit({r: self._where[r][1] for r in local})
         if killed:
@@ -350,7 +350,7 @@ class Watchdog:
 
     def fire(self, ranks: list[int]) -> None:
         """Name ``ranks``, record them for the spawner, SIGKILL those on this host, end the job."""
-        from distkit.launch import record_stall
+        from distkit.launch.spawner import record_stall
 
         with self._lock:
             if self._stop.is_set():
@@ -486,7 +486,7 @@ def end_local_peers() -> None:
 
 def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
     """Where a rank failed because its connection to a peer broke ("connection closed by peer", reset,
-    refused: :func:`distkit.launch.connection_lost`; not a timeout): the rank that is gone, as a
+    refused: :func:`distkit.launch.spawner.connection_lost`; not a timeout): the rank that is gone, as a
     :class:`RankLost` naming it and its host, for this rank to report instead of the engine's message
     (which names an address at best). Watches the heartbeats until a rank's has stopped
     (:meth:`Watchdog.lost`, a few seconds at most), once per process: later calls return the same
@@ -494,7 +494,7 @@ def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
     launcher reports it), when ``exc`` is not a broken connection, or when no watchdog runs. Not
     collective."""
     global _LOST, _LOOKED
-    from distkit.launch import connection_lost
+    from distkit.launch.spawner import connection_lost
 
     watchdog = _ACTIVE
     if _LOOKED or isinstance(exc, RankStalled) or not connection_lost(exc):

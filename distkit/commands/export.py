@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m distkit.export CKPT OUT`` (the same as ``distkit export``)."""
+    """``python -m distkit.commands.export CKPT OUT`` (the same as ``distkit export``)."""
     parser = argparse.ArgumentParser(prog="distkit export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", metavar="CKPT")
     parser.add_argument("output", metavar="OUT")

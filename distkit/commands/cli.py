@@ -16,8 +16,8 @@ from typing import Any, NoReturn, Optional
 from distkit.backends import startup
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
 from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, describe, report_agreed
-from distkit.launch import record_failure, settle_if_peer
-from distkit.watchdog import lost_peer_error
+from distkit.launch.spawner import record_failure, settle_if_peer
+from distkit.health.watchdog import lost_peer_error
 
 EPILOG = """\
 config keys: any top-level key of a config file can be set with ++key value (a Python
@@ -42,9 +42,9 @@ class _Parser(argparse.ArgumentParser):
 
 #: the subcommands beyond ``train`` and ``keys``, each in its own module with ``add_parser(sub)`` and
 #: ``run(args)`` (``sbatch``: ``run(args, overrides)``)
-COMMANDS = {"inspect": "distkit.inspection", "export": "distkit.export", "convert": "distkit.convert",
-            "sbatch": "distkit.sbatch", "lighthouse": "distkit.lighthouse", "env": "distkit.envreport",
-            "plot": "distkit.plot"}
+COMMANDS = {"inspect": "distkit.commands.inspection", "export": "distkit.commands.export", "convert": "distkit.commands.convert",
+            "sbatch": "distkit.launch.sbatch", "lighthouse": "distkit.commands.lighthouse", "env": "distkit.commands.envreport",
+            "plot": "distkit.commands.plot"}
 
 
 def _command(rest: list[str]) -> Optional[str]:
@@ -125,7 +125,7 @@ def _print_keys(pattern: str, markdown: bool = False) -> int:
 #: per run); it holds no engine, no open file and no thread whose end matters
 launched_only = False
 #: this process trained as a rank of a job (or alone): its outputs are written and closed, its engine torn down
-#: (``Session.close``). ``python -m distkit`` then ends like a forked rank (:func:`distkit.forkrank.end_process`:
+#: (``Session.close``). ``python -m distkit`` then ends like a forked rank (:func:`distkit.launch.forkrank.end_process`:
 #: ``atexit`` handlers, the MPI library's finalize, no teardown of the interpreter's modules), where the teardown
 #: of torch's 2000 modules took 2.5-5 s of CPU per rank on this 2-core machine: the mpi engine's launchers exited
 #: that much after ``summary.json`` (issue 36 item 20; ddp's forked ranks skipped it already)
@@ -156,7 +156,7 @@ def _model_shapes(cfg: RunConfig) -> Optional[dict[str, list[int]]]:
 
 
 def _as_rank(argv: list[str]) -> int:
-    """A rank forked from the launching process (:mod:`distkit.forkrank`): what ``python -m distkit
+    """A rank forked from the launching process (:mod:`distkit.launch.forkrank`): what ``python -m distkit
     ARGV`` does in a new interpreter with the rank's environment."""
     global launched_only
     launched_only = False
@@ -221,7 +221,7 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
                          lock=env.launcher == "single")
     if env.launcher == "single" and cfg.nprocs > 1:
         from distkit.checkpoint import LOCK_ENV, TRUSTED_ENV
-        from distkit.launch import run_local
+        from distkit.launch.spawner import run_local
 
         if verified is not None:  # the ranks started here need not hash the same files again (seconds per GB)
             os.environ[TRUSTED_ENV] = os.path.abspath(verified)
@@ -287,7 +287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "keys":
             return _print_keys(args.pattern, args.markdown)
         if args.command == "sbatch":
-            from distkit.sbatch import run as sbatch
+            from distkit.launch.sbatch import run as sbatch
 
             return sbatch(args, overrides)
         if args.command in COMMANDS:
@@ -307,7 +307,7 @@ def entry() -> NoReturn:
         sys.stderr.flush()
         os._exit(code)
     if trained:
-        from distkit.forkrank import end_process
+        from distkit.launch.forkrank import end_process
 
         end_process(code)
     sys.exit(code)

@@ -4,11 +4,11 @@ Each rank is a fresh copy of the command (``python -m distkit ...`` for the CLI,
 ``python train.py ...`` for a script calling :func:`distkit.init`) with torchrun's
 environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) plus
 ``DISTKIT_SPAWN_ID``; where it is safe, a fork of this process that runs the command in place
-instead (:mod:`distkit.forkrank`: no second import of torch per rank; a script runs again from its
+instead (:mod:`distkit.launch.forkrank`: no second import of torch per rank; a script runs again from its
 first line, :func:`script_target`). The parent
 watches them: when one exits non-zero or is killed, it names that rank, stops the others
 (SIGTERM, then SIGKILL after a grace period) and returns non-zero. A rank that stopped
-responding (:mod:`distkit.watchdog`: another rank recorded it) is named instead of the rank that
+responding (:mod:`distkit.health.watchdog`: another rank recorded it) is named instead of the rank that
 noticed, and killed with SIGKILL at once, as is any rank found stopped (SIGSTOP): a stopped
 process never acts on SIGTERM. Engines that need an MPI launcher (mpi, horovod) are started under
 ``mpirun`` instead (:func:`mpirun`), which does the same watching.
@@ -28,8 +28,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from distkit import ompi_leftovers
-from distkit.procfs import is_stopped
+from distkit.launch import ompi_leftovers
+from distkit.launch.procfs import is_stopped
 
 #: seconds between SIGTERM and SIGKILL when stopping the surviving ranks
 GRACE_S = 5.0
@@ -227,7 +227,7 @@ def script_target() -> Optional[Callable[[], int]]:
     script (``python script.py ARGS``) or module (``python -m name ARGS``) run again from its first line as
     ``__main__`` (:mod:`runpy`) with the original arguments, as the new interpreter would, but with torch, distkit
     and the engine's modules already imported (about 1.5 s of CPU per rank for torch alone, paid by every rank at
-    once on the same cores). :func:`spawn` forks only where :func:`distkit.forkrank.can_fork` allows it: in
+    once on the same cores). :func:`spawn` forks only where :func:`distkit.launch.forkrank.can_fork` allows it: in
     particular not once the script has imported a module of the user's own (a file beside it: its import-time code
     ran here, without the rank's environment), which is left to a new interpreter. None where the command is not
     a script or module (``python -c``, standard input, an interactive session) or is not the one running here."""
@@ -310,7 +310,7 @@ def run_local(cmd: list[str], nprocs: int, launcher: str, target: Optional[Calla
               preemptible: bool = False, preimport: tuple[str, ...] = ()) -> int:
     """Run ``cmd`` as ``nprocs`` local ranks with ``launcher`` ("spawn" or "mpirun"); returns the exit status.
     ``target``: what ``cmd`` runs, callable in this process (see :func:`spawn`; ``preimport`` too). ``preemptible``:
-    the ranks stop with a checkpoint on SIGTERM/SIGUSR1 (:mod:`distkit.preemption`): pass those on and wait.
+    the ranks stop with a checkpoint on SIGTERM/SIGUSR1 (:mod:`distkit.health.preemption`): pass those on and wait.
     ConfigError for a number of ranks this machine cannot start (:func:`check_nprocs`)."""
     check_nprocs(nprocs)
     if launcher == "mpirun":
@@ -331,7 +331,7 @@ def mpirun(cmd: list[str], nprocs: int, preemptible: bool = False) -> int:
     ranks than cores is what ``--nprocs`` asked for (as under the spawner); Open MPI refuses it otherwise.
 
     Signals are passed on to mpirun, which passes them to the ranks. With ``preemptible`` (the ranks
-    stop with a checkpoint, :mod:`distkit.preemption`) the first SIGTERM goes on as SIGUSR1: mpirun
+    stop with a checkpoint, :mod:`distkit.health.preemption`) the first SIGTERM goes on as SIGUSR1: mpirun
     forwards SIGUSR1 and waits for the ranks, where on SIGTERM it also ends the job itself a moment
     later (measured: the ranks' last line lost, its own exit status).
     """
@@ -370,15 +370,15 @@ def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = Non
 
     With ``target`` (a function of this process that does what ``cmd`` would, returning its exit
     status), each rank is a fork of this process that calls it, where that is safe
-    (:func:`distkit.forkrank.can_fork`): no second import of torch per rank, nor of ``preimport`` (the engine's
+    (:func:`distkit.launch.forkrank.can_fork`): no second import of torch per rank, nor of ``preimport`` (the engine's
     modules every rank imports: ``Strategy.before_forks``), imported here first. Else a new ``cmd``.
 
     SIGINT and SIGTERM stop every rank (SIGTERM, then SIGKILL after :data:`GRACE_S`). With ``preemptible``
-    (the ranks handle a preemption, :mod:`distkit.preemption`) the first SIGTERM or SIGUSR1 is passed on to
+    (the ranks handle a preemption, :mod:`distkit.health.preemption`) the first SIGTERM or SIGUSR1 is passed on to
     every rank instead, and the ranks are waited for as usual (they stop after an agreed step with a
     checkpoint, status 75), for at most :data:`PREEMPT_WAIT_S`; a second signal stops them at once.
     """
-    from distkit import forkrank
+    from distkit.launch import forkrank
 
     in_place = target if target is not None and forkrank.can_fork() else None
     if in_place is not None and nprocs > 1:

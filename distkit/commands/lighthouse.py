@@ -1,8 +1,8 @@
 """``distkit lighthouse``: start torchft's lighthouse (the one ``torchft_lighthouse`` runs, in the torchft
-wheel), which forms the quorum of fault-tolerant replica groups at every sync (:mod:`distkit.fault_tolerance`),
+wheel), which forms the quorum of fault-tolerant replica groups at every sync (:mod:`distkit.ft.groups`),
 and say where the groups find it. It runs in the foreground until it is stopped (Ctrl-C, SIGTERM); its exit
 status is the lighthouse's. Neither this command nor the lighthouse imports torch
-(:mod:`distkit.ft_lighthouse`): it listens about 0.2 s after the command starts, not 3 s."""
+(:mod:`distkit.ft.lighthouse`): it listens about 0.2 s after the command starts, not 3 s."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
-from distkit import ft_lighthouse
+from distkit.ft import lighthouse as ft_lighthouse
 from distkit.errors import BackendUnavailable, ConfigError
 
 

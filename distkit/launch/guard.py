@@ -1,7 +1,7 @@
 """A launcher must not outlive a job whose ranks were lost.
 
 When a host freezes or its link is cut, distkit's ranks notice within ``distributed.timeout_s``
-(:mod:`distkit.watchdog`), name the lost ranks and exit non-zero. Their launchers do not always
+(:mod:`distkit.health.watchdog`), name the lost ranks and exit non-zero. Their launchers do not always
 follow: Open MPI's ``mpirun`` (``prterun``) orders every daemon to kill its ranks and then waits for
 the lost host's daemon to confirm, forever (measured: still running at 300 s), and the cut-off
 host's ``prted`` waits for ``mpirun``; torchrun's agent on a host whose peer host vanished waits for
@@ -29,7 +29,7 @@ import subprocess
 import sys
 from typing import Optional
 
-from distkit.procfs import stat_fields
+from distkit.launch.procfs import stat_fields
 
 #: Open MPI launcher daemons (PRRTE of Open MPI 5, ORTE of Open MPI 4) that wait for a lost host
 MPI_DAEMONS = frozenset({"prterun", "prted", "mpirun", "mpiexec", "orterun", "orted"})
@@ -41,7 +41,7 @@ _ARMED = False
 
 # The watcher: python -I -S -c WATCHER PID STARTTIME GRACE NAME WHY. Only the standard library, no
 # distkit import (it must start in milliseconds and survive the rank), so its own /proc parsing (as
-# distkit.procfs). STARTTIME guards against a recycled pid.
+# distkit.launch.procfs). STARTTIME guards against a recycled pid.
 WATCHER = r"""
 import os, signal, sys, time
 pid, start, grace, name, why = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from distkit import checkpoint
-from distkit.export import locate
+from distkit.commands.export import locate
 
 
 def describe(path: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 ``torchft_lighthouse`` (torchft's own script) imports ``torchft``, whose ``__init__`` imports torch: about
 1.6 s on these machines before the lighthouse binds its port, for a server that uses no torch at all. The
 lighthouse is ``lighthouse_main`` of torchft's Rust extension ``torchft._torchft``; this file loads that
-extension alone and calls it. :mod:`distkit.lighthouse` runs it as a script,
+extension alone and calls it. :mod:`distkit.commands.lighthouse` runs it as a script,
 ``python .../ft_lighthouse.py --bind ... --min_replicas ...``: the lighthouse parses the process's own
 argv and skips only its first word (the interpreter), so the second must be this script's path (``python
 -c`` or ``-m`` would put another word there). Standard library only: the script's folder (``distkit/``) is
@@ -20,7 +20,7 @@ import importlib.machinery
 import importlib.util
 from typing import Optional
 
-#: how to get torchft (distkit.fault_tolerance's errors say it too)
+#: how to get torchft (distkit.ft.groups's errors say it too)
 INSTALL_HINT = "pip install 'distkit[ft]' (torchft)"
 
 

@@ -136,7 +136,7 @@ def _mpi() -> dict[str, Any]:
     from mpi4py import MPI
 
     library = MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip()
-    from distkit.launch import mpirun_path
+    from distkit.launch.spawner import mpirun_path
 
     mpirun = mpirun_path()
     version = None
@@ -181,7 +181,7 @@ def _launcher() -> dict[str, Any]:
 
 def _network(rendezvous: Optional[str]) -> dict[str, Any]:
     from distkit.errors import ConfigError
-    from distkit.netif import host_identity, interface_addresses, route_to
+    from distkit.launch.netif import host_identity, interface_addresses, route_to
 
     target = rendezvous or os.environ.get("MASTER_ADDR")
     # the host's name first; the identity (boot id, network namespace) tells apart hosts that share a name

@@ -2,7 +2,7 @@
 
 Each replica group is a launch of its own (its own ``torchrun`` / ``mpirun`` / ``--nprocs`` / SLURM job
 step) with ``fault_tolerance.replica_id`` = its index. Inside a group the chosen engine reduces gradients
-every step (as replica groups in one job do, :mod:`distkit.replicas`); across groups, param mode: every
+every step (as replica groups in one job do, :mod:`distkit.sync.replicas`); across groups, param mode: every
 ``param_sync_step`` steps each rank averages its parameters and floating buffers with the ranks at its
 position in the other groups, through torchft's :class:`torchft.manager.Manager`:
 
@@ -17,16 +17,16 @@ position in the other groups, through torchft's :class:`torchft.manager.Manager`
 
 Data: group ``i`` of ``num_replicas`` trains on the slices that ranks ``i * G .. i * G + G - 1`` of one
 job of ``num_replicas * G`` ranks would, so with no failure a fault-tolerant run equals the same replica
-groups in one job (:mod:`distkit.replicas`). What a failure costs: the dead group's steps since its last
+groups in one job (:mod:`distkit.sync.replicas`). What a failure costs: the dead group's steps since its last
 sync, and each survivor's sync in flight when it died (skipped, not lost: the local steps stay).
 
 Cross-rank contract: every rank of every group calls :meth:`FaultTolerance.average` at every sync (collective
 across the groups through torchft). A group that starts later, or restarts, trains from the start until its
 first sync, where it heals: its first period is lost (torchft's LocalSGD does the same).
 
-Beside it: :mod:`distkit.ft_watch` (what a rank inside a sync watches: the lighthouse, its own clock),
-:mod:`distkit.ft_state` (the training state a heal carries, and each group's data slices) and
-:mod:`distkit.ft_torchft` (torchft's parts, adapted: log lines, quorums, heal server, gloo group).
+Beside it: :mod:`distkit.ft.watch` (what a rank inside a sync watches: the lighthouse, its own clock),
+:mod:`distkit.ft.state` (the training state a heal carries, and each group's data slices) and
+:mod:`distkit.ft.torchft_parts` (torchft's parts, adapted: log lines, quorums, heal server, gloo group).
 """
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
-from distkit import faults
-from distkit.averaging import unflatten_into
+from distkit.health import faults
+from distkit.sync.averager import unflatten_into
 from distkit.errors import BackendUnavailable, ConfigError, LighthouseLost
-from distkit.ft_lighthouse import INSTALL_HINT
-from distkit.ft_state import load_training_state, training_state
-from distkit.ft_torchft import QuorumsSeen, TorchftLines, groups_of, quiet_heal_server, quorum_gloo
-from distkit.ft_watch import (FROZEN_S, PROBE_TIMEOUT_S, TICK_S, WATCH_INTERVAL_S, Watch, groups_named_ago,
+from distkit.ft.lighthouse import INSTALL_HINT
+from distkit.ft.state import load_training_state, training_state
+from distkit.ft.torchft_parts import QuorumsSeen, TorchftLines, groups_of, quiet_heal_server, quorum_gloo
+from distkit.ft.watch import (FROZEN_S, PROBE_TIMEOUT_S, TICK_S, WATCH_INTERVAL_S, Watch, groups_named_ago,
                               lighthouse_answers, lighthouse_status, stale_heartbeats)
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class FaultTolerance:
         from torchft.process_group import ProcessGroupGloo
 
         from distkit.env import _my_address
-        from distkit.netif import reachable_address
+        from distkit.launch.netif import reachable_address
 
         self.replica_id, self.num_replicas = int(ft["replica_id"]), int(ft["num_replicas"])
         self.url, self._rank, self._end_job = ft["lighthouse"], strategy.rank, strategy.end_job

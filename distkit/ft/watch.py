@@ -1,6 +1,6 @@
 """What a rank of a fault-tolerant replica group watches while it is inside a sync: the lighthouse (does it answer;
 which groups does it count as gone) and its own clock (was this process stopped). Standard library only; the
-threads that use it are :meth:`distkit.fault_tolerance.FaultTolerance._watching_lighthouse`'s."""
+threads that use it are :meth:`distkit.ft.groups.FaultTolerance._watching_lighthouse`'s."""
 from __future__ import annotations
 
 import re
@@ -59,7 +59,7 @@ def probe_lighthouse(url: str) -> None:
 
 
 class Watch:
-    """What the threads of :meth:`distkit.fault_tolerance.FaultTolerance._watching_lighthouse` found while this rank is inside a sync."""
+    """What the threads of :meth:`distkit.ft.groups.FaultTolerance._watching_lighthouse` found while this rank is inside a sync."""
 
     def __init__(self) -> None:
         #: why the exchange is to be given up (a group of the quorum stopped heartbeating), else None

@@ -3,7 +3,7 @@
 The launching process (``distkit train CONFIG --nprocs N``) has already imported torch and
 distkit and checked the config. A rank started with ``python -m distkit ...`` imports them
 again: 1.5 s of CPU per rank on this 2-core machine, paid N times at once before the first
-step. A fork starts from the imported state and runs :func:`distkit.cli.main` with the rank's
+step. A fork starts from the imported state and runs :func:`distkit.commands.cli.main` with the rank's
 environment, as the new interpreter would.
 
 When it is safe, and only then (:func:`can_fork`): no Python thread besides the main one, CUDA
@@ -12,7 +12,7 @@ by the launcher (any file outside the Python installation, the virtual environme
 its import-time code ran without the rank's environment, and importing it again could register
 things twice, e.g. ``transformers.AutoConfig.register``), a POSIX ``os.fork``, and
 ``DISTKIT_RANK_START`` not set to ``exec``. Otherwise, and for users' own scripts, the rank is a
-new interpreter (:func:`distkit.launch.spawn`). Config files are executed, not imported: each
+new interpreter (:func:`distkit.launch.spawner.spawn`). Config files are executed, not imported: each
 rank executes its config again either way.
 
 What differs from a new interpreter, and how it is made the same:

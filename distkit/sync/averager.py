@@ -72,7 +72,7 @@ class _InFlight:
     def resume(cls, strategy: Any, state: dict[str, Any]) -> "_InFlight":
         """Collective: the exchange of :meth:`state`, started again at the phase it was in (every rank of the
         group resumes from the same step, so they start the same collectives in the same order)."""
-        from distkit.compression import Exchange
+        from distkit.sync.compression import Exchange
 
         x = torch.zeros(state["n"])
         exchange = Exchange(strategy, x, state["codec"], rows=state["rows"], mine=state["mine"])
@@ -343,12 +343,12 @@ class ParamAverager:
     def _start(self, fragments: Optional[list[int]], at_once: bool = False) -> None:
         """Collective: start the exchange of ``fragments``' tensors (None: all): floating buffers averaged now
         (small), each rank's pseudo-gradient (``anchor - local``, plus its error feedback) sent in the
-        background (:class:`distkit.compression.Exchange`, fp32 unless compressed; with ``compression``, what
+        background (:class:`distkit.sync.compression.Exchange`, fp32 unless compressed; with ``compression``, what
         crosses the link is its encoding, and error feedback keeps what it could not carry); the local tensors
         are remembered, to keep the progress made until the result is applied (:meth:`_apply`). ``at_once``:
         the caller applies it before the next step (the blocking compressed sync, the final sync), so there is
         no progress to keep."""
-        from distkit.compression import Exchange
+        from distkit.sync.compression import Exchange
 
         t0 = time.perf_counter()
         params = self._average_buffers(fragments)

@@ -1,7 +1,7 @@
 """The last moments of a job on one host: a rank that has left the run must also exit.
 
 At the end of a normal run every rank marks itself as leaving and the lowest rank of each host waits for
-those marks (:meth:`distkit.watchdog.Watchdog.see_local_peers_out`). Between its mark and its exit a rank
+those marks (:meth:`distkit.health.watchdog.Watchdog.see_local_peers_out`). Between its mark and its exit a rank
 still runs the interpreter's teardown and, under ``mpirun``, ``MPI_Finalize``, which waits for every rank of
 the job. A rank stopped (SIGSTOP) in that window kept the whole job waiting forever: its peers inside
 ``MPI_Finalize``, ``mpirun`` for all of them, torchrun for its stopped worker (reproduced every time with
@@ -22,7 +22,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from distkit.procfs import stat_fields
+from distkit.launch.procfs import stat_fields
 
 #: seconds a rank that has left may stay stopped before the watcher ends it (a running one is never touched)
 STOPPED_S = 1.0

@@ -1,4 +1,4 @@
-"""torchft, adapted for :mod:`distkit.fault_tolerance`: its Manager's log lines as one distkit line each, the
+"""torchft, adapted for :mod:`distkit.ft.groups`: its Manager's log lines as one distkit line each, the
 quorums it drops kept, its heal server's access lines silenced, its reconfigurable gloo group with a connect
 bound apart from the exchange bound (and kept alive when an exchange is given up), distkit's group numbers from
 torchft's replica ids."""
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from distkit.fault_tolerance import FaultTolerance
+    from distkit.ft.groups import FaultTolerance
 
 
 class TorchftLines(logging.Filter):

@@ -23,7 +23,7 @@ import torch
 
 from distkit import checkpoint, portable
 from distkit.errors import ConfigError
-from distkit.export import located
+from distkit.commands.export import located
 
 
 class _OneProcess:

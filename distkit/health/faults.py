@@ -4,8 +4,8 @@
 itself with SIGKILL, ``raise`` RuntimeError, ``hang`` (sleep forever in the main thread, to test
 timeouts: its other threads go on), ``delay`` (sleep 5 s, then go on: a slow rank; ``delay=S`` sleeps S
 seconds), ``stop`` itself with SIGSTOP (every thread frozen, as a stalled or cut-off process: see
-:mod:`distkit.watchdog`) or send itself ``term`` (SIGTERM: a scheduler's preemption signal that reached
-this rank alone, at a known step; see :mod:`distkit.preemption`). POINT is ``step`` (right after the
+:mod:`distkit.health.watchdog`) or send itself ``term`` (SIGTERM: a scheduler's preemption signal that reached
+this rank alone, at a known step; see :mod:`distkit.health.preemption`). POINT is ``step`` (right after the
 optimizer step, the default) or a point inside the checkpoint save of that step
 (:func:`distkit.checkpoint.write`, in order): ``rank_file`` (this rank's ``.part`` file
 complete, not renamed), ``checkpoint`` (this rank's file in place, before the manifest),

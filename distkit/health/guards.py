@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from distkit.errors import DistkitError, NonFiniteLoss, UsageError, report_agreed
-from distkit.launch import record_failure, settle_if_peer
-from distkit.watchdog import lost_peer_error
+from distkit.launch.spawner import record_failure, settle_if_peer
+from distkit.health.watchdog import lost_peer_error
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy

@@ -16,7 +16,7 @@ most LAG + 1 steps after it came. The lag is what lets a slow link carry a backg
 waited for at once would hold up every step by that wait.
 
 The launchers pass the signal on: distkit's spawner (``--nprocs``) sends it to every rank and waits for
-them (:func:`distkit.launch.spawn`), ``mpirun`` forwards SIGTERM and SIGUSR1, torchrun SIGTERM (then
+them (:func:`distkit.launch.spawner.spawn`), ``mpirun`` forwards SIGTERM and SIGUSR1, torchrun SIGTERM (then
 SIGKILLs after its own 30 s), ``srun`` every signal ``scancel --signal`` names."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: steps between the start of a check (an all-reduce in the background) and its result
 LAG = 2
 #: what a timeout in a check names
-WHAT = "the preemption check after the step (distkit.preemption)"
+WHAT = "the preemption check after the step (distkit.health.preemption)"
 
 
 class Preemption:

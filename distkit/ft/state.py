@@ -1,5 +1,5 @@
 """A fault-tolerant group's training state, as a live group serves it to one that heals and as that group takes
-it (the Session's side of :mod:`distkit.fault_tolerance`, which knows the Session only as a type), and where a
+it (the Session's side of :mod:`distkit.ft.groups`, which knows the Session only as a type), and where a
 group's ranks take their data."""
 from __future__ import annotations
 

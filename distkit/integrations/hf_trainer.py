@@ -24,7 +24,7 @@ from torch import nn
 import distkit
 from distkit.config.arguments import Source, config_from
 from distkit.errors import BackendUnavailable, UnsupportedCombination
-from distkit.session_optimizer import SessionOptimizer
+from distkit.integrations.session_optimizer import SessionOptimizer
 
 try:
     from transformers import Trainer

@@ -1,0 +1,6 @@
+"""Replica groups that survive failures (``fault_tolerance = {...}``): torchft's Manager around the cross-group
+sync (:mod:`.groups`), what is adapted of torchft (:mod:`.torchft_parts`), the lighthouse's status and heartbeats
+inside a sync (:mod:`.watch`), the training state a heal carries (:mod:`.state`) and the lighthouse process
+(:mod:`.lighthouse`, started by ``distkit lighthouse``).
+
+Imports: ``sync``, ``health``, ``launch``, ``env``, ``errors``; never the Session or an engine."""
