@@ -288,3 +288,16 @@ def check_stepped_scheduler(scheduler: Any) -> None:
         raise UsageError("dk.setup: ReduceLROnPlateau steps on a metric, which distkit cannot pass at every optimizer "
                          "step: give it with interval='epoch' (dk.setup(model, optimizer, scheduler, interval='epoch')) "
                          "and keep your scheduler.step(val_loss) after each evaluation")
+
+class ScaledOptimizer:
+    """The optimizer as the engine sees it under fp16 loss scaling: ``step()`` goes through the GradScaler
+    (skipped when a gradient overflowed), everything else is the optimizer's own."""
+
+    def __init__(self, optimizer: Any, scaler: torch.amp.GradScaler) -> None:
+        self._optimizer, self._scaler = optimizer, scaler
+
+    def step(self, closure: Any = None) -> Any:
+        return self._scaler.step(self._optimizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)

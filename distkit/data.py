@@ -14,15 +14,41 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, TensorDataset, default_collate
 
+from distkit.config import RunConfig
 from distkit.errors import UsageError
 
-if TYPE_CHECKING:
-    from distkit.session import Session
+
+class SessionView(Protocol):
+    """What this module reads (and sets) of :class:`distkit.Session`, which has every member: typed by this
+    protocol, the module does not import the Session (it sits below it).
+    """
+
+    _meter: Any
+    cfg: RunConfig
+
+    def _set_gather_tail(self, real: Optional[int]) -> None:
+        """Real samples of the newest (padded last) batch, for ``gather``."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Collective: every rank must call it, in the same order."""
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
+
 
 #: RETURNN's per-rank seed offset for random_seed_offset.
 RANK_SEED_OFFSET = 16127
@@ -247,7 +273,7 @@ class ShardedLoader(DataLoader[Any]):
             yield to_device(batch, self.device) if move else batch
 
 
-def sharded_loader(session: "Session", dataset: Any, batch_size: Optional[int], shuffle: bool,
+def sharded_loader(session: SessionView, dataset: Any, batch_size: Optional[int], shuffle: bool,
                    collate_fn: Optional[Callable[[list[Any]], Any]], num_workers: int, pin_memory: bool,
                    drop_last: bool = True, **kwargs: Any) -> ShardedLoader:
     """Collective: the loader of :meth:`distkit.Session.dataloader` (see there), for ``session``'s rank."""

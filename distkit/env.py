@@ -15,10 +15,33 @@ import socket
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from distkit.errors import BackendUnavailable, ConfigError
 
 LAUNCHERS = ("torchrun", "slurm", "openmpi", "mpich", "pmix", "horovodrun", "deepspeed", "env", "spawn", "single")
+
+
+class Collectives(Protocol):
+    """What a rank can do with the others: the part of every engine's Strategy
+    (:class:`distkit.backends.base.Strategy`) that code below the engines uses (checkpoint writing, the portable
+    part, ``run_on_main``, the tasks' agreed errors). Typed by this protocol, such code never imports an engine."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective: every rank must call it, in the same order. Returns ``src``'s object."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Collective: every rank must call it, in the same order. Returns one object per rank, in rank order."""
+
+    def barrier(self) -> None:
+        """Collective: every rank must call it, in the same order."""
 
 
 @dataclass(frozen=True)

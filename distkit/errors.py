@@ -94,7 +94,7 @@ class RankStalled(RankFailure):
 class RankLost(RankStalled):
     """A rank is gone: this rank's connection to a peer closed (reset, refused) and a rank's heartbeat
     stopped with it: it died, was killed, or its host went down or was cut off. The text names it;
-    ``stalled_ranks`` lists the global ranks (see :func:`distkit.health.watchdog.lost_peer_error`)."""
+    ``stalled_ranks`` lists the global ranks (see :func:`distkit.health.lost.lost_peer_error`)."""
 
 
 class NonFiniteLoss(DistkitError):

@@ -1,9 +1,10 @@
 """The loss (and metrics) of one batch, evaluation over ranks, and parameter checksums."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -13,8 +14,37 @@ from distkit.data import eval_slices, fetch, to_device
 from distkit.errors import UsageError
 from distkit.tasks import Task
 
-if TYPE_CHECKING:
-    from distkit.session import Session
+
+class SessionView(Protocol):
+    """What this module reads (and sets) of :class:`distkit.Session`, which has every member: typed by this
+    protocol, the module does not import the Session (it sits below it).
+    """
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Collective: every rank must call it, in the same order."""
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast context."""
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+
+    @property
+    def forward_is_collective(self) -> bool:
+        """A forward pass communicates (ZeRO-3): every rank must run each one."""
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+
+    def unwrap(self, model: Optional[nn.Module] = None) -> nn.Module:
+        """The plain module inside the engine's wrapper."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
+
 
 #: a batch's loss (a scalar tensor) and its metrics by name (floats or scalar tensors)
 StepResult = tuple[torch.Tensor, dict[str, Any]]
@@ -114,7 +144,7 @@ def batch_size_of(batch: Any) -> int:
     return 1
 
 
-def evaluate(s: "Session", model: nn.Module, task: Task, batch_size: int) -> dict[str, float]:
+def evaluate(s: SessionView, model: nn.Module, task: Task, batch_size: int) -> dict[str, float]:
     """Collective: ``{"eval_loss": ..., "eval_<metric>": ...}`` over the whole eval set, every rank a
     disjoint slice, each value the mean over samples; identical on every rank; {} without an eval set.
     Per-batch work is local; the totals are all-reduced once (metric names must agree across ranks)."""

@@ -7,15 +7,15 @@ single process (where they just run the function).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
-if TYPE_CHECKING:
-    from distkit.backends.base import Strategy
+from distkit.env import Collectives
 
-_CURRENT: Optional["Strategy"] = None
+#: the open Session's engine (set while one is open), for code below the Session: these helpers, the tasks
+_CURRENT: Optional[Collectives] = None
 
 
-def set_current_strategy(strategy: Optional["Strategy"]) -> None:
+def set_current_strategy(strategy: Optional[Collectives]) -> None:
     """Called by the Trainer when a run starts and ends."""
     global _CURRENT
     _CURRENT = strategy

@@ -30,14 +30,12 @@ from __future__ import annotations
 import heapq
 import os
 import pickle
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
+from distkit.env import Collectives
 from distkit.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from distkit.backends.base import Strategy
 
 #: the portable part's directory inside a checkpoint directory
 DIR = "portable"
@@ -128,7 +126,7 @@ class Job:
         self._writer.finish(metadata=self._metadata, results=results)
 
 
-def plan(strategy: "Strategy", directory: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+def plan(strategy: Collectives, directory: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
          copy: bool = False) -> Job:
     """Collective: plan the portable part in ``directory``; returns this rank's :class:`Job`.
 
@@ -158,7 +156,7 @@ def plan(strategy: "Strategy", directory: str, tensors: dict[str, torch.Tensor],
     return Job(writer, planner, strategy.broadcast_object(plans if coordinator else None, 0)[strategy.rank], metadata)
 
 
-def save(strategy: "Strategy", directory: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def save(strategy: Collectives, directory: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Collective: :func:`plan`, write and finish in one call. A failed write raises on every rank (the
     results exchange carries it), so no rank waits alone; a failure of rank 0's ``.metadata`` raises on
     rank 0 only."""

@@ -3,16 +3,69 @@ and whether the ranks hold the same model state. The Session's own report code, 
 API: it reads the session's counters and model and changes nothing."""
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
+from torch import nn
 
+from distkit.backends.base import Strategy
 from distkit.backends.parts import persistent_buffers, whole
+from distkit.config import RunConfig
+from distkit.env import ClusterEnv
 from distkit.evaluation import param_checksum
 
-if TYPE_CHECKING:
-    from distkit.session import Session
+
+class SessionView(Protocol):
+    """What this module reads (and sets) of :class:`distkit.Session`, which has every member: typed by this
+    protocol, the module does not import the Session (it sits below it).
+    """
+
+    _kept: list[nn.Module]
+    _last_loss: Optional[torch.Tensor]
+    _model: Optional[nn.Module]
+    _setup_time_s: float
+    _strategy: Strategy
+    _t_created: float
+    _t_start: float
+    cfg: RunConfig
+    checkpoint_stalls_s: list[float]
+    env: ClusterEnv
+    num_samples: int
+    num_steps: int
+    run_id: Optional[str]
+
+    def _collective(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Runs a collective, its timeout line naming ``what``."""
+
+    def _require_setup(self, call: str) -> None:
+        """UsageError naming ``call`` before setup."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Collective: every rank must call it, in the same order."""
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Seconds blocked on training collectives."""
+
+    @property
+    def compute_time_s(self) -> float:
+        """Seconds spent computing steps."""
+
+    @property
+    def fault_tolerance(self) -> Any:
+        """torchft's Manager of a fault-tolerant group, else None."""
+
+    def topology(self) -> dict[str, Any]:
+        """Hosts, nodes and node ranks."""
+
+    def unwrap(self, model: Optional[nn.Module] = None) -> nn.Module:
+        """The plain module inside the engine's wrapper."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
 
 
 def alone_syncs(syncs: list[dict[str, Any]], num_replicas: int) -> dict[str, int]:
@@ -30,7 +83,7 @@ def alone_syncs(syncs: list[dict[str, Any]], num_replicas: int) -> dict[str, int
     return {"alone_syncs": sum(alone), "last_syncs_alone": trailing}
 
 
-def summary(session: "Session", **extra: Any) -> dict[str, Any]:
+def summary(session: SessionView, **extra: Any) -> dict[str, Any]:
     """Collective: see :meth:`distkit.Session.summary`."""
     session._require_setup("summary()")
     s, d = session._strategy, session.cfg.distributed
@@ -75,6 +128,39 @@ def summary(session: "Session", **extra: Any) -> dict[str, Any]:
                                   **alone_syncs(ft.syncs, ft.num_replicas)}
     out.update(extra)
     return out
+
+
+
+class Reports:
+    """Mixin: :meth:`distkit.Session.summary` and the clock it reads (a Session is a :class:`SessionView`)."""
+
+    _t_created: float
+    _t_start: float
+    _setup_time_s: float
+
+    def _start_clock(self) -> None:
+        """Training starts now: ``setup_time_s`` counts up to here and ``wall_time_s`` from here. :meth:`setup` calls
+        it; distkit's Trainer again when its loop starts, after the resume and the trackers' start (W&B's takes
+        seconds), which are start-up too."""
+        self._t_start = time.perf_counter()
+        self._setup_time_s = self._t_start - self._t_created
+
+    def summary(self, **extra: Any) -> dict[str, Any]:
+        """Collective: the run's summary (the keys of ``summary.json``, which rank 0 writes).
+
+        ``param_checksum``: sha256 of this rank's parameters (fp32, ``named_parameters`` order; rank
+        0's in summary.json); ``ranks_in_sync``: every rank holds rank 0's parameters *and* persistent
+        buffers (BatchNorm statistics), bit for bit (the same answer on every rank); ``final_train_loss``: the last backward's loss, mean over ranks; ``comm_bytes``:
+        payload bytes this rank handed to collectives; ``compute_fraction``: time from the fetch of a
+        step's first micro-batch to the end of its step, less ``comm_wait_s``, summed, over wall time
+        since setup (this process's clock); ``comm_wait_s``: seconds blocked on the training
+        collectives (DDP/DeepSpeed: from the last gradient computed to backward's return; the mpi
+        engine's and Horovod's gradient waits; param mode's averaging). ``wall_time_s``: seconds from the end of :meth:`setup` to now (the loop);
+        ``setup_time_s``: from :func:`init` to the end of setup (process group, engine, model wrap; under distkit's Trainer
+        to the start of its loop: also the resume and the trackers' start);
+        ``total_time_s``: from :func:`init` to now. ``extra`` keys are added (the Trainer's eval results).
+        """
+        return summary(self, **extra)  # type: ignore[arg-type]  (a Session is a SessionView)
 
 
 # -- the step meter -----------------------------------------------------------------------------------

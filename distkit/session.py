@@ -40,12 +40,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from distkit import checkpoint, lazy_import, report
+from distkit import lazy_import
 
 from distkit.launch import ompi_leftovers
 from distkit.backends import check_backend, startup, strategy_class
 from distkit.backends.parts import float_state, persistent_buffers
-from distkit.components import check_device, check_stepped_scheduler, scheduler_and_interval
+from distkit.checkpoint.api import Checkpoints
+from distkit.components import ScaledOptimizer, check_device, check_stepped_scheduler, scheduler_and_interval
 from distkit.config import RunConfig
 from distkit.config.arguments import (  # noqa: F401 (distkit.session's names before the move)
     CONFIGS_DEST, OVERRIDES_DEST, Source, add_arguments, config_from,
@@ -60,8 +61,9 @@ from distkit.health.guards import (
 from distkit.job import Job, gather
 from distkit.launch.spawner import record_stall
 from distkit.main_process import set_current_strategy
-from distkit.report import StepMeter
-from distkit.health.watchdog import explain_stall, lost_peer_error
+from distkit.report import Reports, StepMeter
+from distkit.health.lost import lost_peer_error
+from distkit.health.watchdog import explain_stall
 
 
 def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -> "Session":
@@ -112,7 +114,7 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
 LAUNCH_ENGINE_VAR = "DISTKIT_LAUNCH_ENGINE"
 
 
-class Session(Job):
+class Session(Job, Checkpoints, Reports):
     """This rank's view of the job: topology, the wrapped model/optimizer, the loop's counters.
 
     Made by :func:`distkit.init`. Read-only topology (from :class:`~distkit.job.Job`): ``rank``,
@@ -410,7 +412,7 @@ class Session(Job):
             s.step(model, self._optimizer)  # type: ignore[arg-type]
         else:
             self._unscale()
-            s.step(model, _ScaledOptimizer(self._optimizer, self._scaler))  # type: ignore[arg-type]
+            s.step(model, ScaledOptimizer(self._optimizer, self._scaler))  # type: ignore[arg-type]
             self._scaler.update()
             self._unscaled = False
         if self._scheduler is not None and self._scheduler_interval == "step" and not s.steps_scheduler:
@@ -441,83 +443,6 @@ class Session(Job):
             kept = [b for m in self._kept for b in persistent_buffers(m)]
             if kept:
                 self._strategy.broadcast_tensors(kept)
-
-    # -- checkpoints (the work is distkit.checkpoint.save and .load) ------------------------------
-    def save(self, path: str, state: dict[str, Any]) -> str:
-        """Collective: write ``state`` as checkpoint directory ``path``, atomically (see
-        :func:`distkit.checkpoint.write`); returns its absolute path.
-
-        Values that are the set-up model and optimizer go into the engine-neutral ``portable/`` part
-        (grad mode: each tensor written once, by one rank) and, in param mode, where replicas differ,
-        into each rank's own file too; DeepSpeed adds its own checkpoint files. Other values with
-        a ``state_dict()`` are saved through it; anything else is pickled as is. distkit adds its own
-        counters, the averager and the RNG states, which :meth:`load` restores. Each rank writes its
-        own file (ranks differ in param mode and in RNG state).
-        """
-        t0 = time.perf_counter()
-        try:
-            return checkpoint.save_state(self, path, state, background=False).commit()
-        finally:
-            self.checkpoint_stalls_s.append(time.perf_counter() - t0)
-
-    def save_async(self, path: str, state: dict[str, Any]) -> checkpoint.PendingCheckpoint:
-        """Collective: start writing ``state`` as checkpoint ``path`` (as :meth:`save`) and return as soon
-        as the state is copied aside in CPU memory (and, on DeepSpeed, the engine's own files are written);
-        training may go on while a background thread writes the files. ``pending.commit()`` (collective,
-        every rank, e.g. before the next save) waits for them and completes the checkpoint, returning its
-        path; until then it does not exist (a kill leaves the previous ones). Memory: one more copy of
-        this rank's checkpoint state until the files are written."""
-        t0 = time.perf_counter()
-        pending = checkpoint.save_state(self, path, state, background=True)
-        self.checkpoint_stalls_s.append(time.perf_counter() - t0)
-        index = len(self.checkpoint_stalls_s) - 1
-
-        def count_commit(seconds: float) -> None:  # waiting for the files is this checkpoint's stall too
-            self.checkpoint_stalls_s[index] += seconds
-
-        pending.on_commit = count_commit
-        return pending
-
-    @property
-
-    def global_batch(self) -> Optional[int]:
-        """Training samples per optimizer step, all ranks together (None before the first step)."""
-        return self.num_samples // self.num_steps if self.num_steps else None
-
-    def load(self, path: str, state: dict[str, Any]) -> dict[str, Any]:
-        """Collective: restore ``state``'s objects in place from checkpoint ``path`` (the set-up model,
-        optimizer and scheduler, and anything with ``load_state_dict``), plus distkit's counters,
-        averager and RNG states. Returns the checkpoint's other entries (e.g. ``{"epoch": 3}``).
-
-        This rank's file is verified against the manifest (size, sha256) first; a checkpoint written by
-        another number of ranks, or whose parameter shapes do not fit the set-up model, raises
-        ConfigError naming both before anything is restored."""
-        return checkpoint.load_state(self, path, state)
-
-    def _start_clock(self) -> None:
-        """Training starts now: ``setup_time_s`` counts up to here and ``wall_time_s`` from here. :meth:`setup` calls
-        it; distkit's Trainer again when its loop starts, after the resume and the trackers' start (W&B's takes
-        seconds), which are start-up too."""
-        self._t_start = time.perf_counter()
-        self._setup_time_s = self._t_start - self._t_created
-
-    # -- report -------------------------------------------------------------------------------------
-    def summary(self, **extra: Any) -> dict[str, Any]:
-        """Collective: the run's summary (the keys of ``summary.json``, which rank 0 writes).
-
-        ``param_checksum``: sha256 of this rank's parameters (fp32, ``named_parameters`` order; rank
-        0's in summary.json); ``ranks_in_sync``: every rank holds rank 0's parameters *and* persistent
-        buffers (BatchNorm statistics), bit for bit (the same answer on every rank); ``final_train_loss``: the last backward's loss, mean over ranks; ``comm_bytes``:
-        payload bytes this rank handed to collectives; ``compute_fraction``: time from the fetch of a
-        step's first micro-batch to the end of its step, less ``comm_wait_s``, summed, over wall time
-        since setup (this process's clock); ``comm_wait_s``: seconds blocked on the training
-        collectives (DDP/DeepSpeed: from the last gradient computed to backward's return; the mpi
-        engine's and Horovod's gradient waits; param mode's averaging). ``wall_time_s``: seconds from the end of :meth:`setup` to now (the loop);
-        ``setup_time_s``: from :func:`init` to the end of setup (process group, engine, model wrap; under distkit's Trainer
-        to the start of its loop: also the resume and the trackers' start);
-        ``total_time_s``: from :func:`init` to now. ``extra`` keys are added (the Trainer's eval results).
-        """
-        return report.summary(self, **extra)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def abort(self) -> None:
@@ -564,16 +489,3 @@ class Session(Job):
         self.close()
 
 
-
-class _ScaledOptimizer:
-    """The optimizer as the engine sees it under fp16 loss scaling: ``step()`` goes through the GradScaler
-    (skipped when a gradient overflowed), everything else is the optimizer's own."""
-
-    def __init__(self, optimizer: Any, scaler: torch.amp.GradScaler) -> None:
-        self._optimizer, self._scaler = optimizer, scaler
-
-    def step(self, closure: Any = None) -> Any:
-        return self._scaler.step(self._optimizer)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)

@@ -104,7 +104,7 @@ def test_commands_that_do_not_train_do_not_import_torch(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
     keys, _ = _imports(["-m", "distkit", "keys", "param_sync_step"], tmp_path)
     assert "distkit.config.schema" in keys and "torch" not in keys
-    lighthouse, usage = _imports([str(ROOT / "distkit" / "ft_lighthouse.py"), "--help"], tmp_path)
+    lighthouse, usage = _imports([str(ROOT / "distkit" / "ft" / "lighthouse.py"), "--help"], tmp_path)
     assert "--min_replicas" in usage and "torch" not in lighthouse  # torchft's own lighthouse answered
     # and the training API is still there, imported on first use
     res = ok(run([str(BIN / "python"), "-c", "import sys, distkit; assert 'torch' not in sys.modules; "

@@ -24,6 +24,7 @@ def _report(*args: str, **env: str) -> dict[str, Any]:
 def test_the_report_names_this_machines_real_installs() -> None:
     r = _report("--rendezvous", "127.0.0.1")
     assert r["torch"]["version"] == torch.__version__ and r["torch"]["backends"]["gloo"] is True
+    assert r["distkit"]["path"] == str(ROOT / "distkit")  # the package, wherever the command's module lies in it
     assert r["torch"]["cuda_available"] is torch.cuda.is_available() and r["gpus"]["count"] == torch.cuda.device_count()
     assert r["deepspeed"]["version"] == metadata.version("deepspeed") and r["deepspeed"]["accelerator"] == "cpu"
     assert r["deepspeed"]["ops"]["cpu_adam"]["compatible"] in (True, False) and len(r["deepspeed"]["ops"]) >= 5

@@ -2,7 +2,6 @@
 mode, parity with ``distkit train``, the data loader's contract, checkpoints, and errors for bad use."""
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 from pathlib import Path
@@ -377,123 +376,6 @@ def test_command_line_engine_replaces_the_file_s(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="two backends"):  # two engines on the command line: a conflict
         load_config([str(cfg)], [("use_horovod", True)], LaunchFlags(deepspeed_config="configs/ds_byo.json"))
 
-
-def _distkit_imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
-    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    return {m for m in names if m.startswith("distkit")}
-
-
-def test_layers_import_downward_only() -> None:
-    """config <- backends, tasks <- session <- trainer <- cli (DESIGN.md 2a): config is data."""
-    for path in (ROOT / "distkit" / "config").glob("*.py"):
-        bad = {m for m in _distkit_imports(path) if m.startswith(("distkit.backends", "distkit.tasks", "distkit.session",
-                                                                   "distkit.trainer", "distkit.commands.cli"))}
-        assert not bad, f"{path.name} imports {bad}"
-    assert not {m for m in _distkit_imports(ROOT / "distkit" / "trainer.py") if m.startswith("distkit.backends")}
-
-
-def _import_graph() -> dict[str, set[str]]:
-    """distkit's modules and the distkit modules each imports at run time: at module level or inside a function
-    (a lazy import is a dependency too), not under ``if TYPE_CHECKING``. ``from distkit import x`` is an edge to
-    ``distkit.x``; the package root (which re-exports the API) is left out."""
-    paths = {}
-    for path in (ROOT / "distkit").rglob("*.py"):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph: dict[str, set[str]] = {}
-    for name, path in paths.items():
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        found: set[str] = set()
-        tree = ast.parse(path.read_text())
-        typing_only = {id(n) for top in ast.walk(tree) if isinstance(top, ast.If)
-                       and "TYPE_CHECKING" in ast.unparse(top.test) for n in ast.walk(top)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
-                    if node.level else node.module or ""
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in node.names)
-        deps = set()
-        for m in found:
-            while m and m not in paths:
-                m = m.rpartition(".")[0]
-            if m and m not in (name, "distkit"):
-                deps.add(m)
-        graph[name] = deps
-    graph.pop("distkit", None)
-    return graph
-
-
-def test_no_import_cycles() -> None:
-    """Issue 24: no module of distkit reaches itself through its imports (lazy ones included), so each can be
-    read, tested and replaced from the bottom up. On a cycle the assertion names its modules."""
-    graph = _import_graph()
-    assert len(graph) > 40 and "distkit.checkpoint.save" in graph["distkit.checkpoint"]  # the graph is real
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(m: str) -> None:
-        state[m] = 1
-        path.append(m)
-        for d in sorted(graph.get(m, ())):
-            if state.get(d) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
-            if d not in state:
-                visit(d)
-        path.pop()
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m)
-
-
-def test_the_session_s_rooms_do_not_import_it() -> None:
-    """Issue 24: the modules the Session delegates to (checkpoints, the report, the guards) and the engines
-    know it only as a type; the training loop (trainer) uses the public API only, never an engine."""
-    graph = _import_graph()
-    for name, deps in graph.items():
-        if name.startswith(("distkit.checkpoint", "distkit.backends")) or name in (
-                "distkit.report", "distkit.health.guards", "distkit.data", "distkit.job", "distkit.health.watchdog"):
-            assert not deps & {"distkit.session", "distkit.trainer", "distkit.commands.cli"}, (name, deps)
-    assert not {d for d in graph["distkit.trainer"] if d.startswith("distkit.backends")}
-
-
-
-def _third_party_imports(path: Path) -> set[str]:
-    """The top-level packages a module imports (any depth in it, lazy ones too), not distkit's own."""
-    tree = ast.parse(path.read_text())
-    names = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
-    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    return {m.split(".")[0] for m in names if m and not m.startswith("distkit")}
-
-
-def test_only_the_bridges_import_lightning_and_accelerate_and_nothing_imports_the_bridges() -> None:
-    """Issue 39: the frameworks are optional extras. distkit.lightning imports Lightning and distkit.hf
-    Accelerate; no other module imports either framework (transformers, a model library, stays the tasks'
-    lazy import), and no module of distkit imports the two bridges (a user imports them)."""
-    frameworks = {"lightning", "pytorch_lightning", "lightning_fabric", "accelerate"}
-    bridges = {"distkit.lightning": {"lightning"}, "distkit.hf": {"accelerate"}}
-    graph = _import_graph()
-    seen = {}
-    for path in (ROOT / "distkit").rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        bridge = next((b for b in bridges if name == b or name.startswith(b + "_")), None)
-        used = _third_party_imports(path) & frameworks
-        if bridge is None:
-            assert not used, f"{name} imports {used}: only distkit.lightning and distkit.hf may"
-        else:
-            seen[bridge] = seen.get(bridge, set()) | used
-    assert seen == bridges, seen  # the bridges exist and import what they bridge
-    for name, deps in graph.items():
-        if not any(name == b or name.startswith(b + "_") for b in bridges):
-            assert not {d for d in deps if any(d == b or d.startswith(b + "_") for b in bridges)}, (name, deps)
 
 # -- model state with buffers: finish() leaves every rank equal, ranks_in_sync checks buffers too ----
 BN_SCRIPT = '''

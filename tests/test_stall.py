@@ -324,7 +324,8 @@ def test_ranks_frozen_together_do_not_blame_each_other_when_woken() -> None:
 _PEER_STOPPED_WHILE_FROZEN = """
 import datetime, sys, time
 import torch.distributed as dist
-from distkit.health.watchdog import Watchdog, _key
+from distkit.health.heartbeat import _key
+from distkit.health.watchdog import Watchdog
 
 delta = datetime.timedelta(seconds=1.0)
 server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)

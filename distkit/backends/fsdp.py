@@ -189,7 +189,7 @@ class FSDPStrategy(DDPStrategy):
                     m.set_all_reduce_hook(all_reduced)
             root.__dict__[COPIER] = copier
 
-        copier = make_copier(self, template, why, shard)
+        copier = make_copier(self.device, template, why, shard)
         shard(module)
         self._root = module
         if optimizer is not None:

@@ -16,7 +16,7 @@ A copy of one unit (a submodule) is refused with the fix: only the whole model h
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -25,8 +25,6 @@ from distkit.errors import UsageError
 
 from .parts import local
 
-if TYPE_CHECKING:
-    from .fsdp import FSDPStrategy
 
 #: the attribute of a sharded root module that holds its copier (:func:`make_copier`)
 COPIER = "_distkit_copier"
@@ -46,16 +44,16 @@ def skeleton(module: nn.Module) -> tuple[Optional[nn.Module], str]:
         return None, f"{type(e).__name__}: {e}"
 
 
-def make_copier(strategy: "FSDPStrategy", template: Optional[nn.Module], why: str,
+def make_copier(device: torch.device, template: Optional[nn.Module], why: str,
                 shard: Callable[[nn.Module], None]) -> Callable[[nn.Module, dict[int, Any]], nn.Module]:
     """The function that copies a sharded model: ``shard(module)`` shards a materialised skeleton into the units
-    and mesh the model has (the engine's own ``fully_shard`` calls and collective hooks)."""
+    and mesh the model has (the engine's own ``fully_shard`` calls and collective hooks); ``device``: the engine's."""
 
     def copier(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
         if template is None:
             raise UsageError(f"copy.deepcopy({type(model).__name__}) on backend 'fsdp': the model could not be copied "
                              f"before sharding ({why}): make that attribute copyable, or build the copy before dk.setup")
-        new = materialised(copy.deepcopy(template), strategy.device)
+        new = materialised(copy.deepcopy(template), device)
         shard(new)
         with torch.no_grad():  # this rank's shards and its whole buffers, from the model's: no communication
             for a, b in zip(new.parameters(), model.parameters(), strict=True):

@@ -4,15 +4,14 @@ other engines' replica groups do). Its averager works on the local shards (``DTe
 average written into them is the model); by name, for checkpoints, they are gathered whole inside the group."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from distkit.sync.averager import ParamAverager
 
-if TYPE_CHECKING:
-    from .fsdp import FSDPStrategy
+from .base import Strategy
 
 
 class ShardAverager(ParamAverager):
@@ -21,7 +20,7 @@ class ShardAverager(ParamAverager):
     (whole on every rank: over the group's ranks, then across the groups, :meth:`Strategy.average_parameters`'
     rule)."""
 
-    def __init__(self, strategy: "FSDPStrategy", params: list[tuple[str, nn.Parameter]],
+    def __init__(self, strategy: Strategy, params: list[tuple[str, nn.Parameter]],
                  buffers: list[tuple[str, torch.Tensor]], **kwargs: Any) -> None:
         self._params = params
         with torch.no_grad():  # (to_local under no_grad: the local tensor itself, no autograd view)
@@ -71,7 +70,7 @@ class ShardAverager(ParamAverager):
             t.copy_(whole.view_as(t))
 
 
-def shard_averager(strategy: "FSDPStrategy", module: nn.Module) -> ShardAverager:
+def shard_averager(strategy: Strategy, module: nn.Module) -> ShardAverager:
     """The averager of ``module``'s sharded parameters and floating buffers, configured from
     ``strategy.cfg.distributed`` as every engine's (:func:`~distkit.backends.parts.param_averager`)."""
     d = strategy.cfg.distributed

@@ -4,8 +4,9 @@ Apart from the engine, as it knows nothing of start-up, launch or checkpoints: o
 and the parameters."""
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -13,8 +14,29 @@ from torch import nn
 
 from .parts import drop_globally_unused, unused_parameters
 
-if TYPE_CHECKING:
-    from .mpi import MPIStrategy
+
+class EngineView(Protocol):
+    """What the reducer uses of the mpi engine (:class:`~distkit.backends.mpi.MPIStrategy` has it): the engine
+    module imports this one, never the other way round."""
+
+    MPI: Any  # mpi4py's MPI module
+    comm: Any  # the job's communicator
+    comm_bytes: int  # bytes this rank sent in collectives (the reducer adds its buckets')
+    rank: int
+    world_size: int
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device (buckets are staged on the host for MPI)."""
+
+    def group_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Collective over this rank's replica group."""
+
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
+        """Time spent inside counts as blocked on communication."""
+
+    def watch(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Blocking MPI calls inside end the job after the bound in force, naming ``what``."""
 
 
 #: size cap of the first gradient bucket (torch DDP's _DEFAULT_FIRST_BUCKET_BYTES)
@@ -76,7 +98,7 @@ class GradReducer:
             group's with replica groups).
     """
 
-    def __init__(self, strategy: "MPIStrategy", params: list[nn.Parameter], bucket_cap_mb: float, average: bool,
+    def __init__(self, strategy: EngineView, params: list[nn.Parameter], bucket_cap_mb: float, average: bool,
                  names: Optional[list[str]] = None, find_unused: bool = False, comm: Any = None,
                  size: Optional[int] = None) -> None:
         if bucket_cap_mb <= 0:

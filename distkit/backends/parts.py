@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
 
-from distkit.sync.averager import ParamAverager
+from distkit.config import RunConfig
 from distkit.errors import DistkitError, UnusedParameters, UsageError
+from distkit.sync.averager import ParamAverager, Reducer
 
-if TYPE_CHECKING:
-    from .base import Strategy
+
+class EngineView(Reducer, Protocol):
+    """What these shared parts use of an engine (:class:`~distkit.backends.base.Strategy` has it): the sync
+    code's collectives (:class:`~distkit.sync.averager.Reducer`), the topology and the config. Typed by it, the
+    parts never import the Strategy, which imports them."""
+
+    rank: int
+    world_size: int
+    cfg: RunConfig
 
 
 #: the fix for a parameter without gradient where the engine follows DDP's rule (mpi, Horovod)
@@ -37,7 +45,7 @@ def unused_parameters(rank: int, names: list[str], fix: str = FIND_UNUSED_FIX) -
                             f"({shown_names(names)}): {fix}")
 
 
-def drop_globally_unused(strategy: "Strategy", params: list[torch.Tensor], seen: set[int],
+def drop_globally_unused(strategy: EngineView, params: list[torch.Tensor], seen: set[int],
                          had_grad: dict[int, bool],
                          all_reduce: Optional[Callable[[torch.Tensor, str], Any]] = None) -> None:
     """Collective: DDP's rule with ``find_unused_parameters``: a parameter that no rank used (its id in no
@@ -70,7 +78,7 @@ def graph_parameters(loss: torch.Tensor) -> set[int]:
     return used
 
 
-def same_parameters_on_every_rank(strategy: "Strategy", loss: torch.Tensor, trainable: list[tuple[str, Any]],
+def same_parameters_on_every_rank(strategy: EngineView, loss: torch.Tensor, trainable: list[tuple[str, Any]],
                                   engine: str) -> None:
     """Collective (one byte per parameter, gathered from every rank): before a backward whose reductions follow
     the parameters that get gradients (DeepSpeed's buckets), UsageError on every rank when some ranks' graphs use
@@ -98,7 +106,7 @@ def report_failure(rank: int, world_size: int, engine: str) -> int:
     Called from a Strategy's ``abort`` inside an ``except`` block; returns the exit status
     to abort the job with (the error's own for DistkitError, else 1).
     """
-    from distkit.health.watchdog import lost_peer_error
+    from distkit.health.lost import lost_peer_error
 
     # sys.__stderr__: torch.distributed's excepthook (installed when a process group starts after distkit's hook,
     # e.g. by Lightning's or Accelerate's DDP in the same ranks) calls distkit's with sys.stderr swapped for a buffer
@@ -165,7 +173,7 @@ def parameters_and_float_buffers(module: nn.Module) -> Iterator[tuple[str, torch
             yield n, b
 
 
-def param_averager(strategy: "Strategy", module: nn.Module) -> ParamAverager:
+def param_averager(strategy: EngineView, module: nn.Module) -> ParamAverager:
     """The :class:`~distkit.sync.averager.ParamAverager` of ``module``'s parameters and floating buffers,
     configured from ``strategy.cfg.distributed`` (param mode on the ddp, mpi and Horovod engines)."""
     named = list(parameters_and_float_buffers(bare_module(module)))

@@ -37,7 +37,8 @@ The package, by module (each imports only those listed before it):
 * :mod:`~distkit.checkpoint.outputs`: the ``output_dir`` lock, atomic JSON files, the checks
   before any rank starts;
 * :mod:`~distkit.checkpoint.save` and :mod:`~distkit.checkpoint.load`: the Session's two entries,
-  :func:`save_state` and :func:`load_state`.
+  :func:`save_state` and :func:`load_state`;
+* :mod:`~distkit.checkpoint.api`: the Session's ``save``, ``save_async`` and ``load`` methods (a mixin).
 
 The engine-neutral part (any engine, world size, mode) is :mod:`distkit.portable`, a public module
 of its own (``distkit.portable.load_into``).

@@ -7,23 +7,60 @@ the session's set-up objects and set its counters (``num_steps``, ``num_samples`
 ``resumed_global_batch``)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from distkit import portable
+from distkit.backends.base import Strategy
+from distkit.config import RunConfig
 from distkit.errors import CheckpointError, UsageError
 
 from .manifest import check_fits, model_shapes, read_manifest, read_rank_file, verify
 
-if TYPE_CHECKING:
-    from distkit.session import Session
+
+class SessionView(Protocol):
+    """What this module reads (and sets) of :class:`distkit.Session`, which has every member: typed by this
+    protocol, the module does not import the Session (it sits below it).
+    """
+
+    _given_optimizer: Any
+    _model: Optional[nn.Module]
+    _optimizer: Any
+    _strategy: Strategy
+    cfg: RunConfig
+    num_samples: int
+    num_steps: int
+    resumed_global_batch: Optional[int]
+
+    def _collective(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Runs a collective, its timeout line naming ``what``."""
+
+    @property
+    def fault_tolerance(self) -> Any:
+        """torchft's Manager of a fault-tolerant group, else None."""
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print on rank 0."""
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+
+    def unwrap(self, model: Optional[nn.Module] = None) -> nn.Module:
+        """The plain module inside the engine's wrapper."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
 
 
-def load_state(session: "Session", path: str, state: dict[str, Any]) -> dict[str, Any]:
+def load_state(session: SessionView, path: str, state: dict[str, Any]) -> dict[str, Any]:
     """Collective: restore ``state``'s objects in place from checkpoint ``path`` (the set-up model,
     optimizer and scheduler, and anything with ``load_state_dict``), plus distkit's counters,
     averager and RNG states. Returns the checkpoint's other entries (e.g. ``{"epoch": 3}``).
@@ -74,7 +111,7 @@ def load_state(session: "Session", path: str, state: dict[str, Any]) -> dict[str
     return rest
 
 
-def relink_given_optimizer(session: "Session") -> None:
+def relink_given_optimizer(session: SessionView) -> None:
     """After a load: where the engine returned its own optimizer object over the user's param groups
     (Horovod), ``load_state_dict`` gave it new group dicts; a scheduler (or script) holding the user's
     optimizer must keep setting the learning rate the engine steps with, so the user's object shares them."""
@@ -94,7 +131,7 @@ def read_portable(path: str) -> dict[str, Any]:
     return portable.read(path)
 
 
-def restore_portable(session: "Session", entries: dict[str, Any], opt_key: Optional[str]) -> None:
+def restore_portable(session: SessionView, entries: dict[str, Any], opt_key: Optional[str]) -> None:
     """Collective (ZeRO): the set-up model, and the optimizer when ``opt_key`` names it and the
     checkpoint holds one, from a checkpoint's portable ``entries``."""
     meta = entries[portable.META]
@@ -104,7 +141,7 @@ def restore_portable(session: "Session", entries: dict[str, Any], opt_key: Optio
             portable.model_state(entries), portable.optimizer_state(entries), meta["optim_groups"])
 
 
-def same_layout(session: "Session", manifest: dict[str, Any]) -> bool:
+def same_layout(session: SessionView, manifest: dict[str, Any]) -> bool:
     """Whether checkpoint ``manifest`` was written by this engine, mode, ZeRO stage and number of
     ranks (then each rank's own file and the engine's files restore it exactly)."""
     d = session.cfg.distributed
@@ -113,7 +150,7 @@ def same_layout(session: "Session", manifest: dict[str, Any]) -> bool:
             and manifest.get("zero_stage") == getattr(session._strategy, "zero_stage", None))
 
 
-def load_portable(session: "Session", path: str, manifest: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+def load_portable(session: SessionView, path: str, manifest: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     """Restore ``state`` from the portable part of a checkpoint another engine, world size, mode or
     ZeRO stage wrote (see :mod:`distkit.portable`); RNG states come from the rank of the same
     number when the writer had one. Param mode's averager continues the writer's period (steps since

@@ -8,27 +8,61 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from distkit import portable
+from distkit.backends.base import Strategy
+from distkit.config import RunConfig
 from distkit.errors import UsageError
 
 from .manifest import model_shapes
 from .write import PendingCheckpoint, start
 
-if TYPE_CHECKING:
-    from distkit.session import Session
+
+class SessionView(Protocol):
+    """What this module reads (and sets) of :class:`distkit.Session`, which has every member: typed by this
+    protocol, the module does not import the Session (it sits below it).
+    """
+
+    _loss_watch: Any
+    _model: Optional[nn.Module]
+    _optimizer: Any
+    _strategy: Strategy
+    cfg: RunConfig
+    num_samples: int
+    num_steps: int
+    run_id: Optional[str]
+
+    @property
+    def fault_tolerance(self) -> Any:
+        """torchft's Manager of a fault-tolerant group, else None."""
+
+    @property
+    def global_batch(self) -> Optional[int]:
+        """Training samples per optimizer step, all ranks together."""
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+
+    def unwrap(self, model: Optional[nn.Module] = None) -> nn.Module:
+        """The plain module inside the engine's wrapper."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job."""
 
 
-def engine_state(session: "Session") -> dict[str, Any]:
+def engine_state(session: SessionView) -> dict[str, Any]:
     """The engine's own state of the set-up model and optimizer (param mode: each rank's replica)."""
     return session._strategy.state_dict(session._model, session._optimizer)  # type: ignore[arg-type]
 
 
-def internal_state(session: "Session") -> dict[str, Any]:
+def internal_state(session: SessionView) -> dict[str, Any]:
     """distkit's own part of a rank file: the averager, this rank's RNG states, the step and sample counters, and
     with fault-tolerant groups the torchft Manager's state (how many syncs committed: a resumed group that
     starts from it does not take the live groups for ahead of it and heal)."""
@@ -40,7 +74,7 @@ def internal_state(session: "Session") -> dict[str, Any]:
             "fault_tolerance": ft.manager.state_dict() if ft is not None else None}
 
 
-def save_state(session: "Session", path: str, state: dict[str, Any], background: bool) -> PendingCheckpoint:
+def save_state(session: SessionView, path: str, state: dict[str, Any], background: bool) -> PendingCheckpoint:
     """Collective: start writing ``state`` as checkpoint ``path`` (see :meth:`distkit.Session.save`); the
     files are written in a background thread with ``background``. ``pending.commit()`` completes it."""
     if not isinstance(state, dict):
@@ -72,7 +106,7 @@ def save_state(session: "Session", path: str, state: dict[str, Any], background:
                             global_batch=session.global_batch, background=background, run_id=session.run_id)
 
 
-def portable_part(session: "Session", state: dict[str, Any], out: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def portable_part(session: SessionView, state: dict[str, Any], out: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Collective (ZeRO): this rank's share of the engine-neutral state (see :mod:`distkit.portable`)
     and rank 0's ``meta``. In grad mode the tensors are dealt out to the ranks; in param mode the
     ranks differ between syncs and rank 0's replica is written."""

@@ -8,20 +8,28 @@ import os
 import shutil
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from distkit import portable
-
-from distkit.health import faults
+from distkit.config import RunConfig
+from distkit.env import Collectives
 from distkit.errors import CheckpointError
+from distkit.health import faults
 
 from .manifest import latest
 from .paths import KEEP, STEP_RE, _ASIDE_RE, _is_no_space, _rank_file, _step_of, sha256_file
 
-if TYPE_CHECKING:
-    from distkit.backends.base import Strategy
+
+class Strategy(Collectives, Protocol):
+    """What writing a checkpoint uses of the engine (:class:`distkit.backends.base.Strategy` has it)."""
+
+    name: str
+    cfg: RunConfig
+
+    def save_engine_files(self, directory: str, model: Any) -> None:
+        """Collective: engines with their own checkpoint format write it into ``directory``."""
 
 
 def _agree_on_error(strategy: "Strategy", error: Optional[str]) -> None:

@@ -17,7 +17,7 @@ from distkit.backends import startup
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
 from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, describe, report_agreed
 from distkit.launch.spawner import record_failure, settle_if_peer
-from distkit.health.watchdog import lost_peer_error
+from distkit.health.lost import lost_peer_error
 
 EPILOG = """\
 config keys: any top-level key of a config file can be set with ++key value (a Python
@@ -43,7 +43,7 @@ class _Parser(argparse.ArgumentParser):
 #: the subcommands beyond ``train`` and ``keys``, each in its own module with ``add_parser(sub)`` and
 #: ``run(args)`` (``sbatch``: ``run(args, overrides)``)
 COMMANDS = {"inspect": "distkit.commands.inspection", "export": "distkit.commands.export", "convert": "distkit.commands.convert",
-            "sbatch": "distkit.launch.sbatch", "lighthouse": "distkit.commands.lighthouse", "env": "distkit.commands.envreport",
+            "sbatch": "distkit.commands.sbatch", "lighthouse": "distkit.commands.lighthouse", "env": "distkit.commands.envreport",
             "plot": "distkit.commands.plot"}
 
 
@@ -287,7 +287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "keys":
             return _print_keys(args.pattern, args.markdown)
         if args.command == "sbatch":
-            from distkit.launch.sbatch import run as sbatch
+            from distkit.commands.sbatch import run as sbatch
 
             return sbatch(args, overrides)
         if args.command in COMMANDS:

@@ -63,9 +63,9 @@ def _quiet() -> Any:
 
 
 def _distkit() -> dict[str, Any]:
-    from distkit import __version__
+    import distkit
 
-    return {"version": __version__, "path": os.path.dirname(os.path.abspath(__file__))}
+    return {"version": distkit.__version__, "path": os.path.dirname(os.path.abspath(distkit.__file__))}
 
 
 def _python() -> dict[str, Any]:

@@ -168,14 +168,14 @@ def _validate(cfg: RunConfig) -> None:
     if not isinstance(cfg.preemption, bool):
         raise ConfigError(f"preemption must be True or False, got {cfg.preemption!r}")
     if cfg.fault_tolerance is not None:
-        from distkit.ft import groups as fault_tolerance
+        from distkit.ft import checks
         from distkit.ft.watch import probe_lighthouse
 
         if not isinstance(cfg.fault_tolerance, dict):
             raise ConfigError(f"fault_tolerance must be a dict like {{'lighthouse': 'http://HOST:29510', 'replica_id': 0, "
                               f"'num_replicas': 2}}, got {cfg.fault_tolerance!r}")
-        fault_tolerance.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff)
-        fault_tolerance.import_torchft()
+        checks.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff)
+        checks.import_torchft()
         probe_lighthouse(cfg.fault_tolerance["lighthouse"])  # before anything is written
     if cfg.device == "cuda":
         import torch

@@ -46,8 +46,8 @@ import torch
 
 from distkit.health import faults
 from distkit.sync.averager import unflatten_into
-from distkit.errors import BackendUnavailable, ConfigError, LighthouseLost
-from distkit.ft.lighthouse import INSTALL_HINT
+from distkit.errors import LighthouseLost
+from distkit.ft.checks import CONNECT_TIMEOUT_S
 from distkit.ft.state import load_training_state, training_state
 from distkit.ft.torchft_parts import QuorumsSeen, TorchftLines, groups_of, quiet_heal_server, quorum_gloo
 from distkit.ft.watch import (FROZEN_S, PROBE_TIMEOUT_S, TICK_S, WATCH_INTERVAL_S, Watch, groups_named_ago,
@@ -55,58 +55,7 @@ from distkit.ft.watch import (FROZEN_S, PROBE_TIMEOUT_S, TICK_S, WATCH_INTERVAL_
 
 if TYPE_CHECKING:
     from distkit.backends.base import Strategy
-    from distkit.session import Session
-
-#: default ``fault_tolerance.connect_timeout_s``: how long the members of a new quorum wait for each other to
-#: connect (torchft's gloo group is rebuilt at every quorum change)
-CONNECT_TIMEOUT_S = 30.0
-
-
-def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> None:
-    """Raise ConfigError (exit 2) for a ``fault_tolerance`` dict that cannot work. Not collective."""
-    known = {"lighthouse", "replica_id", "num_replicas", "min_replicas", "quorum_timeout_s", "connect_timeout_s"}
-    unknown = sorted(set(ft) - known)
-    if unknown:
-        raise ConfigError(f"fault_tolerance: unknown key(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
-    if reduce_type != "param":
-        raise ConfigError("fault_tolerance averages across replica groups in param mode: set distributed.reduce_type "
-                          "= 'param' (gradients are reduced inside each group every step)")
-    if sync_time_diff is not None:
-        raise ConfigError("fault_tolerance syncs by step (param_sync_step): remove param_sync_time_diff")
-    lighthouse = ft.get("lighthouse")
-    if not isinstance(lighthouse, str) or not urllib.parse.urlparse(lighthouse).port:
-        raise ConfigError(f"fault_tolerance.lighthouse must be the lighthouse's URL, e.g. 'http://HOST:29510' "
-                          f"(`distkit lighthouse` prints it), got {lighthouse!r}")
-    for key, low in (("replica_id", 0), ("num_replicas", 1), ("min_replicas", 1)):
-        value = ft.get(key, 1 if key == "min_replicas" else None)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ConfigError(f"fault_tolerance.{key} must be an integer >= {low}, got {value!r}")
-    if ft["replica_id"] >= ft["num_replicas"]:
-        raise ConfigError(f"fault_tolerance.replica_id {ft['replica_id']} is not below num_replicas "
-                          f"{ft['num_replicas']}: number the groups 0 .. num_replicas - 1")
-    if ft.get("min_replicas", 1) > ft["num_replicas"]:
-        raise ConfigError(f"fault_tolerance.min_replicas {ft['min_replicas']} is larger than num_replicas "
-                          f"{ft['num_replicas']}, the groups that can ever join: no sync could commit")
-    for key, default in (("quorum_timeout_s", 600), ("connect_timeout_s", CONNECT_TIMEOUT_S)):
-        timeout = ft.get(key, default)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ConfigError(f"fault_tolerance.{key} must be a positive number of seconds, got {timeout!r}")
-
-
-def import_torchft() -> Any:
-    """The torchft package, or BackendUnavailable with the install command.
-
-    torchft's Rust side (each group's Manager server and client) logs every quorum and commit at INFO to stderr,
-    about 1.3 KB per rank per sync; distkit reports the membership itself (summary, metrics.jsonl), so their
-    default level here is warnings: ``RUST_LOG=info`` in the environment brings them back. Its logger reads
-    ``RUST_LOG`` when the extension loads, so this is set before the import."""
-    os.environ.setdefault("RUST_LOG", "warn")
-    try:
-        import torchft
-    except ImportError as e:
-        raise BackendUnavailable(f"fault_tolerance needs torchft ({e}): {INSTALL_HINT}") from None
-    return torchft
-
+    from distkit.ft.state import SessionView
 
 class FaultTolerance:
     """This rank's torchft Manager, and the syncs through it.
@@ -141,7 +90,7 @@ class FaultTolerance:
             logging.getLogger(name).setLevel(logging.WARNING)
         # torchft's Manager logs: a warning at every new quorum that means nothing without NCCL (CPU) is dropped,
         # a handled failure's traceback becomes one distkit line (its real warnings stay)
-        logging.getLogger("torchft.manager").addFilter(TorchftLines(self))
+        logging.getLogger("torchft.manager").addFilter(TorchftLines(self.replica_id, self._rank, lambda: self._step_of()))
         # The group's store for torchft (its manager's address; the cross-group gloo group of a quorum meets in
         # the store of one member, so it must be reachable from the other groups' hosts): served by this group's
         # rank 0, found by the others with one broadcast.
@@ -346,8 +295,8 @@ class FaultTolerance:
         return None
 
 
-# -- the Session's side (its own code, kept here; it knows the Session only as a type) --------------------------
-def join(session: "Session") -> FaultTolerance:
+# -- the Session's side (its own code, kept here; it knows the Session by ft.state's protocol) --------------------
+def join(session: "SessionView") -> FaultTolerance:
     """Collective over this group, after ``session.setup``: this rank's Manager, handed to the engine (whose
     ``average_parameters`` then goes through it)."""
     ft = FaultTolerance(session._strategy, session.cfg.fault_tolerance or {}, float(session.cfg.distributed.timeout_s),

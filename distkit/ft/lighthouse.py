@@ -4,17 +4,17 @@
 1.6 s on these machines before the lighthouse binds its port, for a server that uses no torch at all. The
 lighthouse is ``lighthouse_main`` of torchft's Rust extension ``torchft._torchft``; this file loads that
 extension alone and calls it. :mod:`distkit.commands.lighthouse` runs it as a script,
-``python .../ft_lighthouse.py --bind ... --min_replicas ...``: the lighthouse parses the process's own
+``python .../distkit/ft/lighthouse.py --bind ... --min_replicas ...``: the lighthouse parses the process's own
 argv and skips only its first word (the interpreter), so the second must be this script's path (``python
--c`` or ``-m`` would put another word there). Standard library only: the script's folder (``distkit/``) is
+-c`` or ``-m`` would put another word there). Standard library only: the script's folder (``distkit/ft/``) is
 first on ``sys.path`` and is taken off before any import could find a distkit module there by its short
 name.
 """
-import os  # distkit/ holds no os.py or sys.py: these two are safe before the fix below
+import os  # distkit/ft/ holds no os.py or sys.py: these two are safe before the fix below
 import sys
 
 if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]  # distkit/ itself (not with -P/PYTHONSAFEPATH): its env.py, data.py must not stand in for anything
+    del sys.path[0]  # distkit/ft/ itself (not with -P/PYTHONSAFEPATH): its state.py, watch.py must not stand in for anything
 
 import importlib.machinery
 import importlib.util

@@ -4,17 +4,31 @@ group's ranks take their data."""
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
+from torch import nn
 
+from distkit.backends.base import Strategy
+from distkit.config import RunConfig
 from distkit.errors import HealMismatch
 
-if TYPE_CHECKING:
-    from distkit.session import Session
+
+class SessionView(Protocol):
+    """What this module reads (and sets) of :class:`distkit.Session`, which has every member: typed by this
+    protocol, the module does not import the Session (it sits below it).
+    """
+
+    _model: Optional[nn.Module]
+    _optimizer: Any
+    _scheduler: Any
+    _strategy: Strategy
+    cfg: RunConfig
+    num_samples: int
+    num_steps: int
 
 
-def training_state(session: "Session") -> dict[str, Any]:
+def training_state(session: SessionView) -> dict[str, Any]:
     """This rank's training state for the same rank of a group that heals (read while this rank waits in a sync:
     nothing changes it meanwhile). The engine-neutral form of the portable checkpoint part (model and optimizer
     state by name; on fsdp this rank's shards, :meth:`Strategy.heal_state`). Must not be collective (torchft asks
@@ -64,7 +78,7 @@ def digests(state: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def load_training_state(session: "Session", state: dict[str, Any]) -> None:
+def load_training_state(session: SessionView, state: dict[str, Any]) -> None:
     """Collective over this group: take a live group's state (:func:`training_state`); this group heals (inside
     a sync, before its result is applied; the step and sample counters jump to that group's).
 

@@ -9,12 +9,9 @@ import datetime
 import logging
 import re
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from distkit.ft.groups import FaultTolerance
 
 
 class TorchftLines(logging.Filter):
@@ -24,9 +21,10 @@ class TorchftLines(logging.Filter):
     line, labelled with the group, the rank and the training step (issue 36 item 12); the "flight recorder"
     warning that every new quorum logs without NCCL is dropped."""
 
-    def __init__(self, ft: "FaultTolerance") -> None:
+    def __init__(self, replica_id: int, rank: int, step_of: Callable[[], int]) -> None:
+        """``step_of()``: the training step whose sync is under way (read when a record comes)."""
         super().__init__()
-        self._ft = ft
+        self._replica_id, self._rank, self._step_of = replica_id, rank, step_of
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
@@ -35,8 +33,8 @@ class TorchftLines(logging.Filter):
         if record.exc_info or record.levelno >= logging.ERROR:
             lines = re.sub(r"^\[[^\]]*\]\s*", "", text).splitlines()  # without torchft's label
             text = lines[0] if lines else "an error"
-            record.msg, record.args = (f"distkit: group {self._ft.replica_id} rank {self._ft._rank}, sync at step "
-                                       f"{self._ft._step_of()}: torchft: {text[:300]}"), ()
+            record.msg, record.args = (f"distkit: group {self._replica_id} rank {self._rank}, sync at step "
+                                       f"{self._step_of()}: torchft: {text[:300]}"), ()
             record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True
 

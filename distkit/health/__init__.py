@@ -1,5 +1,6 @@
 """What keeps a job honest while it runs: the watchdog (peers lost or stalled, bounded waits;
-:mod:`.watchdog`), the one-line errors around user scripts (:mod:`.guards`), preemption (:mod:`.preemption`) and fault
-injection for tests (:mod:`.faults`).
+:mod:`.watchdog`, with its heartbeat :mod:`.heartbeat`, its store :mod:`.store`, the end of the job on a host
+:mod:`.local_peers` and the lost-peer error :mod:`.lost`), the one-line errors around user scripts (:mod:`.guards`),
+preemption (:mod:`.preemption`) and fault injection for tests (:mod:`.faults`).
 
-Imports: ``launch``, ``errors``; never the Session or an engine (they are typed by protocols)."""
+Imports: ``launch``, ``errors``; never the Session or an engine (they are typed by protocols: :mod:`.protocols`)."""

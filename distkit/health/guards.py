@@ -24,16 +24,15 @@ from torch import nn
 
 from distkit.errors import DistkitError, NonFiniteLoss, UsageError, report_agreed
 from distkit.launch.spawner import record_failure, settle_if_peer
-from distkit.health.watchdog import lost_peer_error
+from distkit.health.lost import lost_peer_error
 
 if TYPE_CHECKING:
-    from distkit.backends.base import Strategy
-    from distkit.session import Session
+    from distkit.health.protocols import SessionLike, StrategyLike
 
 _HOOKED = False
 
 
-def install_excepthook(current: Callable[[], Optional["Session"]]) -> None:
+def install_excepthook(current: Callable[[], Optional[SessionLike]]) -> None:
     """Uncaught DistkitErrors print one line (no traceback) and exit with their status; an uncaught
     error of any kind first lets the engine stop the other ranks (MPI_Abort) so none waits forever.
     ``current()`` returns the open Session, if any (:attr:`distkit.Session.current`)."""
@@ -80,7 +79,7 @@ def install_excepthook(current: Callable[[], Optional["Session"]]) -> None:
     sys.excepthook = hook
 
 
-def explained(exc: BaseException, session: Optional["Session"]) -> BaseException:
+def explained(exc: BaseException, session: Optional[SessionLike]) -> BaseException:
     """A known error of torch's whose text does not say what to do in a distkit script, as a UsageError that does."""
     if (session is not None and "Default process group has not been initialized" in str(exc)
             and not torch.distributed.is_initialized()):
@@ -132,7 +131,7 @@ def name_missing_module(model: nn.Module) -> None:
     model.__class__ = _NAMED_CLASSES[base]
 
 
-def guard_raw_clip(session: "Session") -> Callable[[], None]:
+def guard_raw_clip(session: SessionLike) -> Callable[[], None]:
     """Where ``param.grad`` does not hold the gradient the engine steps with (ZeRO's partitions), a kept
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), x)`` would see no gradient and never clip: it
     raises UsageError naming the fix instead (for the set-up model's parameters only, while this
@@ -236,7 +235,7 @@ def setup_optimizer(already: bool, model: Any, optimizer: Any, engine_defines_op
     return optimizer
 
 
-def check_backward(loss: Any, micro: int, k: int, strategy: "Strategy") -> None:
+def check_backward(loss: Any, micro: int, k: int, strategy: StrategyLike) -> None:
     """UsageError unless ``dk.backward(loss)`` can run: ``loss`` a scalar tensor, and, on an engine that takes
     exactly ``k`` (accum_grad_multiple_step) passes per step, fewer than ``k`` passes (``micro``) so far."""
     if strategy.fixed_accumulation and micro >= k:
@@ -249,7 +248,7 @@ def check_backward(loss: Any, micro: int, k: int, strategy: "Strategy") -> None:
         raise UsageError(f"dk.backward(loss) needs a scalar tensor, got {shape}: reduce it first, e.g. loss.mean()")
 
 
-def check_step(micro: int, k: int, strategy: "Strategy") -> None:
+def check_step(micro: int, k: int, strategy: StrategyLike) -> None:
     """UsageError for ``dk.step()`` after ``micro`` backward passes on an engine that takes exactly ``k``."""
     if strategy.fixed_accumulation and 0 < micro < k:
         raise UsageError(f"dk.step() after {micro} backward pass(es), but the {strategy.name} engine takes "

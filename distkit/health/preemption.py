@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 if TYPE_CHECKING:
-    from distkit.session import Session
+    from distkit.health.protocols import SessionLike
 
 #: the signals schedulers send before they end a job
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -66,7 +66,7 @@ class Preemption:
             # a second signal acts as if none were caught: the user (or scheduler) means now
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
 
-    def agreed(self, dk: "Session") -> Optional[str]:
+    def agreed(self, dk: SessionLike) -> Optional[str]:
         """Collective (every rank, after the same step): the name of a signal some rank had received when the
         check :data:`LAG` calls before this one started, or None. Starts this call's check (one all-reduce of
         one float, in the background) and waits for that earlier one: every rank gets the same answer at the
@@ -81,7 +81,7 @@ class Preemption:
             got = float(self._checks.popleft().wait().item())
         return signal.Signals(int(got)).name if got else None
 
-    def settle(self, dk: "Session") -> None:
+    def settle(self, dk: SessionLike) -> None:
         """Collective (every rank, at the same point: the end of the loop, a stop): wait for the checks still
         in flight (their answers no longer matter; an engine must not be torn down under them)."""
         with dk._collective(WHAT):

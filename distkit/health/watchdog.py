@@ -10,10 +10,10 @@ after the engine joined its process group and stops it in ``close``):
 
 * **store**: a :class:`torch.distributed.TCPStore` served by rank 0 on a free port. Its address
   reaches the other ranks once, through the engine's own ``broadcast_object``, so the mpi and
-  horovod engines need no torch process group.
+  horovod engines need no torch process group (:mod:`distkit.health.store`).
 * **beater thread**: every ``interval = min(1, T / 4)`` seconds it adds 1 to this rank's counter
   ``hb/<rank>`` and reads every rank's counter (one ``multi_get``), where ``T`` is
-  ``distributed.timeout_s``.
+  ``distributed.timeout_s`` (:class:`distkit.health.heartbeat.Heartbeat`, which a Watchdog is).
 * **judge thread** (clock only, it never waits on the network): a rank whose counter has not
   changed for ``T`` seconds of this process's monotonic clock (clocks of different hosts need not
   agree), as this rank's own reads saw it, is named; when the store itself has not answered a call
@@ -31,32 +31,33 @@ It tests liveness only: the threads run beside the training loop, so a long step
 main thread hangs with the GIL released, keeps beating; a rank that is alive but never joins a
 collective is left to the engine's collective timeout. When a collective does time out, the rank
 calls :func:`explain_stall` first: if a heartbeat is late, the judge gets the moment it needs to name
-the rank instead of the engine's "timed out".
+the rank instead of the engine's "timed out". When a connection to a peer broke instead,
+:func:`distkit.health.lost.lost_peer_error` asks the heartbeats which rank is gone. At the end of a normal run
+the lowest rank of each host sees its host's ranks out (:class:`distkit.health.local_peers.LocalPeers`, which a
+Watchdog is too).
 
-Cost: per interval each rank sends one ``add`` and one ``multi_get`` of ``world_size`` keys to rank
-0's store (``world_size**2`` key reads per interval there: fine for hundreds of ranks).
+Cost: see :mod:`distkit.health.store` (one ``add`` and one ``multi_get`` per rank per interval).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
-import signal
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from distkit.launch import procfs
-from distkit.errors import RankLost, RankStalled
+from distkit.errors import RankStalled
+from distkit.health.heartbeat import Heartbeat, interval_for
+from distkit.health.local_peers import LocalPeers
+from distkit.health.store import connect_store
 from distkit.launch.guard import end_launcher_after
-from distkit.launch.netif import host_identity, reachable_address
+from distkit.launch.netif import host_identity
 
 if TYPE_CHECKING:
-    from distkit.backends.base import Strategy
+    from distkit.health.protocols import StrategyLike
 
-#: seconds between heartbeats at most (also the judge's period)
-MAX_INTERVAL_S = 1.0
 #: a peer whose heartbeat has not changed for this many intervals, after a connection to it broke, is
 #: gone (a live rank is seen to beat about once per interval; twice that allows for a busy machine)
 LOST_AFTER_INTERVALS = 3.0
@@ -64,9 +65,6 @@ LOST_AFTER_INTERVALS = 3.0
 _ACTIVE: Optional["Watchdog"] = None
 #: seconds :meth:`Watchdog.stop` waits for the beater's store call in flight to return
 STOP_JOIN_S = 2.0
-#: what :func:`lost_peer_error` found (kept after the watchdog stops: the failure is reported later)
-_LOST: Optional[RankLost] = None
-_LOOKED = False  # lost_peer_error looked already (it waits once per process)
 
 
 #: a pause of the judge's own thread of this many heartbeat intervals (it wakes every half interval) means this
@@ -76,21 +74,19 @@ OWN_GAP = 3
 
 
 def ranks_text(ranks: list[int]) -> str:
-    """``rank 1`` or ``ranks 1, 3``: how the judge and :func:`lost_peer_error` name ranks."""
+    """``rank 1`` or ``ranks 1, 3``: how the judge and :func:`~distkit.health.lost.lost_peer_error` name ranks."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def interval_for(timeout_s: float) -> float:
-    """Seconds between heartbeats for ``distributed.timeout_s = timeout_s``: ``min(1, T / 4)``."""
-    return min(MAX_INTERVAL_S, timeout_s / 4)
+def active() -> Optional["Watchdog"]:
+    """This process's running watchdog (from :func:`start_watchdog` until its :meth:`~Watchdog.stop`), or None.
+    Per process: each rank has its own."""
+    return _ACTIVE
 
 
-def _key(rank: int) -> str:
-    return f"hb/{rank}"
-
-
-class Watchdog:
-    """This rank's heartbeat and the judge of everyone else's. Made by :func:`start_watchdog`.
+class Watchdog(Heartbeat, LocalPeers):
+    """This rank's heartbeat (:class:`~distkit.health.heartbeat.Heartbeat`) and the judge of everyone else's.
+    Made by :func:`start_watchdog`.
 
     Args:
         store: the job's heartbeat store (rank 0 serves it; every rank holds a client).
@@ -105,28 +101,16 @@ class Watchdog:
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
                  end_job: Callable[[int], None], startup_s: Optional[float] = None) -> None:
-        self.store, self.rank, self.world_size = store, rank, world_size
+        super().__init__(store, rank, world_size, interval_for(timeout_s))
         #: the judge's bound now (seconds) and the config key that sets it; the heartbeat interval is timeout_s's
-        self.timeout_s, self.interval_s = float(timeout_s), interval_for(timeout_s)
+        self.timeout_s = float(timeout_s)
         self.key = "distributed.timeout_s"
         self._final_s = float(timeout_s)
         if startup_s is not None:
             self.timeout_s, self.key = float(startup_s), "distributed.startup_timeout_s"
         self._meetings = 0  # meet() calls so far: the n-th call of every rank meets the others' n-th
         self.end_job = end_job
-        now = time.monotonic()
-        self._values: list[Optional[bytes]] = [None] * world_size
-        #: monotonic time at which this rank last saw each rank's counter change (or the start)
-        self._changed = [now] * world_size
-        #: monotonic time of the last store round trip that completed: each peer's counter is known up to it
-        self._last_ok = now
-        #: monotonic start of the first store call since the last that completed (None while they complete)
-        self._trying: Optional[float] = None
-        self._keys = [_key(r) for r in range(world_size)]  # every rank's heartbeat counter
-        self._where: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), once every rank beat
-        self._stop = threading.Event()
         self._lock = threading.Lock()  # the judge fires, or stop() stops it: never both
-        self._beater = threading.Thread(target=self._beat_loop, name="distkit-heartbeat", daemon=True)
         self._judge = threading.Thread(target=self._judge_loop, name="distkit-watchdog", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -160,132 +144,7 @@ class Watchdog:
                 self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, 5.0)))
                 self._learn_where()
 
-    # -- the end of the job: every rank on this host must have left ------------------------------
-    def leave(self) -> None:
-        """Mark this rank as leaving (after its engine's teardown), for :meth:`reap_local_peers`: the mark is
-        this process's name (:func:`distkit.launch.procfs.mark_left`), local to the host. Not a key in the heartbeat
-        store: its server, rank 0, may be gone by now (on another host it can leave first), and a peer whose
-        exit then waits on this host's reaper (MPI_Finalize under mpirun is collective) would deadlock with
-        a reaper that waits for its mark or its exit."""
-        procfs.mark_left()
-
-    def _local_ranks(self) -> list[int]:
-        """The ranks on this host (as far as this rank has learned where the ranks run), in order."""
-        here = host_identity()
-        return sorted(r for r, (host, _) in self._where.items() if host == here)
-
-    def reap_local_peers(self, timeout_s: float) -> list[int]:
-        """The end of a run, on the lowest rank of this host only: wait until every other rank on this host
-        has left (marked by :meth:`leave`) or exited. A peer that is stopped (SIGSTOP, state T) for a
-        second, or still there after ``timeout_s``, would keep the launcher (mpirun, torchrun, the
-        spawner) waiting forever once the others have gone: it is SIGKILLed and returned. Not collective;
-        the other ranks return [] at once (only one rank per host waits, so none waits for a waiter)."""
-        local = self._local_ranks()
-        if not local or local[0] != self.rank:
-            return []
-        peers = {r: self._where[r][1] for r in local if r != self.rank}
-        deadline, stopped_since = time.monotonic() + timeout_s, {}
-        killed: list[int] = []
-        while peers:
-            now = time.monotonic()
-            for r, pid in list(peers.items()):
-                state = procfs.state(pid)
-                if state in (None, "Z") or procfs.has_left(pid):
-                    del peers[r]
-                    continue
-                if state in ("T", "t"):
-                    stopped_since.setdefault(r, now)
-                else:
-                    stopped_since.pop(r, None)
-                if now - stopped_since.get(r, now) >= 1.0 or now >= deadline:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-                    killed.append(r)
-                    del peers[r]
-            if peers:  # (no sleep after the last: the launcher may stop this rank any moment after its peer died)
-                time.sleep(0.05)
-        return killed
-
-    def see_local_peers_out(self, timeout_s: float, watch_exit: bool = True) -> None:
-        """The end of a normal run, after the engine's teardown: the run is over, but the job is not until
-        every rank has left; a rank stopped now would keep the launcher waiting forever once the others are
-        gone. Marks this rank as leaving; the lowest rank of each host then waits for its host's ranks
-        (:meth:`reap_local_peers`) and, if it had to end any, says so in one line and exits with status 1
-        (the run's outputs are complete). The lowest rank then hands the watch over the host's ranks, itself
-        included, to a watcher process until they have exited (:mod:`distkit.launch.exit_watch`: a rank stopped
-        between its mark and its exit kept ``MPI_Finalize`` and the launcher waiting forever); not with
-        ``watch_exit`` False (a launcher that does it itself). Not collective."""
-        self.leave()
-        killed = self.reap_local_peers(timeout_s)
-        local = self._local_ranks()
-        if watch_exit and not killed and len(local) > 1 and local[0] == self.rank:
-            from distkit.launch import exit_watch
-
-            exit_watch.watch_until_exit({r: self._where[r][1] for r in local})
-        if killed:
-            names = ", ".join(str(r) for r in killed)
-            print(f"distkit: rank{'s' * (len(killed) > 1)} {names} stopped responding while the job ended (after "
-                  f"the last collective); ended {'them' if len(killed) > 1 else 'it'}: the run's outputs are "
-                  "complete, the job exits non-zero", file=sys.__stderr__ or sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(1)
-
-    # -- the beater: store I/O ---------------------------------------------------------------
-    def _beat_loop(self) -> None:
-        seen = [False] * self.world_size
-        while not self._stop.is_set():
-            if not self.beat(seen):
-                # The connection to the store is broken (its host died or closed it): a TCPStore client does not
-                # reconnect, so every further call fails too, each printing torch's 22-line C++ warning before
-                # distkit's line. No more calls: the judge names rank 0 after timeout_s.
-                self._stop.wait()
-                return
-            self._stop.wait(self.interval_s)
-
-    def beat(self, seen: list[bool]) -> bool:
-        """One heartbeat: add 1 to this rank's counter and read every counter that exists (``seen``: the ranks
-        known to have beaten, updated in place). A call that fails leaves the judge to decide (the store's host is
-        gone or not answering). Returns False once the connection to the store is broken for good."""
-        keys = self._keys
-        if self._trying is None:
-            self._trying = time.monotonic()
-        try:
-            self.store.add(keys[self.rank], 1)
-            if not all(seen):  # at start: a rank that never beat must not block the read
-                seen[:] = [s or self.store.check([k]) for s, k in zip(seen, keys)]
-            if all(seen) and len(self._where) < self.world_size:  # (again at the next beat if it failed)
-                self._learn_where()
-            ranks = [r for r in range(self.world_size) if seen[r]]
-            values = self.store.multi_get([keys[r] for r in ranks])
-        except Exception as e:  # noqa: BLE001 - the store's host is gone or not answering: the judge decides
-            return type(e).__name__ != "DistNetworkError"
-        now = time.monotonic()
-        for r, v in zip(ranks, values):
-            if v != self._values[r]:
-                self._values[r], self._changed[r] = v, now
-        self._last_ok, self._trying = now, None
-        return True
-
-    def _learn_where(self) -> None:
-        for r, v in enumerate(self.store.multi_get([f"who/{r}" for r in range(self.world_size)])):
-            host, _, pid = v.decode().rpartition(" ")
-            self._where[r] = (host, int(pid))
-
     # -- the judge: clock only ---------------------------------------------------------------
-    def ages(self) -> dict[int, float]:
-        """Seconds each other rank's heartbeat was seen unchanged: from the read that first saw its counter's
-        value to this rank's latest read (which saw the same value). Time in which this rank did not read (its
-        beater did not run: its process starved or stopped, its main thread holding the GIL in C code) counts for
-        no one until the next read, which either sees a new beat or confirms the silence: a rank's own delay is
-        never charged to a peer (a starved rank 0 whose judge ran before its beater named a live rank 1 after a
-        complete run beside a loaded suite). While the store does not answer a call, only rank 0 (its host) is
-        aged, since that call began: the others' counters cannot be read."""
-        now = time.monotonic()
-        trying = self._trying
-        if self.rank != 0 and trying is not None and now - trying >= self.interval_s * 1.5:
-            return {0: now - trying}
-        return {r: max(0.0, self._last_ok - self._changed[r]) for r in range(self.world_size) if r != self.rank}
-
     def end_startup(self) -> None:
         """Judge by ``timeout_s`` from now on (start-up has ended: ``Job._end_startup``). Not collective."""
         self.timeout_s, self.key = self._final_s, "distributed.timeout_s"
@@ -371,15 +230,6 @@ class Watchdog:
             self.end_job(1)
             os._exit(1)  # end_job does not return; if an engine's did, this rank still must not
 
-    def kill_local(self, ranks: list[int]) -> None:
-        """SIGKILL those of ``ranks`` that run on this host (their pids as learned), never this process."""
-        here = host_identity()
-        for r in ranks:
-            host, pid = self._where.get(r, ("", 0))
-            if host == here and pid > 0 and pid != os.getpid():
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-
     def lost(self) -> list[int]:
         """The ranks whose heartbeat has stopped: no change for :data:`LOST_AFTER_INTERVALS` intervals.
         Waits until one shows or that long has passed (at most ``5.5 * interval_s`` seconds, about 5.5 s)
@@ -416,10 +266,10 @@ class Watchdog:
             time.sleep(0.05)
 
 
-def start_watchdog(strategy: "Strategy", timeout_s: float, startup_s: Optional[float] = None) -> Optional[Watchdog]:
-    """Collective (one ``strategy.broadcast_object``, one ``all_gather_object``): start this rank's
-    watchdog; None for a single rank, or when the store cannot be served or reached (rank 0 and each
-    rank that failed print one line; the job runs on without it, with the engines' own timeouts).
+def start_watchdog(strategy: StrategyLike, timeout_s: float, startup_s: Optional[float] = None) -> Optional[Watchdog]:
+    """Collective (one ``strategy.broadcast_object``, one ``all_gather_object``: :func:`~distkit.health.store.connect_store`):
+    start this rank's watchdog; None for a single rank, or when the store cannot be served or reached (rank 0 and
+    each rank that failed print one line; the job runs on without it, with the engines' own timeouts).
 
     Args:
         strategy: the engine, already initialised (its collectives work).
@@ -429,34 +279,8 @@ def start_watchdog(strategy: "Strategy", timeout_s: float, startup_s: Optional[f
     global _ACTIVE
     if strategy.world_size == 1:
         return None
-    import torch.distributed as dist
-
-    from distkit.env import _my_address
-
-    # (connecting is start-up: its bound)
-    timeout = datetime.timedelta(seconds=max(float(timeout_s), float(startup_s or 0.0)))
-    store, where, error = None, None, ""
-    if strategy.rank == 0:
-        try:
-            store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
-            # The address the others reach: the interface toward MASTER_ADDR (a host name may resolve
-            # to loopback), else the host's own address.
-            where = {"host": host_identity(), "port": int(store.port),
-                     "addr": reachable_address(os.environ.get("MASTER_ADDR")) or _my_address()}
-        except Exception as e:  # noqa: BLE001 - reported below, the run goes on without a watchdog
-            error = f"{type(e).__name__}: {e}"
-    where = strategy.broadcast_object(where, 0)
-    if strategy.rank != 0 and where is not None:
-        addr = "127.0.0.1" if where["host"] == host_identity() else where["addr"]
-        try:
-            store = dist.TCPStore(addr, where["port"], None, False, timeout=timeout)
-        except Exception as e:  # noqa: BLE001
-            error = f"cannot reach rank 0's heartbeat store at {addr}:{where['port']}: {type(e).__name__}: {e}"
-    ok = strategy.all_gather_object(store is not None)
-    if not all(ok):
-        if error or strategy.rank == 0:
-            print(f"distkit: rank {strategy.rank}: no stall watchdog ({error or 'a rank cannot reach the store'}); "
-                  f"a stopped rank is noticed only by the engine's timeout", file=sys.stderr, flush=True)
+    store = connect_store(strategy, timeout_s, startup_s)
+    if store is None:
         return None
     watchdog = Watchdog(store, strategy.rank, strategy.world_size, timeout_s, strategy.end_job, startup_s)
     watchdog.run()
@@ -482,37 +306,3 @@ def end_local_peers() -> None:
     watchdog = _ACTIVE
     if watchdog is not None:
         watchdog.kill_local([r for r in sorted(watchdog._where) if r != watchdog.rank])
-
-
-def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
-    """Where a rank failed because its connection to a peer broke ("connection closed by peer", reset,
-    refused: :func:`distkit.launch.spawner.connection_lost`; not a timeout): the rank that is gone, as a
-    :class:`RankLost` naming it and its host, for this rank to report instead of the engine's message
-    (which names an address at best). Watches the heartbeats until a rank's has stopped
-    (:meth:`Watchdog.lost`, a few seconds at most), once per process: later calls return the same
-    answer at once. None when no heartbeat stopped (the peer is alive: it failed on its own and its
-    launcher reports it), when ``exc`` is not a broken connection, or when no watchdog runs. Not
-    collective."""
-    global _LOST, _LOOKED
-    from distkit.launch.spawner import connection_lost
-
-    watchdog = _ACTIVE
-    if _LOOKED or isinstance(exc, RankStalled) or not connection_lost(exc):
-        return _LOST
-    if watchdog is not None:
-        _LOOKED = True
-        ranks = watchdog.lost()
-        if not ranks:
-            return None
-        where = [watchdog._where.get(r, ("", 0)) for r in ranks]
-        hosts = sorted({host.split("|")[0] for host, _ in where if host})
-        which = ranks_text(ranks)
-        on = f" (host {', '.join(hosts)})" if hosts else ""
-        if any(host != host_identity() for host, _ in where):  # (one of this host: its launcher saw it end)
-            end_launcher_after(f"{which}{on} gone")
-        _LOST = RankLost(
-            f"{which}{on} is gone: the connection to it closed and its heartbeat stopped (noticed by rank "
-            f"{watchdog.rank}): it died, was killed, or its host went down; its own output, if any, has "
-            f"the cause (this rank's error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})",
-            ranks)
-    return _LOST

@@ -96,7 +96,8 @@ def _user_modules() -> list[str]:
     import site
 
     roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                            os.path.dirname(os.path.abspath(__file__)),
+                                            # distkit itself: the package above this folder
+                                            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                             *site.getsitepackages(), site.getusersitepackages()) if p}
     names = []
     for name, mod in list(sys.modules.items()):

@@ -11,20 +11,57 @@ running statistics). Integer buffers and optimizer state stay local (as in RETUR
 torch's ``PeriodicModelAverager``): after a sync each rank's optimizer keeps its own
 moments. Memory: one temporary flat copy of the averaged tensors per sync; with the outer
 optimizer, one persistent copy of the parameters (the anchor) plus its momentum buffer.
+
+Here: the schedule (when to sync) and the plain sync. Its parts: :mod:`.fragments` (the cut and the step rule),
+:mod:`.outer` (the outer optimizer), :mod:`.exchange` (the pseudo-gradient exchanges: compressed, overlapped),
+:mod:`.state` (checkpoints); :class:`Reducer`, the collectives they all call.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 
-from distkit.errors import ConfigError
+from distkit.sync.exchange import InFlight, PseudoGradientExchanges
+from distkit.sync.fragments import check_fragments, cut, due_by_step, fragment_indices, step_offsets
+from distkit.sync.outer import outer_sgd, outer_step, outer_update
+from distkit.sync.state import AveragerState
 
-if TYPE_CHECKING:
-    from distkit.backends.base import Strategy
+
+class Reducer(Protocol):
+    """The collectives the sync code calls on its ``strategy`` (the averager's, and the compressed exchange's,
+    :class:`distkit.sync.compression.Exchange`): the members of the engines' Strategy
+    (:class:`distkit.backends.base.Strategy`) it uses, with their contracts, which Strategy satisfies as it is (an
+    engine may pass another object that has them, e.g. an averager of its own that stands in for its strategy)."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
+
+    def average_parameters(self, params: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> None:
+        """Collective: every rank must call it, in the same order. Sets each tensor to its mean over ranks.
+        ``is_param``: which of ``params`` are parameters rather than floating buffers, where they are views
+        (fragments of param_sync_fragments); None = ``isinstance(t, nn.Parameter)``.
+
+        With replica groups the ranks of a group hold the same tensors, so the mean over ranks is the mean over
+        groups: it is taken over this rank's cross group, one copy of the model per link instead of one per rank;
+        the floating buffers, which differ inside a group, over the group's ranks and then across the groups."""
+
+    def averaging_size(self) -> int:
+        """How many copies of the parameters the averaging averages: the replica groups, else the ranks."""
+
+    def start_all_to_all(self, rows: torch.Tensor) -> Any:
+        """Collective over the ranks the parameters are averaged over (this rank's cross group with replica
+        groups, else every rank; :meth:`averaging_size` of them, in rank order): ``rows`` (p, m) uint8, row j for
+        member j, started in the background: returns a handle whose ``wait()`` returns (p, m), row j the row
+        member j sent to this rank (``param_sync_overlap``). Every rank starts and waits for its exchanges in the
+        same order."""
+
+    def start_all_gather(self, row: torch.Tensor) -> Any:
+        """Collective over the same ranks as :meth:`start_all_to_all`: ``row`` (m,) uint8 from each, started in
+        the background: returns a handle whose ``wait()`` returns (p, m), row j member j's. Every rank starts and
+        waits for its exchanges in the same order."""
 
 
 def flat_mean(tensors: list[torch.Tensor], mean: Callable[[torch.Tensor], Any],
@@ -50,69 +87,17 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
             offset += n
 
 
-@dataclass
-class _InFlight:
-    """An exchange of param_sync_overlap in the background: its fragments (None: all), the tensors it averages,
-    the step it started at, the local tensors then, and the exchange itself."""
-
-    fragments: Optional[list[int]]
-    params: list[int]
-    start: int
-    snapshot: list[torch.Tensor]
-    exchange: Any
-
-    def state(self) -> dict[str, Any]:
-        """For this rank's checkpoint file: enough to start the same collective again on resume."""
-        e = self.exchange
-        return {"fragments": self.fragments, "params": self.params, "start": self.start,
-                "snapshot": [t.detach().clone() for t in self.snapshot], "codec": e.codec, "n": e.n,
-                "rows": e.rows if e.phase == 1 else None, "mine": e.mine if e.phase == 2 else None}
-
-    @classmethod
-    def resume(cls, strategy: Any, state: dict[str, Any]) -> "_InFlight":
-        """Collective: the exchange of :meth:`state`, started again at the phase it was in (every rank of the
-        group resumes from the same step, so they start the same collectives in the same order)."""
-        from distkit.sync.compression import Exchange
-
-        x = torch.zeros(state["n"])
-        exchange = Exchange(strategy, x, state["codec"], rows=state["rows"], mine=state["mine"])
-        return cls(state["fragments"], state["params"], state["start"], state["snapshot"], exchange)
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` as one flat float32 copy."""
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
 
 
-def cut(sizes: list[int], parts: int) -> list[list[int]]:
-    """``range(len(sizes))`` cut into ``parts`` contiguous, non-empty runs of near-equal total size: run k ends
-    where the running total comes closest to ``(k+1)/parts`` of the whole (leaving an item for each run after
-    it). The same on every rank: it depends only on the sizes, in their fixed order."""
-    if not 1 <= parts <= len(sizes):
-        raise ValueError(f"cannot cut {len(sizes)} items into {parts} parts")
-    total, n = sum(sizes), len(sizes)
-    runs: list[list[int]] = []
-    run: list[int] = []
-    acc = 0  # the running total, times parts below (integers: the same cut on every machine)
-    for i, size in enumerate(sizes):
-        k = len(runs)
-        if run and k < parts - 1:
-            target = (k + 1) * total
-            # close before item i: the items left are just enough for the runs left, or taking i would overshoot
-            # the target by more than stopping here falls short of it
-            if n - i == parts - 1 - k or (acc + size) * parts - target > target - acc * parts:
-                runs.append(run)
-                run = []
-        run.append(i)
-        acc += size
-        k = len(runs)
-        if k < parts - 1 and acc * parts >= (k + 1) * total and n - i - 1 >= parts - 1 - k:
-            runs.append(run)
-            run = []
-    runs.append(run)
-    return runs
-
-
-class ParamAverager:
+class ParamAverager(PseudoGradientExchanges, AveragerState):
     """Average ``tensors`` over ranks every ``sync_step`` steps or every ``sync_time_diff`` seconds.
 
     Args:
-        strategy: provides ``average_parameters`` and ``all_reduce`` (collectives).
+        strategy: the collectives (:class:`Reducer`): ``average_parameters`` and ``all_reduce``, and the compressed
+            exchange's.
         tensors: the model's parameters and floating buffers, in a fixed order on every rank.
         sync_step: optimizer steps between syncs (>= 1). Ignored when ``sync_time_diff`` is set.
         sync_time_diff: seconds between syncs, or None.
@@ -131,20 +116,14 @@ class ParamAverager:
             sizes, so that every engine and rank cuts the model at the same parameters.
     """
 
-    def __init__(self, strategy: "Strategy", tensors: list[torch.Tensor], sync_step: int,
+    def __init__(self, strategy: Reducer, tensors: list[torch.Tensor], sync_step: int,
                  sync_time_diff: Optional[float] = None, outer_optimizer: Optional[dict[str, Any]] = None,
                  names: Optional[list[str]] = None, fragments: int = 1,
                  fragment_sizes: Optional[list[int]] = None, compression: str = "none",
                  error_feedback: bool = True, overlap: int = 0) -> None:
         if sync_step < 1:
             raise ValueError(f"sync_step must be >= 1, got {sync_step}")
-        if fragments < 1 or (sync_time_diff is None and fragments > sync_step):
-            raise ValueError(f"fragments must be in 1..sync_step ({sync_step}), got {fragments}")
-        if fragments > len(tensors):
-            error = ConfigError(f"'distributed.param_sync_fragments' ({fragments}) is more than the {len(tensors)} "
-                                f"tensors the model averages: set it to at most {len(tensors)}")
-            error.agreed = True  # every rank finds it, at the same point: reported once
-            raise error
+        check_fragments(fragments, sync_step, sync_time_diff, len(tensors))
         if names is not None and len(names) != len(tensors):
             raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
         self.strategy = strategy
@@ -179,14 +158,11 @@ class ParamAverager:
         self._error: Optional[list[torch.Tensor]] = None
         #: param_sync_overlap: steps an exchange runs in the background before its result is applied
         self.overlap = overlap
-        self._in_flight: list[_InFlight] = []
+        self._in_flight: list[InFlight] = []
         if outer_optimizer is not None or compression != "none" or overlap > 0:
             self._anchor = [t.detach().clone() for t in tensors]
         if outer_optimizer is not None:
-            momentum = float(outer_optimizer.get("momentum", 0.9))
-            # torch refuses nesterov without momentum; with momentum 0 both are plain SGD anyway.
-            self._outer = torch.optim.SGD(self._anchor, lr=float(outer_optimizer.get("lr", 0.7)),
-                                          momentum=momentum, nesterov=momentum > 0)
+            self._outer = outer_sgd(self._anchor, outer_optimizer)
 
     def _due(self) -> bool:
         if self.sync_time_diff is None:
@@ -220,12 +196,11 @@ class ParamAverager:
 
     def fragment_offsets(self) -> list[int]:
         """Step rule: fragment i first syncs at step ``i*H//F``, then every H steps."""
-        return [i * self.sync_step // self.fragments for i in range(self.fragments)]
+        return step_offsets(self.sync_step, self.fragments)
 
     def _due_fragments(self) -> list[int]:
         if self.sync_time_diff is None:
-            h = self.sync_step
-            return [i for i, o in enumerate(self.fragment_offsets()) if self.steps >= max(o, 1) and (self.steps - o) % h == 0]
+            return due_by_step(self.steps, self.sync_step, self.fragments)
         elapsed = torch.tensor([time.monotonic() - self._last_sync], dtype=torch.float64)
         self.strategy.all_reduce(elapsed, op="max")  # the same decision on every rank
         return [self._next_fragment] if float(elapsed.item()) >= self.sync_time_diff / self.fragments else []
@@ -249,19 +224,15 @@ class ParamAverager:
         self._average(list(range(len(self.tensors))))
         self.wait_s += time.perf_counter() - t0  # the exchange, counted as waiting on communication
         if self._outer is not None:
-            with torch.no_grad():
-                for a, t in zip(self._anchor, self.tensors, strict=True):
-                    a.grad = a - t  # pseudo-gradient: how far the average moved, negated
-                self._outer.step()
-                for a, t in zip(self._anchor, self.tensors, strict=True):
-                    t.copy_(a)
+            outer_step(self._outer, self._anchor, self.tensors)
         self._synced(None)
         self._updated()
 
     def _sync_fragments(self, fragments: list[int]) -> None:
         """Collective: average ``fragments``' tensors in one exchange; with the outer optimizer, its Nesterov step
-        on those tensors' anchors (torch SGD's own formula, with their momentum buffers)."""
-        index = [i for k in fragments for i in self.fragment_tensors[k]]
+        on those tensors' anchors (torch SGD's own formula, with their momentum buffers), then each tensor set to
+        its anchor."""
+        index = fragment_indices(self.fragment_tensors, fragments)
         tensors = [self.tensors[i] for i in index]
         t0 = time.perf_counter()
         self._average(index)
@@ -269,29 +240,12 @@ class ParamAverager:
         if self._outer is not None:
             with torch.no_grad():
                 for i, t in zip(index, tensors, strict=True):
-                    self._outer_step(i, self._anchor[i] - t)  # pseudo-gradient: how far the average moved, negated
+                    # pseudo-gradient: how far the average moved, negated
+                    outer_update(self._outer, self._anchor[i], self._anchor[i] - t)
+                    self.tensors[i].copy_(self._anchor[i])
         self._synced(fragments)
         self._updated()
 
-    def _outer_step(self, i: int, g: torch.Tensor) -> None:
-        """The outer optimizer's step on tensor ``i``'s anchor with pseudo-gradient ``g``, then the tensor set to
-        the anchor."""
-        self._outer_update(i, g)
-        self.tensors[i].copy_(self._anchor[i])
-
-    def _outer_update(self, i: int, g: torch.Tensor) -> None:
-        """The outer optimizer's step on tensor ``i``'s anchor with pseudo-gradient ``g`` (torch SGD's own formula,
-        with its momentum buffer)."""
-        group = self._outer.param_groups[0]  # type: ignore[union-attr]
-        lr, momentum = group["lr"], group["momentum"]
-        a = self._anchor[i]
-        state = self._outer.state[a]  # type: ignore[union-attr]
-        if "momentum_buffer" not in state:  # torch's first step: the buffer is the gradient
-            state["momentum_buffer"] = g.clone()
-        else:
-            state["momentum_buffer"].mul_(momentum).add_(g)
-        buf = state["momentum_buffer"]
-        a.add_(g.add(buf, alpha=momentum) if group["nesterov"] else buf, alpha=-lr)
 
     def keep(self, tensors: list[torch.Tensor]) -> None:
         """Average ``tensors`` (a module given to ``dk.keep_in_sync``: its floating parameters and buffers) at
@@ -330,94 +284,6 @@ class ParamAverager:
         """The averaged tensors changed (a sync, or an overlapped exchange applied): engines whose model weights
         are copies of them (DeepSpeed's masters) rewrite the weights here."""
 
-    def _average_buffers(self, fragments: Optional[list[int]]) -> list[int]:
-        """Collective, for the pseudo-gradient exchanges (compressed, overlapped): average ``fragments``' floating
-        buffers (None: all fragments) and the kept modules plainly, now (small, and no pseudo-gradient); return the
-        indices of the parameter tensors this rank holds a part of, which the exchange then sends."""
-        index = list(range(len(self.tensors))) if fragments is None else \
-            [i for k in fragments for i in self.fragment_tensors[k]]
-        self._average([i for i in index if not self.is_parameter(i)])
-        return [i for i in index if self.is_parameter(i) and self.tensors[i].numel() > 0]
-
-    # -- param_sync_overlap: exchanges in the background ----------------------------------------------------
-    def _start(self, fragments: Optional[list[int]], at_once: bool = False) -> None:
-        """Collective: start the exchange of ``fragments``' tensors (None: all): floating buffers averaged now
-        (small), each rank's pseudo-gradient (``anchor - local``, plus its error feedback) sent in the
-        background (:class:`distkit.sync.compression.Exchange`, fp32 unless compressed; with ``compression``, what
-        crosses the link is its encoding, and error feedback keeps what it could not carry); the local tensors
-        are remembered, to keep the progress made until the result is applied (:meth:`_apply`). ``at_once``:
-        the caller applies it before the next step (the blocking compressed sync, the final sync), so there is
-        no progress to keep."""
-        from distkit.sync.compression import Exchange
-
-        t0 = time.perf_counter()
-        params = self._average_buffers(fragments)
-        with torch.no_grad():
-            delta = self._delta(params)
-            exchange = Exchange(self.strategy, delta, self.compression if self.compression != "none" else "fp32")
-            self._keep_error(params, delta, exchange.sent)
-            if self.overlap // 2 == 0:  # tau = 1 (or blocking): the all-to-all now, the all-gather next
-                exchange.second()
-        self.wait_s += time.perf_counter() - t0
-        snapshot = [] if at_once else [self.tensors[i].detach().clone() for i in params]
-        self._in_flight.append(_InFlight(fragments, params, self.steps, snapshot, exchange))
-        self._synced(fragments)
-
-    def _progress(self) -> None:
-        """Collective: move the exchanges in flight on: the second phase starts ``tau // 2`` steps after the
-        first, the result is applied ``tau`` steps after the start; the same steps on every rank."""
-        for f in list(self._in_flight):
-            age = self.steps - f.start
-            if age >= self.overlap // 2 and f.exchange.phase == 1:
-                t0 = time.perf_counter()
-                f.exchange.second()
-                self.wait_s += time.perf_counter() - t0
-            if age >= self.overlap:
-                self._in_flight.remove(f)
-                self._apply(f)
-
-    def _apply(self, f: "_InFlight") -> None:
-        """Collective: the exchange's mean pseudo-gradient moves the anchor (plainly, or as the outer optimizer's
-        gradient) and each tensor becomes the new anchor plus the progress this rank made since the exchange
-        started (the merge rule: no local step is lost; it goes into the next exchange's pseudo-gradient).
-        Started ``at_once`` (no snapshot): each tensor becomes the new anchor."""
-        t0 = time.perf_counter()
-        mean = f.exchange.result()
-        self.wait_s += time.perf_counter() - t0
-        with torch.no_grad():
-            offset = 0
-            for k, i in enumerate(f.params):
-                t, n = self.tensors[i], self.tensors[i].numel()
-                g = mean[offset:offset + n].view_as(t).to(t.dtype)
-                if self._outer is not None:
-                    self._outer_update(i, g)
-                else:
-                    self._anchor[i].sub_(g)
-                t.copy_(self._anchor[i] + (t - f.snapshot[k]) if f.snapshot else self._anchor[i])
-                offset += n
-        self._updated()
-
-    def _delta(self, params: list[int]) -> torch.Tensor:
-        """This rank's pseudo-gradient of tensors ``params`` (flat fp32), plus what the codec held back last time."""
-        delta = torch.cat([(self._anchor[i] - self.tensors[i]).reshape(-1).float() for i in params]) \
-            if params else torch.zeros(0)
-        if self.error_feedback:
-            if self._error is None:
-                self._error = [torch.zeros(t.numel(), dtype=torch.float32, device=t.device) for t in self.tensors]
-            if params:
-                delta += torch.cat([self._error[i] for i in params])
-        return delta
-
-    def _keep_error(self, params: list[int], delta: torch.Tensor, sent: torch.Tensor) -> None:
-        """Error feedback: what of ``delta`` the others did not read (``sent`` is what they read)."""
-        if not self.error_feedback:
-            return
-        offset = 0
-        for i in params:
-            n = self.tensors[i].numel()
-            self._error[i] = delta[offset:offset + n] - sent[offset:offset + n]  # type: ignore[index]
-            offset += n
-
     def final_sync(self) -> None:
         """Collective: sync unless the last step already did, so every rank ends with the same model (with
         fragments: every fragment with steps since its last sync, in one exchange; with overlap, the exchanges
@@ -453,98 +319,3 @@ class ParamAverager:
                 a.copy_(t)
         if self._outer is not None:
             self._outer.state.clear()
-
-    def _counters(self) -> dict[str, Any]:
-        return {"steps_since_sync": self.steps_since_sync, "num_syncs": self.num_syncs, "steps": self.steps,
-                "fragment_since": list(self.fragment_since), "next_fragment": self._next_fragment}
-
-    def _load_counters(self, counters: dict[str, Any]) -> None:
-        self.steps_since_sync = int(counters["steps_since_sync"])
-        self.num_syncs = int(counters["num_syncs"])
-        # a checkpoint from before fragments: its clock from the syncs (exact for the step rule)
-        self.steps = int(counters.get("steps", self.num_syncs * self.sync_step + self.steps_since_sync))
-        since = counters.get("fragment_since")
-        # another number of fragments (or none before): a new period for each, from here
-        self.fragment_since = [int(n) for n in since] if since and len(since) == self.fragments else [0] * self.fragments
-        self._next_fragment = int(counters.get("next_fragment", 0)) % self.fragments
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = self._counters()
-        if self._anchor:
-            state["anchor"] = [a.detach().clone() for a in self._anchor]
-        if self._outer is not None:
-            state["outer"] = self._outer.state_dict()
-        if self._error is not None:  # this rank's own: in its rank file only
-            state["error"] = [e.detach().clone() for e in self._error]
-        if self._in_flight:  # this rank's payloads: a resume starts the same collectives again (rank file only)
-            state["in_flight"] = [f.state() for f in self._in_flight]
-        return state
-
-    # -- the portable part of a checkpoint (by name: any engine, world size) ------------------------
-    def portable_state(self, keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Collective where the tensors are sharded (ZeRO): ``(tensors, counters)`` for a checkpoint's
-        portable part. ``tensors``: with the outer optimizer, ``anchor/<name>`` (the model as of the last
-        sync, after the outer step) and ``momentum/<name>`` (its momentum buffer, once a sync made one),
-        whole, on the CPU; the same on every rank (both change only at a sync, identically everywhere),
-        so one rank writes them and the others pass ``keep=False`` (they take no copies; under ZeRO they
-        still join the assembly). ``counters``: steps since the last sync, syncs so far, whether an
-        outer optimizer ran."""
-        counters = {**self._counters(), "outer": self._outer is not None}
-        if not self._anchor:
-            return {}, counters
-        tensors = {f"anchor/{n}": t for n, t in self._by_name(self._anchor, keep).items()}
-        if self._outer is None:
-            return tensors, counters
-        momentum = [self._outer.state.get(a, {}).get("momentum_buffer") for a in self._anchor]
-        if all(m is not None for m in momentum):
-            tensors.update({f"momentum/{n}": t for n, t in self._by_name(momentum, keep).items()})  # type: ignore[arg-type]
-        return tensors, counters
-
-    def load_portable_state(self, tensors: dict[str, torch.Tensor], counters: dict[str, Any]) -> None:
-        """Collective where the tensors are sharded: continue from :meth:`portable_state`'s output, which
-        any engine and world size may have written, after the model was loaded. The period continues
-        (steps since the last sync); the anchor and momentum are restored when both sides use the outer
-        optimizer, else the anchor is the loaded model (a new outer optimizer starts without momentum)."""
-        self.restart()
-        self._load_counters(counters)
-        if not self._anchor or not any(k.startswith("anchor/") for k in tensors):
-            return
-        with torch.no_grad():
-            self._from_name({k[len("anchor/"):]: v for k, v in tensors.items() if k.startswith("anchor/")}, self._anchor)
-            momentum = {k[len("momentum/"):]: v for k, v in tensors.items() if k.startswith("momentum/")}
-            if momentum and self._outer is not None:
-                buffers = [torch.zeros_like(a) for a in self._anchor]
-                self._from_name(momentum, buffers)
-                for a, b in zip(self._anchor, buffers, strict=True):
-                    self._outer.state[a]["momentum_buffer"] = b
-
-    def _by_name(self, values: list[torch.Tensor], keep: bool = True) -> dict[str, torch.Tensor]:
-        """``values`` (one per averaged tensor, the same shapes) by the model's names, whole, on the CPU
-        (empty when not ``keep``)."""
-        if self.names is None:
-            raise NotImplementedError(f"{type(self).__name__} was built without tensor names")
-        return {n: v.detach().cpu().clone() for n, v in zip(self.names, values, strict=True)} if keep else {}
-
-    def _from_name(self, by_name: dict[str, torch.Tensor], into: list[torch.Tensor]) -> None:
-        """The inverse of :meth:`_by_name`: copy ``by_name`` into ``into`` (one per averaged tensor)."""
-        if self.names is None:
-            raise NotImplementedError(f"{type(self).__name__} was built without tensor names")
-        for n, t in zip(self.names, into, strict=True):
-            t.copy_(by_name[n].to(t.device, t.dtype).view_as(t))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_counters(state)
-        if self._anchor and "anchor" in state:
-            with torch.no_grad():
-                for a, v in zip(self._anchor, state["anchor"], strict=True):
-                    a.copy_(v)
-        if self._outer is not None and "outer" in state:
-            self._outer.load_state_dict(state["outer"])
-        self._error = [e.clone() for e in state["error"]] if self.error_feedback and state.get("error") else None
-        self._in_flight = [_InFlight.resume(self.strategy, f) for f in state.get("in_flight", [])] if self.overlap else []
-        self._last_sync = time.monotonic()
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``tensors`` as one flat float32 copy."""
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors])

@@ -16,17 +16,36 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from distkit.sync.averager import ParamAverager
+from distkit.sync.averager import ParamAverager, Reducer
 from distkit.sync.replicas import ReplicaGroups
 
-if TYPE_CHECKING:
-    from .engine import DeepSpeedStrategy
+
+class EngineView(Reducer, Protocol):
+    """What the param-mode averager of this module uses of the DeepSpeed engine
+    (:class:`~distkit.backends.deepspeed.engine.DeepSpeedStrategy` has it): the sync code's collectives
+    (:class:`~distkit.sync.averager.Reducer`) and the members below. The engine imports this module, never the
+    other way round."""
+
+    engine: Any  # deepspeed's DeepSpeedEngine
+    mpu: Optional["_ReplicaGroups"]
+    ft: Any  # fault-tolerant groups' FaultTolerance, else None
+    world_size: int
+
+    @property
+    def device(self) -> torch.device:
+        """The engine's device."""
+
+    def unwrap(self, model: Any) -> nn.Module:
+        """The plain module inside the engine."""
+
+    def average_over(self, tensors: list[torch.Tensor], group: Any, size: int) -> None:
+        """Collective over ``group`` (None: every rank) of ``size`` ranks: each tensor becomes its mean."""
 
 
 class _ReplicaGroups:
@@ -90,7 +109,7 @@ class _MasterAverager(ParamAverager):
     averager's state goes by name through DeepSpeed's own assembly (``safe_get/set_full_fp32_param``):
     the state is put in the masters' place for the time of the (collective) assembly."""
 
-    def __init__(self, strategy: DeepSpeedStrategy, masters: list[torch.Tensor], buffers: list[tuple[str, torch.Tensor]],
+    def __init__(self, strategy: EngineView, masters: list[torch.Tensor], buffers: list[tuple[str, torch.Tensor]],
                  refresh: Any, params: Optional[list[tuple[str, nn.Parameter]]], **kwargs: Any) -> None:
         self._n_masters, self._refresh, self._ds, self._params = len(masters), refresh, strategy, params
         self._buffer_names = [n for n, _ in buffers]
