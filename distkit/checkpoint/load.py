@@ -7,57 +7,18 @@ the session's set-up objects and set its counters (``num_steps``, ``num_samples`
 ``resumed_global_batch``)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import numpy as np
 import torch
-from torch import nn
 
 from distkit import portable
-from distkit.backends.base import Strategy
-from distkit.config import RunConfig
 from distkit.errors import CheckpointError, UsageError
 
 from .manifest import check_fits, model_shapes, read_manifest, read_rank_file, verify
-
-
-class SessionView(Protocol):
-    """What this module reads (and sets) of :class:`distkit.Session`, which has every member: typed by this
-    protocol, the module does not import the Session (it sits below it).
-    """
-
-    _given_optimizer: Any
-    _model: Optional[nn.Module]
-    _optimizer: Any
-    _strategy: Strategy
-    cfg: RunConfig
-    num_samples: int
-    num_steps: int
-    resumed_global_batch: Optional[int]
-
-    def _collective(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Runs a collective, its timeout line naming ``what``."""
-
-    @property
-    def fault_tolerance(self) -> Any:
-        """torchft's Manager of a fault-tolerant group, else None."""
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """Print on rank 0."""
-
-    @property
-    def rank(self) -> int:
-        """Global rank."""
-
-    def unwrap(self, model: Optional[nn.Module] = None) -> nn.Module:
-        """The plain module inside the engine's wrapper."""
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the job."""
+from .save import SessionView
 
 
 def load_state(session: SessionView, path: str, state: dict[str, Any]) -> dict[str, Any]:

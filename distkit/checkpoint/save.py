@@ -6,6 +6,7 @@ session's set-up objects and counters (``session._model``, ``_optimizer``, ``_st
 change them."""
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from typing import Any, Optional, Protocol
@@ -24,18 +25,23 @@ from .write import PendingCheckpoint, start
 
 
 class SessionView(Protocol):
-    """What this module reads (and sets) of :class:`distkit.Session`, which has every member: typed by this
-    protocol, the module does not import the Session (it sits below it).
+    """What saving and loading (:mod:`.save`, :mod:`.load`) read and set of :class:`distkit.Session`, which has
+    every member: typed by this protocol, the checkpoint package does not import the Session (it sits below it).
     """
 
-    _loss_watch: Any
+    _given_optimizer: Any  # the optimizer the user passed to setup (the engine may hold another)
+    _loss_watch: Any  # the non-finite loss guard (health.guards.LossWatch)
     _model: Optional[nn.Module]
     _optimizer: Any
     _strategy: Strategy
     cfg: RunConfig
     num_samples: int
     num_steps: int
+    resumed_global_batch: Optional[int]
     run_id: Optional[str]
+
+    def _collective(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Runs a collective, its timeout line naming ``what``."""
 
     @property
     def fault_tolerance(self) -> Any:
@@ -44,6 +50,9 @@ class SessionView(Protocol):
     @property
     def global_batch(self) -> Optional[int]:
         """Training samples per optimizer step, all ranks together."""
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print on rank 0."""
 
     @property
     def rank(self) -> int:
