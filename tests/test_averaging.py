@@ -79,19 +79,27 @@ def _outer(rank: int, world: int, lr: float, momentum: float) -> list[float]:
     from distkit.sync.averager import ParamAverager
 
     s = _strategy(rank, world)
-    p = torch.ones(3)
-    avg = ParamAverager(s, [p], 1, outer_optimizer={"class": "nesterov", "lr": lr, "momentum": momentum})
-    p -= rank + 1  # local update: rank 0 -> 0, rank 1 -> -1; mean = -0.5, pseudo-gradient 1.5
-    avg.after_step()
-    return p.tolist()
+    p = torch.nn.Parameter(torch.ones(3), requires_grad=False)  # a parameter (the outer optimizer steps it)
+    buffer = torch.ones(2)  # a floating buffer (BatchNorm's running statistics): averaged, never stepped
+    avg = ParamAverager(s, [p, buffer], 1, outer_optimizer={"class": "nesterov", "lr": lr, "momentum": momentum})
+    for _ in range(2):
+        p -= rank + 1  # local update: rank 0 -> 0, rank 1 -> -1; mean = -0.5, pseudo-gradient 1.5
+        buffer -= rank + 1
+        avg.after_step()
+    return [p.tolist(), buffer.tolist()]
 
 
 def test_outer_nesterov_closed_form(tmp_path: Path) -> None:
-    # lr 1, momentum 0: plain averaging.
-    assert run_ranks(_outer, 2, tmp_path, 1.0, 0.0) == [[-0.5] * 3] * 2
-    # Nesterov first step: update = g + momentum * g = 1.9 * 1.5; anchor 1 - 0.7 * 2.85.
-    for got in run_ranks(_outer, 2, tmp_path, 0.7, 0.9):
-        assert torch.allclose(torch.tensor(got), torch.full((3,), 1 - 0.7 * 1.9 * 1.5))
+    # lr 1, momentum 0: plain averaging (two syncs, each moving by the mean update -1.5).
+    assert run_ranks(_outer, 2, tmp_path, 1.0, 0.0) == [[[-2.0] * 3, [-2.0] * 2]] * 2
+    # Nesterov, torch SGD's formula: step 1 buf = g = 1.5, update g + 0.9 buf = 2.85: anchor 1 - 0.7 * 2.85;
+    # step 2 buf = 0.9 * 1.5 + 1.5 = 2.85, update 1.5 + 0.9 * 2.85. The buffer: the plain mean each time
+    # (issue 57 E: momentum extrapolated BatchNorm's running variance below zero).
+    a1 = 1 - 0.7 * 1.9 * 1.5
+    a2 = a1 - 0.7 * (1.5 + 0.9 * 2.85)
+    for p, buffer in run_ranks(_outer, 2, tmp_path, 0.7, 0.9):
+        assert torch.allclose(torch.tensor(p), torch.full((3,), a2)), p
+        assert buffer == [-2.0, -2.0], buffer
 
 
 def _fragments(rank: int, world: int, outer: bool) -> dict[str, object]:
@@ -99,7 +107,7 @@ def _fragments(rank: int, world: int, outer: bool) -> dict[str, object]:
     from distkit.sync.averager import ParamAverager
 
     s = _strategy(rank, world)
-    tensors = [torch.zeros(6), torch.zeros(2, 5), torch.zeros(3), torch.zeros(9)]
+    tensors = [torch.nn.Parameter(torch.zeros(*shape), requires_grad=False) for shape in ((6,), (2, 5), (3,), (9,))]
     oo = {"class": "nesterov", "lr": 0.7, "momentum": 0.9} if outer else None
     avg = ParamAverager(s, tensors, 4, outer_optimizer=oo, fragments=2)
     synced, values = [], []

@@ -44,6 +44,10 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
     "compile": (["save_load"], ["--compile"], ""),
     "unused": (["plain", "save_load", "some_ranks"], ["--unused"], FIND_UNUSED),
     "unused_no_find": (["plain"], ["--unused"], ""),
+    # DiLoCo (param mode only): Nesterov outer steps at every step's sync, where momentum extrapolated BatchNorm's
+    # running statistics before issue 57 E (they are averaged, never stepped)
+    "diloco": (["plain", "eval_between_steps"], [],
+               ", 'param_sync_step': 1, 'outer_optimizer': {'class': 'nesterov', 'lr': 0.7, 'momentum': 0.9}"),
 }
 
 SAME = "same"
@@ -86,6 +90,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": dict.fromkeys(ENGINES, SAME),
     "BatchNorm model: evaluation (model.eval(), torch.no_grad()) between training steps": dict.fromkeys(ENGINES, SAME),
     "evaluation loader with drop_last=False, dk.gather per batch (gather_for_metrics)": dict.fromkeys(ENGINES, SAME),
+    "DiLoCo outer optimizer on a BatchNorm model, evaluation between steps (param)": dict.fromkeys(ENGINES, SAME),
 }
 #: idiom -> (run kind, phase)
 WHERE: dict[str, tuple[str, str]] = {
@@ -106,8 +111,10 @@ WHERE: dict[str, tuple[str, str]] = {
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": ("main", "drop_last"),
     "BatchNorm model: evaluation (model.eval(), torch.no_grad()) between training steps": ("main", "eval_between_steps"),
     "evaluation loader with drop_last=False, dk.gather per batch (gather_for_metrics)": ("main", "eval_gather"),
+    "DiLoCo outer optimizer on a BatchNorm model, evaluation between steps (param)": ("diloco", "eval_between_steps"),
 }
 GRAD_ONLY = {"accum", "compile", "unused", "unused_no_find"}
+PARAM_ONLY = {"diloco"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,6 +174,7 @@ def expected(idiom: str, engine: str) -> str:
 
 CASES = [(idiom, engine, mode) for idiom in EXPECTED for engine in ENGINES for mode in MODES
          if not (mode == "param" and (WHERE[idiom][0] in GRAD_ONLY or idiom.startswith("model.module")))
+         and not (mode == "grad" and WHERE[idiom][0] in PARAM_ONLY)
          and expected(idiom, engine) != "(torch)"]
 
 
@@ -222,6 +230,10 @@ def test_idiom_gives_ddp_result_or_the_documented_error(runs: Any, idiom: str, e
         if engine != "ddp":
             ref_ema = ref["ranks"][0]["phases"]["ema"]["ema"]
             assert max((mine[0]["ema"][k] - ref_ema[k]).abs().max().item() for k in ref_ema) <= TOL
+    if kind == "diloco":  # buffers take the plain average at every sync: a variance stays a variance
+        for rank, p in enumerate(mine):
+            var = p["buffers"]["bn.running_var"]
+            assert var.min().item() > 0, f"rank {rank}: running_var min {var.min().item()}"
     if kind == "compile":  # the compiled model's checkpoint has the model's own names
         from distkit import portable
 

@@ -202,3 +202,52 @@ def test_hsdp_counts_the_wait_in_its_all_reduce_across_the_replicas(tmp_path: Pa
     waits = {r: json.loads((tmp_path / f"wait-{r}.json").read_text())["comm_wait_s"] for r in range(4)}
     assert waits[0] >= 2.9, waits  # the two delays, less scheduling slack
     assert waits[2] < 2.9, waits  # the late rank itself waited for nobody that long
+
+
+CONTAINERS = '''
+import sys, torch, distkit
+from torch import nn
+
+class Net(nn.Module):  # blocks in a ModuleList, heads in a ModuleDict: direct children fully_shard refuses
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(8, 2), "b": nn.Linear(8, 1)})
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.heads["a"](h).sum(1) + self.heads["b"](h).squeeze(1)
+
+dk = distkit.init({"nprocs": 2, "progress_bar": False}, distributed={"backend": sys.argv[2]})
+torch.manual_seed(0)
+model = Net()
+model, opt = dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+for step in range(4):
+    g = torch.Generator().manual_seed(10 * step + dk.rank)
+    dk.backward(model(torch.randn(4, 6, generator=g)).pow(2).mean())
+    dk.step()
+full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in dk.unwrap(model).named_parameters()}
+units = sum(1 for m in dk.unwrap(model).modules() if type(m).__name__.startswith("FSDP"))
+if dk.is_main:
+    torch.save({"params": full, "units": units}, sys.argv[1])
+dk.close()
+'''
+
+
+def test_module_lists_and_dicts_are_cut_into_a_unit_per_element_and_train_as_ddp(tmp_path: Path) -> None:
+    """Issue 57 I: a model whose direct children are an ``nn.ModuleList`` and an ``nn.ModuleDict`` (fully_shard
+    refuses containers without a forward: a traceback before) gets a unit per element (3 blocks, 2 heads, the
+    embedding, the root) and trains as ddp does (4 SGD steps with momentum)."""
+    script = tmp_path / "containers.py"
+    script.write_text(CONTAINERS)
+    got = {}
+    for engine in ("ddp", "fsdp"):
+        ok(run([str(BIN / "python"), str(script), str(tmp_path / f"{engine}.pt"), engine], timeout=170))
+        got[engine] = torch.load(tmp_path / f"{engine}.pt", weights_only=True)
+    assert got["fsdp"]["units"] == 7 and got["ddp"]["units"] == 0
+    assert got["fsdp"]["params"].keys() == got["ddp"]["params"].keys()
+    assert max_abs_diff(got["fsdp"]["params"], got["ddp"]["params"]) <= 1e-6

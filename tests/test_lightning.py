@@ -56,6 +56,28 @@ class BoringModel(LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+class BNModel(LightningModule):
+    """Lightning's imagenet template's shape: BatchNorm, and steps that call a submodule (self.model(x)), not self."""
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    def training_step(self, batch, batch_idx):
+        return self.model(batch).pow(2).mean()
+    def validation_step(self, batch, batch_idx):
+        self.log("valid_loss", self.model(batch).pow(2).mean(), sync_dist=True)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+def bn_fit(strategy):
+    """A fit with validation after each epoch: the last epoch's logged valid_loss, and the parameters."""
+    pl.seed_everything(SEED)
+    model = BNModel()
+    t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=EPOCHS, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                num_sanity_val_steps=0)
+    t.fit(model, loader(TRAIN, shuffle=True), loader(VAL))
+    return float(t.callback_metrics["valid_loss"]), {k: v.detach().clone() for k, v in model.named_parameters()}
+
 TRAIN, VAL = RandomDataset(32, 64, 1), RandomDataset(32, 16, 2)
 SEED, EPOCHS, BATCH = 7, 2, 4
 
@@ -143,6 +165,11 @@ got, got_res = fit(strategy, out=os.path.join(args.out, "ckpt"), **KW)
 result.update(engine=strategy.dk.backend, mode=strategy.dk.cfg.distributed.reduce_type, max_diff=maxdiff(ref, got),
               ref=ref_res, got=got_res, world=strategy.world_size)
 if args.case == "horovod_too":
+    # validation during fit whose step calls a submodule (issue 57 B): rank 0's BatchNorm statistics before the first
+    # evaluation forward, as DDP broadcasts them in its wrapper's forward; the same logged value
+    bn_ref, bn_ref_params = bn_fit(DDPStrategy())
+    bn_got, bn_got_params = bn_fit(DistkitStrategy(args))
+    result["bn"] = dict(ref=bn_ref, got=bn_got, max_diff=maxdiff(bn_ref_params, bn_got_params))
     # Fabric on the same engine (a second Session of it), against Fabric's own "ddp" in the same ranks
     fabric_ref, fabric_dk = fabric_fit("ddp"), DistkitStrategy(args)
     result["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_fit(fabric_dk)), engine=fabric_dk.dk.backend)
@@ -232,7 +259,8 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
 def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) -> None:
     """``--nprocs 2`` starts the ranks under mpirun (distkit's launcher for the MPI engines), where Lightning's
     DDPStrategy runs too (MPIEnvironment): the mpi engine, then Horovod in the same ranks, equal it (measured: 0.0
-    on both); under Fabric too, each against Fabric's own "ddp" (0.0 on both)."""
+    on both); under Fabric too, each against Fabric's own "ddp" (0.0 on both). A BatchNorm model whose steps call a
+    submodule logs DDPStrategy's validation loss on the mpi engine (issue 57 B)."""
     rows = _job(tmp_path, GRAD, "horovod_too", "--nprocs", "2", "++distributed.backend", "mpi")
     for row in rows:
         for got in (row, row["horovod"]):
@@ -242,6 +270,9 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
         assert (row["engine"], row["horovod"]["engine"]) == ("mpi", "horovod")
         for got, engine in ((row, "mpi"), (row["horovod"], "horovod")):  # Fabric on each, against Fabric's "ddp"
             assert got["fabric"]["engine"] == engine and got["fabric"]["max_diff"] <= 1e-6, got["fabric"]
+        # BatchNorm, steps calling a submodule: the validation during fit logs DDPStrategy's value (before: each rank's
+        # own statistics, 0.00975563 against 0.00933252 in the issue's template)
+        assert abs(row["bn"]["got"] - row["bn"]["ref"]) <= 1e-6 and row["bn"]["max_diff"] <= 1e-6, row["bn"]
 
 
 def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) -> None:
@@ -340,6 +371,7 @@ from distkit.lightning import DistkitFabricStrategy, DistkitStrategy
 SEED, EPOCHS = 7, 2
 torch.manual_seed(1)
 DATA = RandomDataset(32, 64)
+REDUCED = []  # per train(): what fabric.all_reduce gave
 
 def train(strategy, start_epoch=0, save=None, load=None):
     """Fabric's loop on Lightning's BoringModel layer: setup, setup_dataloaders (DistributedSampler), backward, step;
@@ -361,6 +393,13 @@ def train(strategy, start_epoch=0, save=None, load=None):
             optimizer.step()
         if save and epoch == 0:
             fabric.save(save, {"model": model, "optimizer": optimizer})
+    # fabric.all_reduce with no group (Fabric passes torch.distributed's WORLD): in place, as Fabric's ddp reduces
+    r = fabric.global_rank
+    x, n, m = torch.tensor([r + 1.0, 0.25 * r]), torch.tensor([r + 2]), torch.tensor([r + 2])
+    y = fabric.all_reduce(x)
+    fabric.all_reduce(n, reduce_op="sum")
+    fabric.all_reduce(m)  # an integer mean: truncated, in the tensor's dtype
+    REDUCED.append({"mean": x.tolist(), "same": y is x, "sum": n.tolist(), "int_mean": m.tolist(), "dtype": str(m.dtype)})
     if hasattr(strategy, "dk"):
         strategy.dk.finish()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, fabric
@@ -394,14 +433,15 @@ with open(os.path.join(sys.argv[1], f"result-{fabric.global_rank}.json"), "w") a
     json.dump({"grad": maxdiff(ref, grad), "param": maxdiff(own, param), "param_vs_grad": maxdiff(grad, param),
                "resume": maxdiff(param, resumed), "sidecar": os.path.isdir(CKPT + ".distkit"),
                "engines": [grad_engine, param_strategy.dk.cfg.distributed.reduce_type],
-               "classes": [type(grad_strategy).__name__, type(param_strategy).__name__]}, f)
+               "classes": [type(grad_strategy).__name__, type(param_strategy).__name__], "reduced": REDUCED}, f)
 '''
 
 
 def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_path: Path) -> None:
     """Fabric(strategy=DistkitStrategy(...), devices=2) under Fabric's own launcher (the resumed run: the explicit
     DistkitFabricStrategy): fabric.setup,
-    fabric.backward and optimizer.step in grad mode equal Fabric's "ddp" (measured: 0.0), in param mode distkit's own
+    fabric.backward and optimizer.step in grad mode equal Fabric's "ddp" (measured: 0.0), and so does fabric.all_reduce
+    (in place; Fabric passes torch.distributed's WORLD group, which the ddp engine's is), in param mode distkit's own
     loop (0.0), which differs from grad mode (by 0.39: the ranks took local steps); fabric.load of the first epoch's
     fabric.save (param mode: + each rank's sidecar) then the second epoch ends where the run ended (0.0)."""
     script = tmp_path / "fabric_boring.py"
@@ -413,6 +453,10 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
         assert row["classes"] == ["DistkitFabricStrategy"] * 2, row
         assert row["param_vs_grad"] > 1e-2, row
         assert row["sidecar"] and row["resume"] <= 1e-6, row  # fabric.save/load mid-period, each rank's own state
+        # fabric.all_reduce on every run (ddp, grad, param, resumed) as on Fabric's ddp: in place, mean of 1 and 2, of
+        # 0 and 0.25; sum 2 + 3; the integer mean 5 / 2 truncated in int64 (issue 57 G: refused on the ddp engine)
+        want = {"mean": [1.5, 0.125], "same": True, "sum": [5], "int_mean": [2], "dtype": "torch.int64"}
+        assert row["reduced"] == [want] * 4, row["reduced"]
 
 
 def test_example_bug_report_template_on_the_mpi_engine(tmp_path: Path) -> None:

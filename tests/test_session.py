@@ -148,6 +148,26 @@ def test_a_per_epoch_scheduler_given_with_interval_epoch_is_left_to_the_script(d
     assert opt.param_groups[0]["lr"] == 0.25 and dk.num_steps == 6
 
 
+def test_a_scheduler_distkit_steps_that_the_script_steps_too_is_one_line_not_a_double_step(dk: Any) -> None:
+    """Issue 57 item 3: an epoch-wise StepLR handed to dk.setup without interval was stepped at every optimizer step
+    and by the script's own scheduler.step() after each epoch (lr 0.1, 0.001 where the script means 1.0, 1.0). The
+    script's call now raises, naming interval='epoch', before it changes the learning rate."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.1)
+    model, opt, sched = dk.setup(model, opt, sched)
+    for _ in range(2):
+        dk.backward(model(torch.ones(2, 4)).mean())
+        dk.step()
+    assert opt.param_groups[0]["lr"] == 1.0  # distkit's two steps (of step_size 3)
+    with pytest.raises(UsageError, match=r"StepLR.step\(\) called by the script.*interval='epoch'") as e:
+        sched.step()
+    assert "\n" not in str(e.value) and opt.param_groups[0]["lr"] == 1.0 and sched.last_epoch == 2
+    dk.backward(model(torch.ones(2, 4)).mean())
+    dk.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # distkit's third step: the schedule as given
+
+
 @pytest.mark.parametrize("args,match", [
     (("interval", "iteration"), r"interval='iteration'\): use 'step' .* or 'epoch'"),
     (("dict", {"interval": "epoch"}), r"a dict must be \{'scheduler': s, 'interval'"),
@@ -331,6 +351,39 @@ def test_a_ddp_wrapper_freed_after_close_never_destroys_its_process_group(tmp_pa
     groups DDP's wrappers reduce over stay referenced by distkit until the process ends, so no reducer destroys
     one (DDPStrategy, _KEPT_GROUPS)."""
     assert run_ranks(_wrapper_dropped_after_close, 2, tmp_path) == [1, 1]
+
+
+AROUND_THE_WRAPPER = '''
+import sys, torch, distkit
+dk = distkit.init({"nprocs": 2, "progress_bar": False, "distributed": {"backend": sys.argv[1]}})
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+model, opt = dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+for step in range(3):
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + dk.rank))
+    with torch.no_grad():
+        model(x)  # an evaluation forward through the wrapper: it does not count for the training step
+    dk.backward(dk.unwrap(model)(x).pow(2).mean())  # the training forward around the wrapper
+    dk.step()
+print("in sync:", dk.summary()["ranks_in_sync"], flush=True)
+'''
+
+
+@pytest.mark.parametrize("engine", ["ddp", "mpi"])
+def test_a_training_forward_around_the_ddp_wrapper_is_one_line_on_ddp(tmp_path: Path, engine: str) -> None:
+    """Issue 57 F: on ddp a backward whose forward called ``dk.unwrap(model)`` (or a submodule) reduced no gradient
+    and raised nothing: the ranks parted (0.12 apart in the issue's run). Now it is one line on every rank, exit 2,
+    before the first wrong step; the mpi engine reduces the parameters' gradients whatever the forward called: in
+    sync, as before."""
+    script = tmp_path / "around.py"
+    script.write_text(AROUND_THE_WRAPPER)
+    res = run([PY, str(script), engine], timeout=170)
+    if engine == "mpi":
+        assert res.returncode == 0 and "in sync: True" in res.stdout, res.stderr[-2000:]
+        return
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    lines = [ln for ln in res.stderr.splitlines() if "did not go through the model dk.setup returned" in ln]
+    assert lines and all(ln.startswith("distkit: error") for ln in lines), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "in sync" not in res.stdout
 
 
 # -- failures and configuration -------------------------------------------------------------------

@@ -32,7 +32,11 @@ class DDPBufferRule:
     def __init__(self, model: nn.Module, sync: Callable[[], None], outside_no_sync: Callable[[], bool]) -> None:
         self._model, self._sync, self._outside_no_sync = model, sync, outside_no_sync
         self._due = True  # DDP's require_forward_param_sync starts True: the first forward syncs
-        self._handles = [model.register_forward_pre_hook(self._before), model.register_forward_hook(self._after)]
+        #: forwards of the model in progress: a forward inside another (a Lightning step redirected through the
+        #: model's forward that calls ``self(x)``) is no forward through DDP's wrapper, only the outer one is
+        self._depth = 0
+        self._handles = [model.register_forward_pre_hook(self._before),
+                         model.register_forward_hook(self._after, always_call=True)]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "DDPBufferRule":
         # A deep copy of the model (an EMA's AveragedModel, copy.deepcopy(model)) copies its hooks: they stay bound
@@ -41,12 +45,16 @@ class DDPBufferRule:
         return self
 
     def _before(self, module: nn.Module, args: Any) -> None:
-        if module is self._model and self._due:
-            self._sync()
+        if module is self._model:
+            if self._depth == 0 and self._due:
+                self._sync()
+            self._depth += 1
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
         if module is self._model:
-            self._due = torch.is_grad_enabled() and self._outside_no_sync()
+            self._depth = max(0, self._depth - 1)
+            if self._depth == 0:
+                self._due = torch.is_grad_enabled() and self._outside_no_sync()
 
     def remove(self) -> None:
         for h in self._handles:

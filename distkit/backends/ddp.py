@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distkit.health import faults
 from distkit.config import RunConfig
 from distkit.env import resolve_rendezvous
-from distkit.errors import PortInUse, RankStalled
+from distkit.errors import PortInUse, RankStalled, UsageError
 from distkit.launch.guard import kill_stopped_siblings
 from distkit.launch.netif import prepare_gloo
 from distkit.health.watchdog import ranks_text
@@ -221,6 +221,7 @@ class DDPStrategy(Strategy):
             ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DistributedDataParallel(model, device_ids=ids, **d.options)
             _KEPT_GROUPS.append(wrapped.process_group)
+            self._watch_forwards(wrapped)
             self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
             if self.world_size > 1:  # that broadcast counts as the other engines' start-up broadcast does
                 self.comm_bytes += sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -238,8 +239,33 @@ class DDPStrategy(Strategy):
         ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=ids, process_group=self._group, **d.options)
         _KEPT_GROUPS.append(wrapped.process_group)
+        self._watch_forwards(wrapped)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return wrapped, optimizer
+
+    def _watch_forwards(self, wrapped: DistributedDataParallel) -> None:
+        """Note each forward of the wrapper with gradients on: DDP reduces only the gradients of a backward whose
+        forward went through it (its forward prepares the reducer), so :meth:`backward` can refuse one that did
+        not, which DDP itself lets pass (every rank then steps on its own gradients, silently)."""
+        self._forward_seen = False
+
+        def seen(_module: nn.Module, _args: Any) -> None:
+            if torch.is_grad_enabled():
+                self._forward_seen = True
+
+        wrapped.register_forward_pre_hook(seen)
+
+    def backward(self, loss: torch.Tensor, model: nn.Module) -> None:
+        """``loss.backward()``; UsageError, before it, where ``model`` is DDP's wrapper and no forward went through
+        it since the last backward (the forward called ``dk.unwrap(model)`` or a submodule: DDP would reduce none
+        of the gradients). Every rank's script does the same, so every rank raises the same line."""
+        if isinstance(model, DistributedDataParallel) and loss.requires_grad and not self._forward_seen:
+            raise UsageError("dk.backward: this backward's forward did not go through the model dk.setup returned "
+                             "(it called dk.unwrap(model) or a submodule of it), so DDP would reduce none of its "
+                             "gradients and the ranks would part: call the model dk.setup returned in training "
+                             "steps, and dk.unwrap(model) only for evaluation or saving")
+        self._forward_seen = False
+        loss.backward()
 
     def group_mean(self, flat: torch.Tensor) -> None:
         """One all-reduce over this rank's replica group, divided by its number of ranks."""

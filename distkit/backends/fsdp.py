@@ -50,7 +50,8 @@ from .fsdp_order import collectives
 #: ``distributed.fsdp`` keys, their defaults and meaning (also shown by ``distkit keys``' row for the dict)
 OPTIONS: dict[str, tuple[Any, str]] = {
     "units": (None, "module class names that each get their own fully_shard unit; None = the classes a Hugging Face "
-                    "model lists in _no_split_modules, else each direct child that holds parameters"),
+                    "model lists in _no_split_modules, else each direct child that holds parameters (the elements of "
+                    "a ModuleList or ModuleDict child, each)"),
     "reshard_after_forward": (True, "free a unit's gathered parameters after its forward (gathered again in "
                                     "backward: less memory, one more all-gather)"),
     "param_dtype": (None, "MixedPrecisionPolicy: dtype of the gathered parameters for forward/backward "
@@ -354,7 +355,9 @@ class FSDPStrategy(DDPStrategy):
 def units(module: nn.Module, names: Optional[list[str]]) -> list[nn.Module]:
     """The submodules that get their own ``fully_shard`` unit, innermost first: those whose class is named in
     ``names``, else in the model's ``_no_split_modules`` (Hugging Face), else each direct child that holds
-    parameters. One holding a parameter also registered outside it (tied weights) is left out: its
+    parameters, where a child that is a container without a forward (``nn.ModuleList``, ``nn.ModuleDict``, which
+    ``fully_shard`` refuses) stands for its own children, so a list of blocks gives a unit per block (torchtitan's
+    choice). One holding a parameter also registered outside it (tied weights) is left out: its
     parameters go to the root's unit. ConfigError when ``names`` matches no submodule."""
     chosen = names or getattr(module, "_no_split_modules", None)
     if chosen:
@@ -364,7 +367,7 @@ def units(module: nn.Module, names: Optional[list[str]]) -> list[nn.Module]:
             raise ConfigError(f"'distributed.fsdp.units' {list(names)} names no module of the model: its classes are "
                               f"{', '.join(classes)}")
     else:
-        found = [(p, m) for p, m in module.named_children() if any(True for _ in m.parameters())]
+        found = [(p, m) for p, m in _children(module) if any(True for _ in m.parameters())]
     where: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         where.setdefault(id(p), []).append(name)
@@ -373,6 +376,17 @@ def units(module: nn.Module, names: Optional[list[str]]) -> list[nn.Module]:
         inside = prefix + "."
         if all(all(n.startswith(inside) for n in where[id(p)]) for p in unit.parameters()):
             out.append(unit)
+    return out
+
+
+def _children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """``module``'s direct children by path, each container without a forward replaced by its own children."""
+    out = []
+    for name, child in module.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out += _children(child, f"{prefix}{name}.")
+        else:
+            out.append((f"{prefix}{name}", child))
     return out
 
 

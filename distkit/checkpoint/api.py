@@ -1,10 +1,17 @@
 """The Session's checkpoint methods (:meth:`distkit.Session.save`, ``save_async``, ``load``), a mixin of
 :class:`distkit.Session`: what they write and restore is :mod:`distkit.checkpoint.save` and
-:mod:`distkit.checkpoint.load`; here are the calls and the stall clock (``checkpoint_stalls_s``)."""
+:mod:`distkit.checkpoint.load`; here are the calls and the stall clock (``checkpoint_stalls_s``). And the model a
+script keeps at the end, whole on every engine (:meth:`~Checkpoints.state_dict`, :meth:`~Checkpoints.save_pretrained`)."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from distkit.errors import OutputError, UsageError
 
 from .load import load_state
 from .save import save_state
@@ -18,6 +25,10 @@ class Checkpoints:
     checkpoint_stalls_s: list[float]
     num_steps: int
     num_samples: int
+    _strategy: Any
+    _model: Optional[nn.Module]
+    rank: int
+    is_main: bool
 
     def save(self, path: str, state: dict[str, Any]) -> str:
         """Collective: write ``state`` as checkpoint directory ``path``, atomically (see
@@ -68,3 +79,46 @@ class Checkpoints:
         another number of ranks, or whose parameter shapes do not fit the set-up model, raises
         ConfigError naming both before anything is restored."""
         return load_state(self, path, state)
+
+    # -- the whole model, at the end of a script ----------------------------------------------------
+    def state_dict(self, model: Optional[nn.Module] = None) -> dict[str, torch.Tensor]:
+        """Collective: the whole model's ``state_dict`` (the set-up model's by default), every tensor whole and on
+        the CPU, on every rank and every engine: what ``dk.unwrap(model).state_dict()`` is under ddp. Under ZeRO-3
+        and fsdp the bare module holds this rank's parts only (its own ``state_dict`` has partitions, or tensors
+        of shape ``(0,)``): this gathers them (memory: one whole copy of the model per rank). Each rank's own
+        persistent buffers (BatchNorm statistics), as under ddp: :meth:`finish` makes them rank 0's. In param mode
+        the ranks' models differ until they sync: UsageError on every rank unless the last step synced (call
+        :meth:`finish` first)."""
+        self._require_setup("dk.state_dict()")  # type: ignore[attr-defined]
+        averager = self._strategy.averager
+        if averager is not None and (averager.steps_since_sync > 0 or any(averager.fragment_since)
+                                     or averager._in_flight):
+            raise UsageError("dk.state_dict(): in param mode the ranks' models differ until they sync: call "
+                             "dk.finish() first (the final sync), then take the state")
+        with self._collective("dk.state_dict()"):  # type: ignore[attr-defined]
+            sd, _, _ = self._strategy.portable_state(model if model is not None else self._model, None,
+                                                     lambda name: True)
+        return {k: v.detach().cpu() for k, v in sd.items()}
+
+    def save_pretrained(self, model: Optional[nn.Module], path: str, **kwargs: Any) -> str:
+        """Collective: a Hugging Face model's ``save_pretrained(path, **kwargs)`` (its config and safetensors),
+        written by rank 0 from :meth:`state_dict`, so that ``from_pretrained(path)`` loads the trained model on
+        every engine (ZeRO-3 and fsdp included, tied weights kept); the other ranks wait until it is written.
+        Returns the absolute path. A model without ``save_pretrained`` is a UsageError on every rank; a failed
+        write (a full disk) an OutputError on every rank, naming rank 0's cause. Param mode: as
+        :meth:`state_dict` (after :meth:`finish`)."""
+        bare = self.unwrap(model)  # type: ignore[attr-defined]
+        if not callable(getattr(bare, "save_pretrained", None)):
+            raise UsageError(f"dk.save_pretrained: {type(bare).__name__} has no save_pretrained (not a Hugging Face "
+                             "model): save dk.state_dict(model) with torch.save or safetensors instead")
+        sd = self.state_dict(model)
+        failed: Optional[str] = None
+        if self.is_main:
+            try:
+                bare.save_pretrained(path, state_dict=sd, **kwargs)
+            except Exception as e:  # agreed below: no rank waits for rank 0's failure
+                failed = f"{type(e).__name__}: {e}"
+        failed = self.broadcast_object(failed, 0)  # type: ignore[attr-defined]
+        if failed is not None:
+            raise OutputError(f"dk.save_pretrained({path!r}): rank 0 could not write it ({failed[:300]})")
+        return os.path.abspath(path)

@@ -51,7 +51,7 @@ class DistributedConfig:
     #: torch.distributed backend; None = nccl on CUDA, else gloo.
     pg_backend: Optional[str] = None
     #: param mode outer optimizer on the averaged update (DiLoCo / SlowMo), e.g. ``{"class": "nesterov", "lr": 0.7,
-    #: "momentum": 0.9}``; None = plain averaging.
+    #: "momentum": 0.9}``, on the parameters (floating buffers take the plain mean); None = plain averaging.
     outer_optimizer: Optional[dict[str, Any]] = None
     #: multiply learning_rate by the world size (RETURNN's horovod_scale_lr)
     scale_lr: bool = False

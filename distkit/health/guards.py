@@ -172,6 +172,25 @@ def guard_raw_clip(session: SessionLike) -> Callable[[], None]:
     return restore
 
 
+def guard_scheduler_steps(scheduler: Any, inside_step: Callable[[], bool]) -> None:
+    """A scheduler distkit steps at every optimizer step (``dk.setup(..., lr_scheduler)``, interval "step") that the
+    script steps too (a per-epoch ``StepLR`` and its ``scheduler.step()`` after each epoch) would be stepped twice,
+    silently: its ``step`` raises UsageError naming the fix when called outside :meth:`distkit.Session.step`
+    (``inside_step()``: distkit's own call, or the engine's inside it, DeepSpeed's). Not collective: every rank's
+    script makes the same call, so every rank raises the same line."""
+    own = scheduler.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if not inside_step():
+            raise UsageError(f"{type(scheduler).__name__}.step() called by the script, but dk.setup was given this "
+                             "scheduler with interval='step' and dk.step() steps it already: for a per-epoch schedule "
+                             "pass interval='epoch' (dk.setup(model, optimizer, scheduler, interval='epoch')) and keep "
+                             "your scheduler.step(); else remove it")
+        return own(*args, **kwargs)
+
+    scheduler.step = step
+
+
 class LossWatch:
     """The non-finite loss check of :meth:`distkit.Session.backward` (see its docstring): at once on the CPU;
     on other devices the first bad step and its loss are recorded on the device, without a host

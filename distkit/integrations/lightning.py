@@ -143,6 +143,34 @@ class DistkitStrategy(_Shared, ParallelStrategy):
         _backward(self.dk, loss)
         return self.precision_plugin.post_backward(loss, self.lightning_module)
 
+    # Every step inside a forward of the set-up model, as DDPStrategy's run inside the DDP wrapper's forward: what
+    # the engine hooks on that forward (the mpi, Horovod and DeepSpeed engines' buffer rule: rank 0's BatchNorm
+    # statistics before the forward DDP would broadcast them before) then runs also when the step calls a submodule
+    # (self.model(x), Lightning's imagenet template) rather than self(x). Outside a fit (validate, test or predict
+    # on their own) the step is called as Lightning calls it: DDPStrategy has no wrapper there either.
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        if self._wrapped is None or module.trainer.state.fn != TrainerFn.FITTING:
+            return getattr(module, name)(*args, **kwargs)
+        return self._forward_redirection(self.model, module, name, *args, **kwargs)
+
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Accumulation micro-steps: backward does not communicate (``dk.no_sync``)."""
@@ -163,7 +191,7 @@ class DistkitStrategy(_Shared, ParallelStrategy):
 
     # -- collectives -----------------------------------------------------------------------------------------------
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
-        """Collective: ``tensor`` reduced over every rank (a copy); a non-tensor is returned as is."""
+        """Collective: ``tensor`` reduced over every rank, in place as DDPStrategy's; a non-tensor is returned as is."""
         return _reduce(self.dk, tensor, group, reduce_op)
 
     def model_to_device(self) -> None:

@@ -165,19 +165,37 @@ def _join(strategy: Any) -> Session:
     return dk
 
 
+def _every_rank(group: Any) -> bool:
+    """Whether ``group`` means every rank: None, or torch.distributed's WORLD group, which Fabric's ``all_reduce``
+    and Lightning's logging pass when the user named none (on the ddp and fsdp engines it is the job's group; on
+    the MPI engines torch.distributed has none and WORLD is None)."""
+    if group is None:
+        return True
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and group is dist.group.WORLD
+
+
 def _reduce(dk: Optional[Session], tensor: Any, group: Any, reduce_op: Any) -> Any:
-    """Collective: ``tensor`` reduced over every rank (a copy); a non-tensor is returned as is."""
+    """Collective: ``tensor`` reduced over every rank, in place and returned, as Lightning's DDP does it
+    (``_sync_ddp``: the reduction, then a mean divides in place: an integer tensor keeps its dtype, the quotient
+    truncated); a non-tensor is returned as is."""
     if not isinstance(tensor, torch.Tensor) or dk is None:
         return tensor
     op = reduce_op if isinstance(reduce_op, str) else getattr(reduce_op, "name", str(reduce_op))
     op = _OPS.get(str(op).lower().replace("redop.", ""))
-    if op is None or group is not None:
+    if op is None or not _every_rank(group):
         raise UsageError(f"DistkitStrategy reduce: op {reduce_op!r} over group {group!r}: distkit reduces over every "
                          "rank with mean, sum, max or min")
-    out = tensor.detach().clone()
-    if not out.is_floating_point() and op == "mean":
-        out = out.float()
-    return dk.all_reduce(out, op=op)
+    out = dk.all_reduce(tensor.detach().clone(), op="sum" if op == "mean" else op)
+    with torch.no_grad():
+        tensor.copy_(out)
+        if op == "mean":  # Lightning's order: the sum, then the division in place
+            if tensor.is_floating_point():
+                tensor.div_(dk.world_size)
+            else:
+                tensor.copy_(tensor / dk.world_size)
+    return tensor
 
 
 def _gather(dk: Optional[Session], tensor: torch.Tensor, sync_grads: bool) -> torch.Tensor:

@@ -224,14 +224,14 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         self._average(list(range(len(self.tensors))))
         self.wait_s += time.perf_counter() - t0  # the exchange, counted as waiting on communication
         if self._outer is not None:
-            outer_step(self._outer, self._anchor, self.tensors)
+            outer_step(self._outer, self._anchor, self.tensors, [self.is_parameter(i) for i in range(len(self.tensors))])
         self._synced(None)
         self._updated()
 
     def _sync_fragments(self, fragments: list[int]) -> None:
         """Collective: average ``fragments``' tensors in one exchange; with the outer optimizer, its Nesterov step
-        on those tensors' anchors (torch SGD's own formula, with their momentum buffers), then each tensor set to
-        its anchor."""
+        on those parameters' anchors (torch SGD's own formula, with their momentum buffers), then each parameter set
+        to its anchor (floating buffers keep their average)."""
         index = fragment_indices(self.fragment_tensors, fragments)
         tensors = [self.tensors[i] for i in index]
         t0 = time.perf_counter()
@@ -240,6 +240,9 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         if self._outer is not None:
             with torch.no_grad():
                 for i, t in zip(index, tensors, strict=True):
+                    if not self.is_parameter(i):  # a floating buffer keeps its average (outer.py)
+                        self._anchor[i].copy_(t)
+                        continue
                     # pseudo-gradient: how far the average moved, negated
                     outer_update(self._outer, self._anchor[i], self._anchor[i] - t)
                     self.tensors[i].copy_(self._anchor[i])

@@ -2,7 +2,11 @@
 averaged tensors as of the last sync, one persistent copy kept by the averager), whose gradient is the
 pseudo-gradient ``anchor - mean``, how far the average moved, negated. Not collective: every rank applies the same
 step to the same anchor and mean, so the anchors and momentum buffers stay identical on every rank.
-Memory: one momentum buffer per anchor tensor, made at the first step.
+
+Only parameters are stepped. Floating buffers (BatchNorm's running mean and variance) are statistics, not
+weights: extrapolating them with momentum (lr 0.7, momentum 0.9) drove a running variance negative and the
+validation loss to NaN (issue 57 E). They take the plain average, as the compressed exchange averages them, and
+their anchor follows it. Memory: one momentum buffer per parameter anchor, made at its first step.
 """
 from __future__ import annotations
 
@@ -18,15 +22,20 @@ def outer_sgd(anchor: list[torch.Tensor], config: dict[str, Any]) -> torch.optim
     return torch.optim.SGD(anchor, lr=float(config.get("lr", 0.7)), momentum=momentum, nesterov=momentum > 0)
 
 
-def outer_step(outer: torch.optim.Optimizer, anchor: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-    """The whole model's outer step, after ``tensors`` were averaged: torch's own SGD step on ``anchor`` (one per
-    tensor) with the pseudo-gradient as its gradient, then each tensor set to its anchor."""
+def outer_step(outer: torch.optim.Optimizer, anchor: list[torch.Tensor], tensors: list[torch.Tensor],
+               is_param: list[bool]) -> None:
+    """The whole model's outer step, after ``tensors`` were averaged: torch's own SGD step on the parameters'
+    ``anchor`` tensors (``is_param``, one flag per tensor) with the pseudo-gradient as their gradient, then each
+    parameter set to its anchor; a floating buffer keeps its average, which becomes its anchor."""
     with torch.no_grad():
-        for a, t in zip(anchor, tensors, strict=True):
-            a.grad = a - t  # pseudo-gradient: how far the average moved, negated
+        for a, t, param in zip(anchor, tensors, is_param, strict=True):
+            a.grad = a - t if param else None  # pseudo-gradient: how far the average moved, negated; SGD skips None
         outer.step()
-        for a, t in zip(anchor, tensors, strict=True):
-            t.copy_(a)
+        for a, t, param in zip(anchor, tensors, is_param, strict=True):
+            if param:
+                t.copy_(a)
+            else:
+                a.copy_(t)
 
 
 def outer_update(outer: torch.optim.Optimizer, a: torch.Tensor, g: torch.Tensor) -> None:
