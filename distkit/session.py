@@ -56,7 +56,7 @@ from distkit.env import ClusterEnv, detect
 from distkit.errors import ConfigError, UsageError
 from distkit.ft.groups import join as join_groups
 from distkit.health.guards import (
-    LossWatch, check_backward, check_step, guard_raw_clip, guard_scheduler_steps, install_excepthook, name_missing_module,
+    LossWatch, check_backward, check_step, guard_raw_clip, check_scheduler_steps, install_excepthook, name_missing_module,
     setup_optimizer,
 )
 from distkit.job import Job, gather
@@ -139,7 +139,8 @@ class Session(Job, Checkpoints, Reports):
         self._optimizer: Any = None
         self._scheduler: Any = None
         self._scheduler_interval = "step"  # dk.setup's interval
-        self._in_step = False  # inside step(): the scheduler's step() is distkit's
+        #: the stepped scheduler's last_epoch as distkit left it (setup, each step, load): check_scheduler_steps
+        self._scheduler_mark: Any = None
         self._gather_keep: Optional[int] = None  # real samples of the newest batch when it is a padded last one
         self._failed = self._closed = False
         self.num_steps, self.num_samples = 0, 0
@@ -228,7 +229,7 @@ class Session(Job, Checkpoints, Reports):
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if interval == "step" and self._scheduler is not None:
             check_stepped_scheduler(self._scheduler)
-            guard_scheduler_steps(self._scheduler, lambda: self._in_step)
+        self._scheduler_mark = getattr(self._scheduler, "last_epoch", None)
         self._ft = join_groups(self) if self.cfg.fault_tolerance else None  # torchft's Manager, for the syncs
         # torch._dynamo is deferred (Session's init: lazy_import.defer_dynamo), so eager steps do not import it (1.2 s
         # of CPU here, 5 s under load: param mode's first 10 steps counted it, issue 36 item 17); what loads it (DDP's
@@ -411,19 +412,18 @@ class Session(Job, Checkpoints, Reports):
         if self.cfg.gradient_clip is not None:
             self._unscale()
             s.clip_grad_norm(model, self._optimizer, self.cfg.gradient_clip)  # type: ignore[arg-type]
-        self._in_step = True  # the scheduler's step is distkit's (or the engine's) from here (guard_scheduler_steps)
-        try:
-            if self._scaler is None:
-                s.step(model, self._optimizer)  # type: ignore[arg-type]
-            else:
-                self._unscale()
-                s.step(model, ScaledOptimizer(self._optimizer, self._scaler))  # type: ignore[arg-type]
-                self._scaler.update()
-                self._unscaled = False
-            if self._scheduler is not None and self._scheduler_interval == "step" and not s.steps_scheduler:
-                self._scheduler.step()
-        finally:
-            self._in_step = False
+        if self._scheduler is not None and self._scheduler_interval == "step":
+            check_scheduler_steps(self._scheduler, self._scheduler_mark)  # the script stepped it too: one line
+        if self._scaler is None:
+            s.step(model, self._optimizer)  # type: ignore[arg-type]
+        else:
+            self._unscale()
+            s.step(model, ScaledOptimizer(self._optimizer, self._scaler))  # type: ignore[arg-type]
+            self._scaler.update()
+            self._unscaled = False
+        if self._scheduler is not None and self._scheduler_interval == "step" and not s.steps_scheduler:
+            self._scheduler.step()
+        self._scheduler_mark = getattr(self._scheduler, "last_epoch", None)
         self.num_steps += 1
         self.num_samples += self._meter.step_ended(s.blocked_s - waited) * self.world_size
         if not startup.ended():

@@ -502,3 +502,46 @@ def test_an_srun_step_s_ranks_reach_lightning_through_the_strategy(monkeypatch: 
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
     with pytest.raises(ConfigError, match="pass num_nodes=2"):
         env.validate_settings(1, 1)
+
+
+METRICS = r'''
+import json, os, sys
+import torch, torchmetrics
+import lightning.pytorch as pl
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+import distkit
+from distkit.lightning import DistkitStrategy
+
+class Model(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.rank_mean = torchmetrics.MeanMetric()
+    def training_step(self, batch, batch_idx):
+        self.rank_mean.update(torch.full((len(batch),), float(self.global_rank)))  # rank r: r; DDP logs 0.5
+        self.log("rank_mean", self.rank_mean, on_step=False, on_epoch=True)
+        return self.layer(batch).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+strategy = DistkitStrategy({"distributed": {"backend": "mpi"}, "nprocs": 2})  # --nprocs: mpirun starts the ranks
+pl.seed_everything(0)
+t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False)
+t.fit(Model(), DataLoader(torch.randn(16, 4), batch_size=4))
+with open(os.path.join(sys.argv[1], f"metric-{strategy.global_rank}.json"), "w") as f:
+    json.dump({"rank_mean": float(t.callback_metrics["rank_mean"]), "engine": strategy.dk.backend,
+               "torch_distributed": torch.distributed.is_initialized()}, f)
+'''
+
+
+def test_a_torchmetrics_metric_logged_on_the_mpi_engine_is_ddps_value(tmp_path: Path) -> None:
+    """Issue 57 A: a torchmetrics Metric syncs through torch.distributed, which the mpi and Horovod engines do not
+    start: each rank logged its own value (0.0 and 1.0 where DDP logs 0.5). The strategy hands every Metric of the
+    module the engine's gather: 0.5 on both ranks, with no torch.distributed group in the job."""
+    script = tmp_path / "metrics.py"
+    script.write_text(METRICS)
+    ok(run([sys.executable, str(script), str(tmp_path)], timeout=170))
+    rows = [json.loads((tmp_path / f"metric-{r}.json").read_text()) for r in (0, 1)]
+    assert all(r == {"rank_mean": 0.5, "engine": "mpi", "torch_distributed": False} for r in rows), rows

@@ -78,7 +78,10 @@ class Checkpoints:
         This rank's file is verified against the manifest (size, sha256) first; a checkpoint written by
         another number of ranks, or whose parameter shapes do not fit the set-up model, raises
         ConfigError naming both before anything is restored."""
-        return load_state(self, path, state)
+        extra = load_state(self, path, state)  # type: ignore[arg-type]
+        # a restored scheduler's position is distkit's (Session.step's check_scheduler_steps)
+        self._scheduler_mark = getattr(self._scheduler, "last_epoch", None)  # type: ignore[attr-defined]
+        return extra
 
     # -- the whole model, at the end of a script ----------------------------------------------------
     def state_dict(self, model: Optional[nn.Module] = None) -> dict[str, torch.Tensor]:

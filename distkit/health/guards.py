@@ -172,23 +172,20 @@ def guard_raw_clip(session: SessionLike) -> Callable[[], None]:
     return restore
 
 
-def guard_scheduler_steps(scheduler: Any, inside_step: Callable[[], bool]) -> None:
+def check_scheduler_steps(scheduler: Any, mark: Any) -> None:
     """A scheduler distkit steps at every optimizer step (``dk.setup(..., lr_scheduler)``, interval "step") that the
     script steps too (a per-epoch ``StepLR`` and its ``scheduler.step()`` after each epoch) would be stepped twice,
-    silently: its ``step`` raises UsageError naming the fix when called outside :meth:`distkit.Session.step`
-    (``inside_step()``: distkit's own call, or the engine's inside it, DeepSpeed's). Not collective: every rank's
-    script makes the same call, so every rank raises the same line."""
-    own = scheduler.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if not inside_step():
-            raise UsageError(f"{type(scheduler).__name__}.step() called by the script, but dk.setup was given this "
-                             "scheduler with interval='step' and dk.step() steps it already: for a per-epoch schedule "
-                             "pass interval='epoch' (dk.setup(model, optimizer, scheduler, interval='epoch')) and keep "
-                             "your scheduler.step(); else remove it")
-        return own(*args, **kwargs)
-
-    scheduler.step = step
+    silently. ``mark``: its ``last_epoch`` after distkit's last step of it (or setup, or ``dk.load``); called by
+    :meth:`distkit.Session.step` before the optimizer step, so a script's step of it is a UsageError naming the fix
+    before any optimizer step runs with its learning rate. Not collective: every rank's script makes the same call,
+    so every rank raises the same line. (Not a wrapper of ``scheduler.step``: a scheduler's ``state_dict`` is its
+    ``__dict__``, which would then hold the wrapper.)"""
+    now = getattr(scheduler, "last_epoch", None)
+    if now != mark:
+        raise UsageError(f"{type(scheduler).__name__}.step() was called by the script (last_epoch {mark} -> {now}), "
+                         "but dk.setup was given this scheduler with interval='step' and dk.step() steps it already: "
+                         "for a per-epoch schedule pass interval='epoch' (dk.setup(model, optimizer, scheduler, "
+                         "interval='epoch')) and keep your scheduler.step(); else remove it")
 
 
 class LossWatch:

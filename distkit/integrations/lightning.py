@@ -38,7 +38,7 @@ from distkit.config.arguments import Source
 from distkit.errors import UnsupportedCombination, UsageError
 from distkit.integrations.lightning_fabric import (  # noqa: F401 (DistkitFabricStrategy: imported from here)
     SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _NoSync, _SessionStep, _Shared, _backward, _devices, _join,
-    _reduce, _resolve, _set_ranks,
+    _reduce, _resolve, _set_ranks, sync_metrics,
 )
 from distkit.session import Session
 
@@ -129,6 +129,8 @@ class DistkitStrategy(_Shared, ParallelStrategy):
             module = self.lightning_module
             assert module is not None
             self.dk._strategy.broadcast_tensors([*module.parameters(), *module.buffers()])
+        assert self.lightning_module is not None
+        sync_metrics(self.lightning_module, self.dk)  # torchmetrics over the job's engine (mpi, Horovod)
         self.setup_precision_plugin()
 
     @property

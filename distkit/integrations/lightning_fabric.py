@@ -208,6 +208,32 @@ def _gather(dk: Optional[Session], tensor: torch.Tensor, sync_grads: bool) -> to
     return torch.stack(dk.all_gather_object(tensor.detach().cpu())).to(tensor.device)
 
 
+def sync_metrics(module: nn.Module, dk: Session) -> None:
+    """torchmetrics' ``Metric`` objects inside ``module`` sync their states over the job's engine, as under DDP.
+
+    A Metric syncs through torch.distributed's collectives when a process group exists (``compute()``, which
+    Lightning's logging calls at the end of an epoch). On the ddp, fsdp and DeepSpeed engines that group is the job's;
+    on the mpi and Horovod engines there is none, so each rank would log its own value (rank 0 0.0 and rank 1 1.0
+    where DDP logs 0.5). There each Metric gathers through ``dk.all_gather_object`` instead (collective, as
+    torchmetrics' own: every rank computes the metric at the same point)."""
+    import torch.distributed as dist
+
+    if dk.world_size <= 1 or (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # (Lightning installs torchmetrics; a script without it has no Metric to sync)
+        return
+
+    def gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        return [t.to(tensor.device) for t in dk.all_gather_object(tensor.detach().cpu())]
+
+    for m in module.modules():
+        if isinstance(m, Metric):
+            m.dist_sync_fn = gather
+            m.distributed_available_fn = lambda: True
+
+
 def _backward(dk: Session, loss: torch.Tensor) -> None:
     """``dk.backward`` (grad mode: collective); outside ``no_sync`` the reduced gradients are waited for, so that
     hooks and Lightning's clipping see what DDP shows them (the mpi engine and Horovod reduce in the background)."""
@@ -347,6 +373,7 @@ class DistkitFabricStrategy(_Shared, ParallelStrategy):
             raise UnsupportedCombination(f"DistkitFabricStrategy steps one optimizer, fabric.setup got "
                                          f"{len(optimizers)}: set up one, or use Fabric(strategy='ddp')")
         wrapped, optimizer = self.dk.setup(module, optimizers[0])
+        sync_metrics(module, self.dk)
         return wrapped, [SessionOptimizer(optimizer, self.dk)], scheduler  # (Fabric subclasses it: see there)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -354,6 +381,7 @@ class DistkitFabricStrategy(_Shared, ParallelStrategy):
         if self.dk is None:
             raise UsageError("fabric.setup() before fabric.launch(): call fabric.launch() first")
         self.dk._strategy.broadcast_tensors([*module.parameters(), *module.buffers()])
+        sync_metrics(module, self.dk)
         return module
 
     def setup_optimizer(self, optimizer: Any) -> Any:
