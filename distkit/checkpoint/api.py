@@ -15,7 +15,7 @@ from distkit.errors import OutputError, UsageError
 
 from .load import load_state
 from .save import save_state
-from .write import PendingCheckpoint
+from .write import PendingCheckpoint, agree_on_error
 
 
 class Checkpoints:
@@ -93,9 +93,7 @@ class Checkpoints:
         the ranks' models differ until they sync: UsageError on every rank unless the last step synced (call
         :meth:`finish` first)."""
         self._require_setup("dk.state_dict()")  # type: ignore[attr-defined]
-        averager = self._strategy.averager
-        if averager is not None and (averager.steps_since_sync > 0 or any(averager.fragment_since)
-                                     or averager._in_flight):
+        if self._strategy.averager is not None and not self._strategy.averager.in_sync():
             raise UsageError("dk.state_dict(): in param mode the ranks' models differ until they sync: call "
                              "dk.finish() first (the final sync), then take the state")
         with self._collective("dk.state_dict()"):  # type: ignore[attr-defined]
@@ -120,8 +118,6 @@ class Checkpoints:
             try:
                 bare.save_pretrained(path, state_dict=sd, **kwargs)
             except Exception as e:  # agreed below: no rank waits for rank 0's failure
-                failed = f"{type(e).__name__}: {e}"
-        failed = self.broadcast_object(failed, 0)  # type: ignore[attr-defined]
-        if failed is not None:
-            raise OutputError(f"dk.save_pretrained({path!r}): rank 0 could not write it ({failed[:300]})")
+                failed = f"dk.save_pretrained({path!r}): rank 0 could not write it ({type(e).__name__}: {str(e)[:300]})"
+        agree_on_error(self._strategy, failed, OutputError)
         return os.path.abspath(path)

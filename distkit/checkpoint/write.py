@@ -15,7 +15,7 @@ import torch
 from distkit import portable
 from distkit.config import RunConfig
 from distkit.env import Collectives
-from distkit.errors import CheckpointError
+from distkit.errors import CheckpointError, DistkitError
 from distkit.health import faults
 
 from .manifest import latest
@@ -32,11 +32,12 @@ class Strategy(Collectives, Protocol):
         """Collective: engines with their own checkpoint format write it into ``directory``."""
 
 
-def _agree_on_error(strategy: "Strategy", error: Optional[str]) -> None:
-    """Collective: rank 0's error (or None) becomes every rank's, so all ranks raise together (no hang)."""
+def agree_on_error(strategy: "Strategy", error: Optional[str], kind: type[DistkitError] = CheckpointError) -> None:
+    """Collective: rank 0's error (or None) becomes every rank's ``kind``, so all ranks raise together (no hang)
+    and rank 0 alone prints its line (``agreed``)."""
     error = strategy.broadcast_object(error, 0)
     if error:
-        agreed = CheckpointError(error)
+        agreed = kind(error)
         agreed.agreed = True
         raise agreed
 
@@ -158,7 +159,7 @@ class PendingCheckpoint:
                     text = f"{type(e).__name__}: {e} writing '{final}'"
                 error = (f"{text}; {_previous(parent)} (partial files removed): free space or lower "
                          "keep_checkpoints, then continue with ++resume auto")
-        _agree_on_error(strategy, error)
+        agree_on_error(strategy, error)
         return final
 
 
@@ -216,7 +217,7 @@ def start(strategy: "Strategy", final: str, state: dict[str, Any], model: Any = 
         except OSError as e:
             error = (f"cannot write checkpoint '{final}': {e.strerror or e}: choose a writable directory "
                      f"({_previous(parent)})")
-    _agree_on_error(strategy, error)
+    agree_on_error(strategy, error)
     failure: Optional[str] = None
     try:
         strategy.save_engine_files(tmp, model)

@@ -6,13 +6,15 @@ use it; it never imports them, not even for types. :class:`distkit.backends.base
 name these protocols). Each protocol lists exactly the members distkit.health uses, with the contract the original
 documents: add a member here when a module of distkit.health starts using one.
 
-Data members are read-only properties here: the engine's ``name`` and ``fixed_accumulation`` are class attributes
-and ``rank``/``world_size`` instance attributes, the Session's topology is properties; each satisfies a read-only
-property.
+Data members are read-only properties here (the engine's ``name`` and ``fixed_accumulation`` are class attributes,
+the Session's topology is properties; each satisfies a read-only property), except the engine's collectives and
+topology, :class:`distkit.env.Collectives`, which every part below the engines shares.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+from distkit.env import Collectives
 
 if TYPE_CHECKING:
     import contextlib
@@ -21,19 +23,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-class StrategyLike(Protocol):
-    """The engine this rank joined (:class:`distkit.backends.base.Strategy`): used by the watchdog
+class StrategyLike(Collectives, Protocol):
+    """The engine this rank joined (:class:`distkit.backends.base.Strategy`): its collectives and topology
+    (:class:`distkit.env.Collectives`, which code below the engines shares) and the members below. Used by the watchdog
     (:func:`distkit.health.watchdog.start_watchdog`, :func:`distkit.health.store.connect_store`), the guards
     (:mod:`distkit.health.guards`) and preemption's check (:mod:`distkit.health.preemption`, through
     :attr:`SessionLike._strategy`). Topology is read-only after construction."""
-
-    @property
-    def rank(self) -> int:
-        """This rank's global rank, 0 .. ``world_size - 1``; each rank's own, fixed after construction."""
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks in the job: the same on every rank, fixed after construction."""
 
     @property
     def name(self) -> str:
@@ -46,12 +41,6 @@ class StrategyLike(Protocol):
 
     def backend_impl(self) -> str:
         """What really runs, with versions, e.g. 'torch 2.13.0 DDP (gloo)'. Not collective."""
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Collective: every rank must call it, in the same order. Returns ``src``'s object."""
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Collective: every rank must call it, in the same order. Returns one object per rank."""
 
     def start_all_reduce(self, tensor: torch.Tensor, op: str = "max") -> Any:
         """Collective, started in the background (op sum|max|min): a handle whose ``wait()`` returns the reduced

@@ -249,6 +249,10 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         self._synced(fragments)
         self._updated()
 
+    def in_sync(self) -> bool:
+        """Whether every rank holds the same averaged tensors now: the last sync covered every fragment and no
+        exchange is in flight (the same answer on every rank: the schedule is)."""
+        return self.steps_since_sync == 0 and not any(self.fragment_since) and not self._in_flight
 
     def keep(self, tensors: list[torch.Tensor]) -> None:
         """Average ``tensors`` (a module given to ``dk.keep_in_sync``: its floating parameters and buffers) at
