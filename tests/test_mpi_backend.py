@@ -218,11 +218,12 @@ def test_without_mpi4py_is_one_line_with_the_install_command(tmp_path: Path) -> 
     assert not (tmp_path / "out").exists()
 
 
-def _killed_mpirun_session_dir() -> Path:
-    """SIGKILL a real ``mpirun`` once its PMIx files are written; returns the session directory it leaves."""
-    p = subprocess.Popen([*MPIRUN[:3], "sleep", "60"], env=base_env(), start_new_session=True,
+def _killed_mpirun_session_dir(tmpdir: Path) -> Path:
+    """SIGKILL a real ``mpirun`` (its $TMPDIR ``tmpdir``) once its PMIx files are written; returns the session
+    directory it leaves."""
+    p = subprocess.Popen([*MPIRUN[:3], "sleep", "60"], env=base_env(TMPDIR=str(tmpdir)), start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    session = Path(tempfile.gettempdir()) / f"ompi.{p.pid}"
+    session = tmpdir / f"ompi.{p.pid}"
     deadline = time.monotonic() + 30
     while not list(session.glob(f"pmix.*.tool.{p.pid}")) and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.1)
@@ -238,11 +239,22 @@ def test_nprocs_starts_the_mpi_engine_under_mpirun(tmp_path: Path) -> None:
     # A SIGKILLed mpirun leaves its session directory; Open MPI 5 (PMIx 5.0) refuses to start when it
     # finds one for its own pid (pids wrap at pid_max 32768 here). Shown by giving the leftover the pid
     # of the next mpirun: a shell that copies it for its own pid, then execs mpirun.
-    killed = _killed_mpirun_session_dir()
+    # Every process here has a $TMPDIR of its own: the suite's other MPI runs clear the dead mpiruns' directories
+    # of /tmp as they start (they removed this test's leftover while it was being copied), and a short one, as
+    # PMIx's socket paths must fit in 108 bytes.
+    tmpdir = Path(tempfile.mkdtemp(prefix="dk"))
+    try:
+        _leftover_is_cleared(tmp_path, tmpdir)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _leftover_is_cleared(tmp_path: Path, tmpdir: Path) -> None:
+    killed = _killed_mpirun_session_dir(tmpdir)
     old = killed.name.split(".")[1]
     reuse = run(["bash", "-c", f'd={killed.parent}/ompi.$$; echo $$; cp -r {killed} $d && '
                  f'for f in $d/pmix.*.tool.{old}; do mv "$f" "${{f%.{old}}}.$$"; done && '
-                 f'exec {MPIRUN[0]} -np 1 true'], timeout=60)
+                 f'exec {MPIRUN[0]} -np 1 true'], timeout=60, TMPDIR=str(tmpdir))
     assert reuse.returncode == 213 and "listener thread failed to start" in reuse.stderr, reuse
     dead = int(reuse.stdout.split()[0])  # that shell's pid: the process has ended
     assert not (killed.parent / f"ompi.{dead}").exists()  # that mpirun removed the copy as it failed
@@ -252,15 +264,11 @@ def test_nprocs_starts_the_mpi_engine_under_mpirun(tmp_path: Path) -> None:
     for d, host, pid in ((live, socket.gethostname(), os.getpid()), (other, "another-host", dead)):
         d.mkdir()
         (d / f"pmix.{host}.tool.{pid}").write_text("in use\n")
-    try:
-        # distkit's own spawner starts ranks MPI does not know about: --nprocs uses mpirun for MPI
-        # engines, after clearing the dead mpiruns' directories
-        ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(tmp_path), *SHORT, *MPI,
-                   timeout=120))
-        assert (killed.exists(), live.exists(), other.exists()) == (False, True, True)
-    finally:
-        shutil.rmtree(live, ignore_errors=True)
-        shutil.rmtree(other, ignore_errors=True)
+    # distkit's own spawner starts ranks MPI does not know about: --nprocs uses mpirun for MPI
+    # engines, after clearing the dead mpiruns' directories
+    ok(distkit("train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(tmp_path), *SHORT, *MPI,
+               timeout=120, TMPDIR=str(tmpdir)))
+    assert (killed.exists(), live.exists(), other.exists()) == (False, True, True)
     s = summary(tmp_path)
     assert (s["backend"], s["launcher"], s["world_size"], s["ranks_in_sync"]) == ("mpi", "openmpi", 2, True)
 
