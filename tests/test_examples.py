@@ -53,3 +53,32 @@ def test_deepspeed_digits_config_with_zero2_json(tmp_path: Path) -> None:
     s = summary(tmp_path)
     assert (s["backend"], s["zero_stage"], s["world_size"], s["steps"]) == ("deepspeed", 2, 2, 12)
     assert (tmp_path / "deepspeed_config.resolved.json").exists()
+
+
+SPEECHBRAIN_SCRIPT = '''
+import argparse
+import speechbrain  # noqa: F401 - its lazy modules (k2_fsa) raise ImportError when an attribute of theirs is read
+import torch
+import distkit
+parser = argparse.ArgumentParser()
+distkit.add_arguments(parser)
+dk = distkit.init(parser.parse_args())
+net = torch.nn.Linear(2, 1, bias=False)
+torch.nn.init.zeros_(net.weight)
+model, opt = dk.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+x = torch.full((1, 2), float(dk.rank + 1))
+dk.backward(model(x).sum())   # d/dw = x: the mean over the ranks is (1.5, 1.5)
+dk.step()
+dk.print("weight", dk.unwrap(model).weight.tolist(), "ranks", dk.world_size, dk.env.launcher)
+dk.finish()
+'''
+
+
+def test_a_script_that_imports_speechbrain_starts_its_ranks_with_nprocs(tmp_path: Path) -> None:
+    """Issue 57 H: the spawner read every loaded module's ``__file__``, which a SpeechBrain LazyModule answers by
+    importing its target (k2_fsa: ImportError), so --nprocs failed in any process that had imported speechbrain."""
+    script = tmp_path / "sb_script.py"
+    script.write_text(SPEECHBRAIN_SCRIPT)
+    res = ok(run([str(BIN / "python"), str(script), "--nprocs", "2", "++output_dir", str(tmp_path / "out"),
+                  "++progress_bar", "False"], timeout=240))
+    assert "weight [[-0.75, -0.75]] ranks 2 spawn" in res.stdout, res.stdout

@@ -101,7 +101,14 @@ def _user_modules() -> list[str]:
                                             *site.getsitepackages(), site.getusersitepackages()) if p}
     names = []
     for name, mod in list(sys.modules.items()):
-        path = getattr(mod, "__file__", None)
+        # Read from the module's own dict, past any __getattr__/__getattribute__ it defines: a lazy module's
+        # attribute access imports its target (SpeechBrain's LazyModule raised ImportError for k2_fsa, ending
+        # every --nprocs start in a process that had imported speechbrain), and distkit's own deferred modules
+        # load on any attribute but their metadata.
+        try:
+            path = object.__getattribute__(mod, "__dict__").get("__file__")
+        except (AttributeError, TypeError):  # an object in sys.modules without a dict: no file of the user's
+            continue
         # __main__ is the command that started the launcher (distkit's); a relative __file__ is no file
         # (torch.ops, torch.classes: "_ops.py", "_classes.py")
         if not isinstance(path, str) or not os.path.isabs(path) or name in ("__main__", "__mp_main__"):
