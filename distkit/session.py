@@ -320,7 +320,7 @@ class Session(Job, Checkpoints, Reports):
     # -- data -------------------------------------------------------------------------------
     def dataloader(self, dataset: Any, batch_size: Optional[int] = None, shuffle: bool = True,
                    collate_fn: Optional[Callable[[list[Any]], Any]] = None, num_workers: int = 0,
-                   pin_memory: bool = False, **kwargs: Any) -> ShardedLoader:
+                   pin_memory: bool = False, drop_last: Optional[bool] = None, **kwargs: Any) -> ShardedLoader:
         """Collective: a ``DataLoader`` over this rank's part of ``dataset`` (``data_distribution``).
 
         ``shard``: one global order per epoch (seed + epoch), cut into global batches of
@@ -329,11 +329,12 @@ class Session(Job, Checkpoints, Reports):
         global batch is dropped (``drop_last=False``, shard mode, e.g. for evaluation: kept, padded as
         ``DistributedSampler`` pads it so every rank takes as many samples; :meth:`gather` drops the
         copies) and every rank gets the same number of batches (the minimum over ranks, agreed here),
-        so none waits for another. ``batch_size`` is per rank (default: the
-        config's). Batches of any structure come out on :attr:`device`. Passing a ``DataLoader``
-        re-shards it with its dataset, batch size, collate_fn, workers and pin_memory.
-        """
-        return sharded_loader(self, dataset, batch_size, shuffle, collate_fn, num_workers, pin_memory, **kwargs)
+        so none waits for another. ``batch_size`` is per rank (default: the config's). Batches of any structure come
+        out on :attr:`device`. Passing a ``DataLoader`` re-shards it with its dataset, batch size, collate_fn,
+        workers, pin_memory and (``drop_last`` None, shard mode) its ``drop_last``; else None means True."""
+        loader = sharded_loader(self, dataset, batch_size, shuffle, collate_fn, num_workers, pin_memory, drop_last, **kwargs)
+        self._strategy.note_loader_batch(loader.plan_sampler.plan.b)
+        return loader
 
     def _set_gather_tail(self, real: Optional[int]) -> None:
         """(the loaders) The newest batch is the padded last global batch of a ``drop_last=False`` loader, of ``real``

@@ -94,14 +94,14 @@ class TrainingRun:
         self.steps_per_epoch = len(self.loader) // cfg.accum_grad_multiple_step
         # max_steps, when set, is the run length (epochs repeat the data), as in HF's Trainer
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else self.steps_per_epoch * cfg.num_epochs
-        self.callbacks = list(cfg.callbacks)
-        self._stop = False
+        self.callbacks, self._stop = list(cfg.callbacks), False
         self._pending: Optional[checkpoint.PendingCheckpoint] = None  # checkpoint_async: the one being written
         self._ft_logged, self._ft_groups, self._ft_heals = 0, None, 0  # fault_tolerance: syncs reported, heals seen
         self._data_offset = 0  # data steps ahead of the step count: nonzero after a resume with another global batch
         scheduler = build_scheduler(cfg, self.total_steps)
         # The factory is called with this bare model's parameters (names without a wrapper's "module."
         # prefix, as the user wrote the model); a factory that asks for named_parameters gets them by name.
+        cfg.writes_outputs = True  # (the engines' own files, e.g. DeepSpeed's resolved config, go there too)
         made = dk.setup(model, lambda params: build_optimizer(cfg, params, dk.world_size, model.named_parameters),
                         scheduler)
         self.model, self.opt = made[0], made[1]

@@ -89,7 +89,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "zero2": SAME, "zero3": SAME, "fsdp": SAME},
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": dict.fromkeys(ENGINES, SAME),
     "BatchNorm model: evaluation (model.eval(), torch.no_grad()) between training steps": dict.fromkeys(ENGINES, SAME),
-    "evaluation loader with drop_last=False, dk.gather per batch (gather_for_metrics)": dict.fromkeys(ENGINES, SAME),
+    "evaluation loader with drop_last=False (given, or a re-sharded DataLoader's), dk.gather per batch of per-sample outputs and losses (gather_for_metrics)": dict.fromkeys(ENGINES, SAME),
     "DiLoCo outer optimizer on a BatchNorm model, evaluation between steps (param)": dict.fromkeys(ENGINES, SAME),
 }
 #: idiom -> (run kind, phase)
@@ -110,7 +110,7 @@ WHERE: dict[str, tuple[str, str]] = {
     "torch.utils.data.DistributedSampler(dataset) kept": ("main", "distributed_sampler"),
     "dk.dataloader(..., drop_last=True), dk.print(..., flush=True)": ("main", "drop_last"),
     "BatchNorm model: evaluation (model.eval(), torch.no_grad()) between training steps": ("main", "eval_between_steps"),
-    "evaluation loader with drop_last=False, dk.gather per batch (gather_for_metrics)": ("main", "eval_gather"),
+    "evaluation loader with drop_last=False (given, or a re-sharded DataLoader's), dk.gather per batch of per-sample outputs and losses (gather_for_metrics)": ("main", "eval_gather"),
     "DiLoCo outer optimizer on a BatchNorm model, evaluation between steps (param)": ("diloco", "eval_between_steps"),
 }
 GRAD_ONLY = {"accum", "compile", "unused", "unused_no_find"}
@@ -219,6 +219,9 @@ def test_idiom_gives_ddp_result_or_the_documented_error(runs: Any, idiom: str, e
         assert _diff(mine[0], mine[1], per_rank=False) == 0.0
     if phase == "eval_gather":  # every sample once, in one global order, on both ranks
         assert mine[0]["gathered"] == mine[1]["gathered"] and sorted(mine[0]["gathered"]) == list(range(21))
+        assert mine[0]["resharded"] == mine[1]["resharded"] == list(range(21))  # a DataLoader's drop_last=False kept
+        # the per-sample loss's mean is the one-process value: mean of (i - i/2)^2 = i^2/4 over i < 21
+        assert all(p["eval"][-1] == sum(i * i / 4 for i in range(21)) / 21 for p in mine), [p["eval"][-1] for p in mine]
     if phase == "ema":
         assert torch.equal(torch.cat([t.flatten() for t in mine[0]["ema"].values()]),
                            torch.cat([t.flatten() for t in mine[1]["ema"].values()]))

@@ -451,3 +451,48 @@ def test_a_rank_of_another_job_on_the_same_port_leaves_its_rendezvous_untouched(
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
+
+
+DS_BATCH_SCRIPT = '''
+import argparse, json, os, sys
+import torch
+import distkit
+parser = argparse.ArgumentParser()
+distkit.add_arguments(parser)
+dk = distkit.init(parser.parse_args())
+dk.set_accumulation(2)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+loader = dk.dataloader(data, batch_size=4)
+net = torch.nn.Linear(4, 1)
+model, opt = dk.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+for i, (x, y) in enumerate(loader):
+    if i == 4:
+        break
+    dk.backward(torch.nn.functional.mse_loss(model(x), y))
+    if i % 2 == 1:
+        dk.step()
+dk.print("told", model.train_micro_batch_size_per_gpu(), model.gradient_accumulation_steps(),
+         model.train_batch_size())
+dk.finish()
+'''
+
+
+def test_deepspeed_is_told_the_batch_the_script_uses_and_writes_nothing_unasked(tmp_path: Path) -> None:
+    """Issue 57 item 8: loader batch 4, dk.set_accumulation(2), 2 ranks: DeepSpeed was told micro 32 (the config's
+    default) and train_batch_size 128, and the resolved config went into the working directory's runs/default/
+    though the script chose no output_dir. Now 4 x 2 x 2 = 16, and nothing is written unless output_dir is given."""
+    script = tmp_path / "ds_batch.py"
+    script.write_text(DS_BATCH_SCRIPT)
+    work = tmp_path / "work"
+    work.mkdir()
+    js = tmp_path / "ds.json"
+    js.write_text(json.dumps(zero(2)))
+    ds = ["--nprocs", "2", "--deepspeed", "--deepspeed_config", str(js), "++progress_bar", "False"]
+    res = ok(run([str(BIN / "python"), str(script), *ds], cwd=work, timeout=300))
+    assert "told 4 2 16" in res.stdout, res.stdout
+    assert list(work.iterdir()) == []  # no runs/default/deepspeed_config.resolved.json
+    out = tmp_path / "out"
+    ok(run([str(BIN / "python"), str(script), *ds, "++output_dir", str(out)], cwd=work, timeout=300))
+    resolved = json.loads((out / "deepspeed_config.resolved.json").read_text())
+    assert (resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"],
+            resolved["train_batch_size"]) == (4, 2, 16)

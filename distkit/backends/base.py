@@ -69,6 +69,10 @@ class Strategy(ABC):
         none."""
         return ()
 
+    def note_loader_batch(self, batch_size: int) -> None:
+        """A ``dk.dataloader`` of ``batch_size`` samples per rank per micro-step was made (the first one made before
+        :meth:`setup` is, in the scripts we know, the training loader). Default: nothing to do with it."""
+
     def check_accumulation(self, steps: int) -> None:
         """Raise ConfigError when ``accum_grad_multiple_step = steps``, set after start-up
         (``dk.set_accumulation``), contradicts the engine's own config. Default: any value is fine."""

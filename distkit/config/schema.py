@@ -246,6 +246,9 @@ class RunConfig:
     explicit_keys: Optional[frozenset[str]] = field(default=None, metadata={"internal": True})
     #: set by the resolver: one-line notes for rank 0 to print at start (e.g. an engine spelling replaced)
     notes: tuple[str, ...] = field(default=(), metadata={"internal": True})
+    #: set by ``distkit train``'s Trainer: the run writes its outputs under ``output_dir``, chosen or not (an own
+    #: loop writes there only when the script chose one)
+    writes_outputs: bool = field(default=False, metadata={"internal": True})
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict; callables become "module:qualname" strings, other objects their repr.

@@ -266,8 +266,18 @@ def eval_gather(r: Runner) -> None:
         gx, gy = r.dk.gather((x, y))
         assert gx[:, 0].long().tolist() == gy.tolist()
         ids += gy.tolist()
-    r.extra["eval"] = [float(i) for i in ids]
+    # the DataLoader a script already has, re-sharded (its drop_last=False carried over: every sample once)
+    resharded: list[int] = []
+    for _, y in r.dk.dataloader(torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)):
+        resharded += r.dk.gather(y).tolist()
+    # an evaluation loss the exact way (docs/api.md): per-sample losses gathered, their mean over the set; a
+    # per-batch mean repeated (losses.append(gather(loss.repeat(n)))) would count the padded copies of the last batch
+    per_sample: list[torch.Tensor] = []
+    for x, y in r.dk.dataloader(data, batch_size=4, drop_last=False, shuffle=False):
+        per_sample.append(r.dk.gather((x[:, 0] - y.double() * 0.5) ** 2))  # one loss per sample
+    r.extra["eval"] = [float(i) for i in ids] + [torch.cat(per_sample).mean().item()]
     r.extra["gathered"] = ids
+    r.extra["resharded"] = resharded
 
 
 def module_attribute(r: Runner) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-from typing import Any
+from typing import Any, Optional
 
 from distkit.config import RunConfig
 from distkit.env import detect
@@ -64,6 +64,17 @@ def _enabled(ds: dict[str, Any], key: str) -> bool:
 class _DeepSpeedConfigured(DDPStrategy):
     """The base of :class:`~distkit.backends.deepspeed.engine.DeepSpeedStrategy`: its checks and
     resolution of the DeepSpeed config (before any process group, and once the world size is known)."""
+
+    #: the batch size per rank of the first dk.dataloader made before setup (note_loader_batch)
+    _loader_micro: Optional[int] = None
+
+    def note_loader_batch(self, batch_size: int) -> None:
+        """DeepSpeed is told the micro batch at ``setup`` (its ``train_micro_batch_size_per_gpu`` and
+        ``train_batch_size``, also written to ``deepspeed_config.resolved.json``); where neither distkit's config nor
+        the DeepSpeed config gives one, the first loader made before setup does: the batch the script uses, not
+        the config's default of 32. Reporting only: DeepSpeed's arithmetic uses the accumulation, which is right."""
+        if self._loader_micro is None and getattr(self, "engine", None) is None:
+            self._loader_micro = batch_size
 
     def check_accumulation(self, steps: int) -> None:
         """An accumulation set after start-up must agree with the DeepSpeed config's own batch keys."""
@@ -201,9 +212,12 @@ class _DeepSpeedConfigured(DDPStrategy):
         """The dict handed to deepspeed.initialize (also written to output_dir)."""
         cfg = self.cfg
         conf = copy.deepcopy(cfg.distributed.deepspeed_config or {})
-        conf["train_micro_batch_size_per_gpu"] = cfg.batch_size
+        known = getattr(cfg, "_deepspeed_known", {"micro": True})
+        micro = (self._loader_micro if self._loader_micro is not None and not known["micro"]
+                 and "train_batch_size" not in conf else cfg.batch_size)
+        conf["train_micro_batch_size_per_gpu"] = micro
         conf["gradient_accumulation_steps"] = cfg.accum_grad_multiple_step
-        conf["train_batch_size"] = cfg.batch_size * cfg.accum_grad_multiple_step * self._data_parallel_size()
+        conf["train_batch_size"] = micro * cfg.accum_grad_multiple_step * self._data_parallel_size()
         conf["gradient_clipping"] = float(cfg.gradient_clip or 0.0)  # explicit: DeepSpeed's own default is 1.0
         if client_optimizer:
             conf.setdefault("zero_allow_untested_optimizer", True)

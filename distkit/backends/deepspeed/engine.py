@@ -27,7 +27,7 @@ from distkit.sync.replicas import ReplicaGroups
 from .. import startup
 from ..parts import bare_module, persistent_buffers, same_parameters_on_every_rank, unused_parameters
 from ..buffers import DDPBufferRule
-from .config import RESOLVED_NAME, zero_section
+from .config import RESOLVED_NAME, _explicit, zero_section
 from .groups import _MasterAverager, _ReplicaGroups
 from .state import _DeepSpeedState
 
@@ -185,7 +185,8 @@ class DeepSpeedStrategy(_DeepSpeedState):
         from distkit.checkpoint import write_json
 
         failed: Optional[OutputError] = None
-        if self.is_main:
+        # an own loop that chose no output_dir gets no file in the working directory's runs/default/
+        if self.is_main and (cfg.writes_outputs or _explicit(cfg, "output_dir")):
             try:
                 write_json(os.path.join(cfg.output_dir, RESOLVED_NAME), conf)
             except OutputError as e:
