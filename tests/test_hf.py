@@ -3,6 +3,7 @@ real ranks (torchrun, gloo, CPU), real accelerate/transformers, tiny models, syn
 
 Two jobs for the whole file (process starts are the cost here): the first runs every training and writes what
 it measured, per rank, to a file; the second starts new processes that resume from the first one's checkpoints.
+The refusals that end a process have one test of their own.
 
 - ParamSync at LocalSGD's settings equals Accelerate's LocalSGD bit for bit (a BatchNorm model: LocalSGD leaves
   buffers alone, and so does ParamSync), the same instance re-entered for a second epoch; in Accelerate's own
@@ -15,14 +16,21 @@ it measured, per rank, to a file; the second starts new processes that resume fr
   here; the bound asserted is 1e-6. In param mode (outer optimizer) it equals distkit's own loop on the batches the
   Trainer drew (outer optimizer, 2 fragments, int8, overlap 1); a checkpoint after step 4 (mid-period, an exchange in
   flight) resumed in new processes ends bit for bit where the run ended.
+- DistkitTrainer with load_best_model_at_end in param mode, evaluated between syncs (issue 57 item 2): the best
+  checkpoint holds the mean of the replicas, the evaluated model, which every rank ends with; its evaluate() is
+  best_metric exactly. Its refusals (item 5): typed, naming the fix, before anything is written (caught in the job);
+  uncaught, one line and exit 2 on every rank under torchrun, --nprocs and mpirun (one test, three launches at once).
 """
 from __future__ import annotations
 
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import BIN, ROOT, ok, run
 
@@ -99,6 +107,18 @@ class Tokens(Dataset):  # 64 random sequences of the model's length: what a toke
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Held(Tokens):  # 16 other sequences: the eval set (2 batches of 4 per rank)
+    ids = torch.randint(0, 64, (16, 32), generator=torch.Generator().manual_seed(8))
+
+
+#: DistkitTrainer's refusals: (name, distkit config, TrainingArguments keys)
+REFUSED = [("mpi", {"distributed": {"backend": "mpi"}}, {}), ("horovod", {"distributed": {"backend": "horovod"}}, {}),
+           ("fsdp", {"distributed": {"backend": "fsdp"}}, {}),
+           ("deepspeed", {"distributed": {"backend": "deepspeed",
+                                          "deepspeed_config": {"zero_optimization": {"stage": 2}}}}, {}),
+           ("fp16", None, {"fp16": True})]
 
 
 def gpt2(dropout):
@@ -178,10 +198,15 @@ if phase == "run":
     t = DistkitTrainer(gpt2(True), targs("grad-ga", max_steps=4, gradient_accumulation_steps=2), train_dataset=Tokens())
     t.train()
     res["trainer_grad_ga"] = state(t.model)
-    try:
-        DistkitTrainer(gpt2(True), targs("refused"), train_dataset=Tokens(), distkit={"distributed": {"backend": "mpi"}})
-    except Exception as e:
-        res["refusal_trainer"] = f"{type(e).__name__}: {e}"
+    # each refusal, caught here (uncaught: test_refusals_are_one_line_exit_2_on_every_rank): its error,
+    # and whether anything was written to its output dir
+    res["refusals"] = {}
+    for name, dk_cfg, kw in REFUSED:
+        try:
+            DistkitTrainer(gpt2(True), targs(f"refused-{name}", **kw), train_dataset=Tokens(), distkit=dk_cfg)
+            res["refusals"][name] = ("not refused", None)
+        except Exception as e:
+            res["refusals"][name] = (f"{type(e).__name__}: {e}", os.path.exists(os.path.join(out, f"refused-{name}")))
     # param mode with every extra, saving after step 4, recording the batches this rank drew
     seen = []
     def recording(features):
@@ -205,6 +230,19 @@ if phase == "run":
         dk.step()
     dk.finish()
     res["trainer_own"] = state(m)
+    # load_best_model_at_end in param mode (H = 5), evaluated and saved every 6 steps: never at a sync; plain
+    # averaging (the issue's setup), then with the outer optimizer (whose final sync must come before the load)
+    res["best"] = {}
+    for name, extra in (("best", {}), ("best-outer", {"param_outer_optimizer": OUTER})):
+        m = gpt2(False)
+        t = DistkitTrainer(m, targs(name, max_steps=24, eval_strategy="steps", eval_steps=6, save_strategy="steps",
+                                    save_steps=6, load_best_model_at_end=True, per_device_eval_batch_size=4),
+                           train_dataset=Tokens(), eval_dataset=Held(), optimizers=sgd(m),
+                           distkit={"distributed": {"reduce_type": "param", "param_sync_step": 5}, **extra})
+        t.train()
+        res["best"][name] = {"metric": t.state.best_metric, "checkpoint": t.state.best_model_checkpoint,
+                             "evals": {h["step"]: h["eval_loss"] for h in t.state.log_history if "eval_loss" in h},
+                             "model": state(t.model), "evaluate": t.evaluate()["eval_loss"]}
 
     # examples/hf_local_sgd.py as converted, then with LocalSGD back in, then with distkit's extras from ++keys
     spec = importlib.util.spec_from_file_location("hf_local_sgd", example)
@@ -319,7 +357,29 @@ def test_distkit_trainer_grad_mode_equals_the_trainers_ddp(job: tuple[Path, list
         assert max_diff(r["trainer_grad"], r["trainer_ddp"]) <= GRAD_TOL
         assert max_diff(r["trainer_grad_ga"], r["trainer_ddp_ga"]) <= GRAD_TOL  # gradient_accumulation_steps 2
         assert max_diff(r["trainer_grad"], r["gpt2_init"]) > 1e-3  # (it trained)
-    assert "UnsupportedCombination" in ranks[0]["refusal_trainer"] and "ddp engine" in ranks[0]["refusal_trainer"]
+
+
+#: each refusal's text, as a rank catches it: the fix it names
+REFUSAL_TEXT = {
+    "mpi": "UnsupportedCombination: DistkitTrainer runs distkit's ddp engine (grad or param mode), not 'mpi': remove "
+           "distributed.backend, or use distkit's own loop (distkit.init) or distkit train",
+    "horovod": "UnsupportedCombination: DistkitTrainer runs distkit's ddp engine (grad or param mode), not 'horovod': "
+               "remove distributed.backend, or use distkit's own loop (distkit.init) or distkit train",
+    "fsdp": "UnsupportedCombination: DistkitTrainer runs distkit's ddp engine (grad or param mode), not 'fsdp': remove "
+            "distributed.backend, or use transformers.Trainer with TrainingArguments(fsdp=...)",
+    "deepspeed": "UnsupportedCombination: DistkitTrainer runs distkit's ddp engine (grad or param mode), not "
+                 "'deepspeed': remove distributed.backend, or use transformers.Trainer with "
+                 "TrainingArguments(deepspeed=...)",
+    "fp16": "UnsupportedCombination: DistkitTrainer replaces the Trainer's DDP and optimizer step: remove fp16 from "
+            "TrainingArguments (bf16=True works), or use transformers.Trainer for fp16",
+}
+
+
+def test_distkit_trainer_refusals_name_the_fix_before_writing_anything(job: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Issue 57 item 5: every engine but ddp (each with what to use instead) and fp16, refused on every rank before the
+    Trainer's constructor runs: the output dir is never created."""
+    for r in job[1]:
+        assert r["refusals"] == {name: (text, False) for name, text in REFUSAL_TEXT.items()}, r["refusals"]
 
 
 def test_distkit_trainer_param_mode_equals_own_loop_and_resumes(job: tuple[Path, list[dict[str, Any]]],
@@ -335,3 +395,91 @@ def test_distkit_trainer_param_mode_equals_own_loop_and_resumes(job: tuple[Path,
     models = [torch.load(out / "param" / "checkpoint-4" / "distkit" / f"rank-{r:05d}.pt", weights_only=False)["model"]
               for r in (0, 1)]
     assert max_diff(models[0], models[1]) > 1e-4  # mid-period: each rank's own state was needed
+
+
+@pytest.mark.parametrize("name", ["best", "best-outer"])
+def test_load_best_model_at_end_in_param_mode_is_the_evaluated_model(job: tuple[Path, list[dict[str, Any]]],
+                                                                      name: str) -> None:
+    """Issue 57 item 2: param_sync_step 5, evaluated and saved every 6 steps (never at a sync: the ranks differ at
+    every evaluation); plain averaging, and with the outer optimizer. In param mode the Trainer's evaluation sees
+    the mean of the replicas, which is what checkpoint-N's model file holds: the best model, loaded at the end, is
+    one model on every rank and its evaluate() is the recorded best_metric, exactly."""
+    ranks = [r["best"][name] for r in job[1]]
+    best = Path(ranks[0]["checkpoint"])
+    step = int(best.name.rsplit("-", 1)[1])
+    assert step != 24  # not the last evaluation: loading the best changed the model (measured: step 6)
+    for r in ranks:
+        assert Path(r["checkpoint"]) == best and sorted(r["evals"]) == [6, 12, 18, 24]
+        assert r["metric"] == r["evals"][step] == min(r["evals"].values())
+        assert r["evaluate"] == r["metric"], (r["evaluate"], r["metric"])
+    assert identical(ranks[0]["model"], ranks[1]["model"])
+    saved = load_file(best / "model.safetensors")
+    own = [torch.load(best / "distkit" / f"rank-{r:05d}.pt", weights_only=False)["model"] for r in (0, 1)]
+    assert max_diff(own[0], own[1]) > 1e-4  # the replicas differed at the best step
+    assert set(own[0]) - set(saved) <= {"lm_head.weight"}  # (tied to the embedding: saved once)
+    for k, v in saved.items():
+        assert torch.equal(v, (own[0][k] + own[1][k]) / 2), k  # the checkpoint: the mean of the replicas
+        assert torch.equal(ranks[0]["model"][k], v), k  # what every rank ends with
+
+
+REFUSE = r'''
+import argparse
+from distkit.hf import DistkitTrainer  # under mpirun without MASTER_ADDR: refused here, before TrainingArguments
+import distkit
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+distkit.add_arguments(parser)
+args = parser.parse_args()
+targs = TrainingArguments(output_dir=args.out, use_cpu=True, report_to=[], disable_tqdm=True)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8, bos_token_id=0,
+                                   eos_token_id=0))
+DistkitTrainer(model, targs, distkit=args)
+print("not refused")
+'''
+#: one rank under a launcher: its stdout, stderr and exit status into files named by its rank, and exit 0 (a launcher
+#: stops the other ranks once one has failed: each rank's own line and status are what is asserted)
+RANK_SH = 'r=${RANK:-$OMPI_COMM_WORLD_RANK}; "$@" >"$LOGS/out-$r" 2>"$LOGS/err-$r"; echo $? >"$LOGS/rc-$r"\n'
+NOT_DDP = ("distkit: error: DistkitTrainer runs distkit's ddp engine (grad or param mode), not '{}': remove "
+           "distributed.backend, or use distkit's own loop (distkit.init) or distkit train")
+NO_MASTER_ADDR = ("distkit: error: DistkitTrainer and ParamSync run on Accelerate's torch.distributed group, which "
+                  "starts from MASTER_ADDR and MASTER_PORT, and mpirun (openmpi) gave its 2 ranks no MASTER_ADDR: "
+                  "launch with torchrun --nproc_per_node 2 (or accelerate launch), or export both to every rank "
+                  "(mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<a free port> ...)")
+
+
+def test_refusals_are_one_line_exit_2_on_every_rank(tmp_path: Path) -> None:
+    """Issue 57 item 5, the three launch paths at once: under torchrun (++distributed.backend mpi) each rank; under
+    --nprocs (++distributed.backend horovod) the one process that would start the ranks; under mpirun with no
+    MASTER_ADDR (Accelerate's TrainingArguments would die in a traceback) each rank, at ``import distkit.hf``. Each:
+    stderr exactly one ``distkit: error:`` line naming the fix, exit 2, nothing on stdout, no output dir."""
+    script, wrap = tmp_path / "refuse.py", tmp_path / "rank.sh"
+    script.write_text(REFUSE)
+    wrap.write_text(RANK_SH)
+    py = [sys.executable, str(script)]
+    launches = {
+        "torchrun": [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "0", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", "localhost:0", "--no-python", "sh", str(wrap), *py, "{out}",
+                     "++distributed.backend", "mpi"],
+        "mpirun": [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", "sh", str(wrap), *py,
+                   "{out}"],
+        "nprocs": [*py, "{out}", "--nprocs", "2", "++distributed.backend", "horovod"],
+    }
+
+    def launch(name: str) -> Any:
+        logs = tmp_path / name
+        logs.mkdir()
+        cmd = [a.replace("{out}", str(tmp_path / f"out-{name}")) for a in launches[name]]
+        return run(cmd, timeout=150, LOGS=str(logs))
+
+    with ThreadPoolExecutor(len(launches)) as pool:  # (started together: each is mostly imports)
+        done = dict(zip(launches, pool.map(launch, launches), strict=True))
+    for name, line in (("torchrun", NOT_DDP.format("mpi")), ("mpirun", NO_MASTER_ADDR)):
+        ok(done[name])  # (the wrapper exits 0; the ranks' own statuses are in the files)
+        for r in (0, 1):
+            rank = [(tmp_path / name / f"{what}-{r}").read_text() for what in ("rc", "out", "err")]
+            assert rank == ["2\n", "", line + "\n"], (name, r, rank)
+    nprocs = done["nprocs"]
+    assert (nprocs.returncode, nprocs.stdout, nprocs.stderr) == (2, "", NOT_DDP.format("horovod") + "\n"), nprocs
+    assert not any((tmp_path / f"out-{name}").exists() for name in launches)

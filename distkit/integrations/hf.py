@@ -8,6 +8,7 @@ over Accelerate's own torch.distributed group; its per-rank state goes into ``ac
 transformers) is a ``transformers.Trainer`` whose training runs through a distkit Session.
 
 Only this module and :mod:`distkit.integrations.hf_trainer` import accelerate and transformers; distkit's core never does.
+Importing it under ``mpirun`` without ``MASTER_ADDR`` is refused in one line (:func:`refuse_mpirun_without_rendezvous`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import dataclasses
 import json
 import os
 import weakref
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -27,10 +29,38 @@ from distkit.config import RunConfig, resolve
 from distkit.config.arguments import Source, config_from
 from distkit.config.loader import apply_override
 from distkit.config.validate import _validate
-from distkit.env import ClusterEnv
+from distkit.env import ClusterEnv, detect
 from distkit.errors import BackendUnavailable, ConfigError, UnsupportedCombination, UsageError
 from distkit.health.guards import install_excepthook
 from distkit.session import Session
+
+#: the launchers whose ranks Accelerate finds from MPI's variables, with no rendezvous address of theirs
+_MPI_LAUNCHERS = ("openmpi", "mpich", "pmix")
+
+
+def refuse_mpirun_without_rendezvous(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Not collective (every rank sees the same launcher). Under ``mpirun`` with 2+ ranks and no ``MASTER_ADDR``,
+    Accelerate's state (``TrainingArguments``, ``Accelerator()``, the script's next lines) starts torch.distributed
+    by ``env://`` and dies in a traceback ("MASTER_ADDR expected, but not set"), before any distkit code runs again:
+    so this runs when distkit.hf is imported and refuses in one line, exit 2 (UnsupportedCombination), naming
+    what works. With ``MASTER_ADDR`` (and ``MASTER_PORT``) exported both bridges run under mpirun."""
+    environ = dict(os.environ) if environ is None else environ
+    if environ.get("MASTER_ADDR"):
+        return
+    try:
+        env = detect(environ)
+    except ConfigError:
+        return  # (a launcher layout distkit cannot read: Accelerate may; not ours to refuse here)
+    if env.launcher in _MPI_LAUNCHERS and env.world_size > 1:
+        install_excepthook(lambda: Session.current)  # raised at import, before distkit.init could install it
+        raise UnsupportedCombination(
+            f"DistkitTrainer and ParamSync run on Accelerate's torch.distributed group, which starts from MASTER_ADDR "
+            f"and MASTER_PORT, and mpirun ({env.launcher}) gave its {env.world_size} ranks no MASTER_ADDR: launch "
+            f"with torchrun --nproc_per_node {env.world_size} (or accelerate launch), or export both to every rank "
+            "(mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<a free port> ...)")
+
+
+refuse_mpirun_without_rendezvous()
 
 try:
     from accelerate import Accelerator, DistributedType
@@ -38,7 +68,8 @@ except ImportError:  # one line instead of a traceback, with the install command
     raise BackendUnavailable("distkit.hf needs Hugging Face Accelerate: pip install 'distkit[hf]' "
                              "(accelerate>=1.10, transformers>=4.46)") from None
 
-__all__ = ["ParamSync", "param_config"]  # DistkitTrainer: distkit.integrations.hf_trainer (distkit.hf re-exports both)
+# DistkitTrainer: distkit.integrations.hf_trainer (distkit.hf re-exports it and ParamSync)
+__all__ = ["ParamSync", "param_config", "refuse_mpirun_without_rendezvous"]
 
 #: Accelerate's distributed types LocalSGD accepts (accelerate/local_sgd.py): DDP-style data parallelism only
 _LOCAL_SGD_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_MLU", "MULTI_HPU", "MULTI_SDAA", "MULTI_MUSA",

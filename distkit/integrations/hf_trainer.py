@@ -8,6 +8,12 @@ is not DDP-wrapped by Accelerate), ``accelerator.backward``, the optimizer's ``s
 ``_load_optimizer_and_scheduler``. A script changes one import (``from distkit.hf import DistkitTrainer as
 Trainer``) and passes ``distkit=`` its config (grad mode with no config: the Trainer's own DDP run).
 
+Param mode's ranks hold different replicas between syncs; the Trainer evaluates and checkpoints one model. So
+evaluation (``evaluation_loop``: ``evaluate``, ``predict``) and the checkpoint's model files see the mean of the
+replicas while they differ (each rank's own replica is put back afterwards, and training goes on from it): a
+``best_metric`` is the metric of the model ``checkpoint-N`` holds, and ``load_best_model_at_end`` loads that one
+model on every rank.
+
 Imported by :mod:`distkit.hf` on first use of ``DistkitTrainer`` (transformers takes seconds to import).
 """
 from __future__ import annotations
@@ -24,7 +30,12 @@ from torch import nn
 import distkit
 from distkit.config.arguments import Source, config_from
 from distkit.errors import BackendUnavailable, UnsupportedCombination
+from distkit.health.guards import install_excepthook
+from distkit.integrations.hf import refuse_mpirun_without_rendezvous
 from distkit.integrations.session_optimizer import SessionOptimizer
+from distkit.session import Session
+
+refuse_mpirun_without_rendezvous()  # (imported directly, not through distkit.hf: the same check)
 
 try:
     from transformers import Trainer
@@ -35,6 +46,13 @@ except ImportError:
 
 #: the sub-directory of a Trainer checkpoint that holds distkit's per-rank state (param mode)
 STATE_DIR = "distkit"
+#: per engine DistkitTrainer does not run: what to use instead (the refusal's fix)
+_OTHER_ENGINES = {
+    "deepspeed": "transformers.Trainer with TrainingArguments(deepspeed=...)",
+    "fsdp": "transformers.Trainer with TrainingArguments(fsdp=...)",
+    "mpi": "distkit's own loop (distkit.init) or distkit train",
+    "horovod": "distkit's own loop (distkit.init) or distkit train",
+}
 
 
 class _SessionModule(nn.Module):
@@ -78,25 +96,29 @@ class DistkitTrainer(Trainer):
     Checkpoints: the Trainer's own, plus in param mode each rank's model, optimizer and averager state in
     ``checkpoint-N/distkit`` (``dk.save``), which ``train(resume_from_checkpoint=...)`` restores.
 
-    Cross-rank contract: as the Trainer's: every rank constructs it (collective: ``distkit.init``), calls
-    ``train`` and saves checkpoints (collective in param mode); ``train`` ends with ``dk.finish()`` (param mode:
-    the final average, so ``save_model`` writes the model every rank holds).
+    Cross-rank contract: as the Trainer's: every rank constructs it (collective: ``distkit.init``; a refusal comes
+    before it and before the Trainer's constructor, alike on every rank: one line, exit 2, nothing written), calls
+    ``train``, evaluates (collective, as the Trainer's evaluation; in param mode during training it also averages
+    the replicas) and saves checkpoints (collective in param mode); ``train`` ends with ``dk.finish()`` (param mode:
+    the final average, so ``save_model`` writes the model every rank holds), which ``load_best_model_at_end`` runs
+    before it loads the best checkpoint's one model on every rank.
     """
 
     def __init__(self, *args: Any, distkit: Source = None, **kwargs: Any) -> None:  # noqa: A002 - the config's name
-        super().__init__(*args, **kwargs)
+        # distkit.init installs the hook that makes a DistkitError one line and exit 2; the refusals below come
+        # before it (and before the Trainer's constructor, which creates the output directory): install it here
+        install_excepthook(lambda: Session.current)
         cfg, _ = config_from(distkit)
-        d = cfg.distributed
-        if d.backend != "ddp":
-            raise UnsupportedCombination(
-                f"DistkitTrainer runs distkit's ddp engine (grad or param mode), not {d.backend!r}: for DeepSpeed or "
-                "FSDP use the Trainer's own (TrainingArguments(deepspeed=..., fsdp=...)); for mpi/horovod distkit's "
-                "own loop or distkit train")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled or self.args.fp16:
-            raise UnsupportedCombination("DistkitTrainer replaces the Trainer's DDP: remove deepspeed/fsdp/fp16 from "
-                                         "TrainingArguments (bf16 is fine), or use transformers.Trainer for them")
+        _refuse(cfg, kwargs.get("args", args[1] if len(args) > 1 else None))
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # (set by accelerate launch's config, not the args)
+            raise UnsupportedCombination("DistkitTrainer replaces the Trainer's DDP: launch without Accelerate's "
+                                         "deepspeed/fsdp config, or use transformers.Trainer for them")
         if cfg.explicit_keys is not None and "output_dir" not in cfg.explicit_keys:  # (None: a RunConfig, as given)
             cfg.output_dir = os.path.join(self.args.output_dir, STATE_DIR)  # the Session's files with the run's
+        #: dk.finish() ran (the end of training: every rank holds the same model from then on)
+        self._finished = False
+        self._averaged = False  # inside _one_model's block (a nested one, e.g. evaluate's, averages nothing again)
         with _rng_kept():
             self.dk = _init(cfg)
 
@@ -128,19 +150,69 @@ class DistkitTrainer(Trainer):
         return _SessionModule(wrapped, self.dk)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``, then ``dk.finish()`` (collective; param mode: the final sync)."""
+        """The Trainer's ``train``, then ``dk.finish()`` (collective; param mode: the final sync) unless
+        ``load_best_model_at_end`` ran it already."""
         out = super().train(*args, **kwargs)
-        if self.dk._model is not None:
-            self.dk.finish()
+        self._finish()
         return out
+
+    def _finish(self) -> None:
+        """Collective, once: ``dk.finish()`` when the Session trained a model."""
+        if self.dk._model is not None and not self._finished:
+            self.dk.finish()
+            self._finished = True
+
+    def _load_best_model(self) -> None:
+        """Collective: the training's final sync first, then the Trainer's load of the best checkpoint (the same
+        file on every rank: one model). After the load the final sync would take the loaded model for local
+        progress (with an outer optimizer it would step away from it)."""
+        self._finish()
+        super()._load_best_model()
+
+    def _differing_replicas(self) -> Optional[Any]:
+        """The averager, where the ranks' replicas differ now (param mode, training, not just synced: the same
+        answer on every rank, the sync schedule is); else None."""
+        averager = self.dk._strategy.averager if self.dk._model is not None else None
+        if averager is None or self._finished or self.dk.world_size == 1 or averager.in_sync():
+            return None
+        return averager
+
+    @contextlib.contextmanager
+    def _one_model(self) -> Iterator[None]:
+        """Collective in param mode while the replicas differ: every rank holds the mean of the replicas
+        (parameters and floating buffers, the tensors a sync averages, plainly: no outer step) inside the block,
+        and its own replica again after it (training goes on from there, as if nothing had happened). Else a no-op."""
+        averager = self._differing_replicas()
+        if averager is None or self._averaged:
+            yield
+            return
+        own = [t.detach().clone() for t in averager.tensors]  # one copy of the model, for the block's length
+        self.dk._strategy.average_parameters(averager.tensors, [averager.is_parameter(i) for i in range(len(own))])
+        self._averaged = True
+        try:
+            yield
+        finally:
+            self._averaged = False
+            with torch.no_grad():
+                for t, mine in zip(averager.tensors, own, strict=True):
+                    t.copy_(mine)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's (``evaluate``, ``predict``) on one model: in param mode during training the mean of the
+        replicas (collective, as the Trainer's evaluation is), which is also what a checkpoint of this step holds."""
+        with self._one_model():
+            return super().evaluation_loop(*args, **kwargs)
 
     def _state_path(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, STATE_DIR)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """The Trainer's checkpoint (rank 0's model and optimizer, each rank's RNG), then in param mode, where ranks
-        differ between syncs, every rank's own state (collective: ``dk.save``)."""
-        super()._save_checkpoint(model, trial)
+        """The Trainer's checkpoint, then in param mode, where ranks differ between syncs, every rank's own state
+        (collective: ``dk.save``). The Trainer's model files hold the mean of the replicas (the model this step's
+        evaluation saw; rank 0 writes it): what ``load_best_model_at_end`` and ``from_pretrained`` load; a resume
+        restores each rank's own replica from ``checkpoint-N/distkit``."""
+        with self._one_model():
+            super()._save_checkpoint(model, trial)
         if self.param_mode and self.dk._model is not None:
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             self.dk.save(self._state_path(folder), {"model": self.dk.model, "optimizer": self.dk.optimizer})
@@ -151,6 +223,22 @@ class DistkitTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.param_mode and os.path.isdir(self._state_path(checkpoint)):
             self.dk.load(self._state_path(checkpoint), {"model": self.dk.model, "optimizer": self.dk.optimizer})
+
+
+def _refuse(cfg: Any, args: Any) -> None:
+    """Not collective (every rank decides alike from the same config and arguments): what DistkitTrainer does
+    not run, before anything is built or written (UnsupportedCombination: one line, exit 2)."""
+    engine = cfg.distributed.backend
+    if engine != "ddp":
+        fix = _OTHER_ENGINES.get(engine, "another trainer")
+        raise UnsupportedCombination(f"DistkitTrainer runs distkit's ddp engine (grad or param mode), not {engine!r}: "
+                                     f"remove distributed.backend, or use {fix}")
+    # (fp16: the Trainer's GradScaler would step the optimizer itself, around distkit's step)
+    for name, works, what in (("deepspeed", "", "DeepSpeed"), ("fsdp", "", "FSDP"),
+                              ("fp16", " (bf16=True works)", "fp16")):
+        if args is not None and getattr(args, name, None):
+            raise UnsupportedCombination(f"DistkitTrainer replaces the Trainer's DDP and optimizer step: remove {name} "
+                                         f"from TrainingArguments{works}, or use transformers.Trainer for {what}")
 
 
 def _init(cfg: Any) -> Any:
