@@ -91,19 +91,19 @@ class Spread(pl.Callback):
             w = trainer.strategy.all_gather(module.layer.weight.detach())
             self.spread = float((w[0] - w[1]).abs().max())
 
-def trainer(strategy, out=None, **kw):
-    cb = [ModelCheckpoint(dirpath=out, save_top_k=-1, filename="{epoch}")] if out else []
+def trainer(strategy, out=None, ckpt=None, **kw):
+    cb = [ModelCheckpoint(dirpath=out, save_top_k=-1, filename="{epoch}", **(ckpt or {}))] if out else []
     cb.append(SPREAD)
     return Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=EPOCHS, logger=False,
                    enable_checkpointing=bool(out), callbacks=cb, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, **kw)
 
-def fit(strategy, out=None, ckpt_path=None, evaluate=True, **kw):
+def fit(strategy, out=None, ckpt_path=None, evaluate=True, module=BoringModel, **kw):
     """seed, model, fit (+ validate and test): the final state and the logged values, with their closed forms."""
     global SPREAD
     SPREAD = Spread()
     pl.seed_everything(SEED)
-    model = BoringModel()
+    model = module()
     t = trainer(strategy, out, **kw)
     t.fit(model, loader(TRAIN, shuffle=True), loader(VAL), ckpt_path=ckpt_path)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -147,6 +147,28 @@ def own_loop(source):
     dk.finish()
     return {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}, dk.num_steps
 
+class Scheduled(BoringModel):
+    """A per-epoch StepLR halving the learning rate (issue 57 C); LRS gets the rate each step ran with: the stepped
+    optimizer's (trainer.optimizers[0]: on Horovod the engine's DistributedOptimizer, not configure_optimizers')."""
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+    def on_train_batch_start(self, batch, batch_idx):
+        LRS.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+def sched_fit(strategy, out=None, ckpt_path=None):
+    """3 epochs of Scheduled, a checkpoint after each (out) or a resume (ckpt_path): the rates the steps ran with,
+    and the final parameters."""
+    global LRS
+    LRS = []
+    pl.seed_everything(SEED)
+    model = Scheduled()
+    cb = [ModelCheckpoint(dirpath=out, save_top_k=-1, filename="{epoch}")] if out else []
+    t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=3, logger=False, callbacks=cb,
+                enable_checkpointing=bool(out), enable_progress_bar=False, enable_model_summary=False)
+    t.fit(model, loader(TRAIN, shuffle=True), ckpt_path=ckpt_path)
+    return LRS, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
 parser = argparse.ArgumentParser()
 parser.add_argument("case")
 parser.add_argument("out")
@@ -181,6 +203,16 @@ if args.case == "horovod_too":
                              got=res, world=hvd.world_size)
     hvd_fabric = DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})
     result["horovod"]["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_fit(hvd_fabric)), engine=hvd_fabric.dk.backend)
+    # issue 57 C: a per-epoch StepLR resumed from DDPStrategy's checkpoint of the first epoch, by DDPStrategy and by
+    # each engine: the rate every resumed step ran with, and the final weights
+    ckpt = os.path.join(args.out, "sched")
+    lrs, full = sched_fit(DDPStrategy(), out=ckpt)
+    ddp_lrs, ddp = sched_fit(DDPStrategy(), ckpt_path=os.path.join(ckpt, "epoch=0.ckpt"))
+    result["sched"] = dict(full=lrs, ddp=ddp_lrs, ddp_vs_full=maxdiff(full, ddp))
+    for name, source in (("mpi", args), ("horovod", {"distributed": {"backend": "horovod", "require_horovod": True}})):
+        resumed = DistkitStrategy(source)
+        got_lrs, got = sched_fit(resumed, ckpt_path=os.path.join(ckpt, "epoch=0.ckpt"))
+        result["sched"][name] = dict(engine=resumed.dk.backend, lrs=got_lrs, max_diff=maxdiff(ddp, got))
 if args.case == "resume":
     again, _ = fit(DistkitStrategy(args), ckpt_path=os.path.join(args.out, "ckpt", "epoch=0.ckpt"), evaluate=False,
                    **KW)
@@ -193,6 +225,29 @@ if args.case == "resume":
     with torch.no_grad():
         result["validate_only"] = dict(spread=float((w[0] - w[1]).abs().max()), logged=logged,
                                        closed_form=float(model(VAL.data).pow(2).mean()))
+    # LightningCLI (issue 57 J): --trainer.strategy by its registered name, and by class path with an init arg (a
+    # config whose seed Lightning's seed_everything overrides, as in DDPStrategy): the same fit
+    from lightning.pytorch.cli import LightningCLI
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return loader(TRAIN, shuffle=True)
+
+    def cli(*strategy):
+        flags = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_epochs", str(EPOCHS),
+                 "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+        c = LightningCLI(BoringModel, Data, args=["fit", "--seed_everything", str(SEED), *strategy, *flags],
+                         save_config_callback=None)
+        s = c.trainer.strategy
+        state = {k: v.detach().clone() for k, v in c.model.state_dict().items()}
+        return state, [type(s).__name__, s.dk.backend, s.dk.cfg.seed]
+    by_name, name_strategy = cli("--trainer.strategy", "distkit")
+    by_path, path_strategy = cli("--trainer.strategy", "distkit.lightning.DistkitStrategy",
+                                 "--trainer.strategy.source", json.dumps({"seed": 123}))
+    pl.seed_everything(SEED)
+    result["cli"] = dict(name=name_strategy, path=path_strategy, max_diff=maxdiff(by_name, by_path),
+                         moved=maxdiff(BoringModel().state_dict(), by_name))
 '''
 
 #: param mode: distkit's own loop, then DistkitStrategy on the same settings, each config in turn; the first also
@@ -209,6 +264,22 @@ for i, cfg in enumerate(configs):
         row["resume_diff"] = maxdiff(got, again)
         row["sidecar"] = os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit"))
     result[str(i)] = row
+
+class Dropped(BoringModel):
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+    def forward(self, x):
+        return self.layer(self.drop(x))
+
+# issue 57 D: dropout, and ModelCheckpoint writing at the end of validation (Lightning resumes such a file by finishing
+# its epoch); the first config, resumed from the first epoch's file, against its uninterrupted run
+out = os.path.join(args.out, "dropped")
+kw = dict(evaluate=False, module=Dropped, ckpt={"save_on_train_epoch_end": False})
+run, res = fit(DistkitStrategy(configs[0]), out=out, **kw)
+again, _ = fit(DistkitStrategy(configs[0]), ckpt_path=os.path.join(out, "epoch=0.ckpt"), **kw)
+result["dropout"] = {"resume_diff": maxdiff(run, again), "spread": res["spread"],
+                     "sidecar": os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit"))}
 '''
 
 END = r'''
@@ -243,7 +314,9 @@ def _check_logged(res: dict) -> None:
 def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(tmp_path: Path) -> None:
     """Trainer(devices=2) starts the ranks (Lightning's own launcher); ddp grad mode equals DDPStrategy's run
     (measured: 0.0), validate/test equal their closed forms, fit(ckpt_path=epoch 0) ends where the run ended, and
-    validate without fit on ranks that built different weights evaluates rank 0's."""
+    validate without fit on ranks that built different weights evaluates rank 0's. Under LightningCLI (issue 57 J)
+    ``--trainer.strategy distkit`` and the class path with ``--trainer.strategy.source '{"seed": 123}'`` train the
+    same weights (0.0); that source reaches the config (before: jsonargparse made it an argparse.Namespace, ignored)."""
     rows = _job(tmp_path, GRAD, "resume")
     for row in rows:
         assert (row["engine"], row["mode"], row["world"]) == ("ddp", "grad", 2)
@@ -253,6 +326,11 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
         assert abs(row["got"]["validate"] - row["ref"]["validate"]) <= 1e-6
         fresh = row["validate_only"]  # trainer.validate without fit: rank 0's weights everywhere, then the loss
         assert fresh["spread"] == 0.0 and abs(fresh["logged"] - fresh["closed_form"]) < 1e-6, fresh
+        # LightningCLI: --trainer.strategy distkit (the name distkit.lightning registers) and the class path with
+        # --trainer.strategy.source: the same 2-rank fit
+        cli = row["cli"]
+        assert cli["name"] == ["DistkitStrategy", "ddp", 42] and cli["path"] == ["DistkitStrategy", "ddp", 123], cli
+        assert cli["max_diff"] == 0.0 and cli["moved"] > 1e-3, cli
     assert rows[0]["got"] == rows[1]["got"] and rows[0]["validate_only"] == rows[1]["validate_only"]
 
 
@@ -260,7 +338,9 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
     """``--nprocs 2`` starts the ranks under mpirun (distkit's launcher for the MPI engines), where Lightning's
     DDPStrategy runs too (MPIEnvironment): the mpi engine, then Horovod in the same ranks, equal it (measured: 0.0
     on both); under Fabric too, each against Fabric's own "ddp" (0.0 on both). A BatchNorm model whose steps call a
-    submodule logs DDPStrategy's validation loss on the mpi engine (issue 57 B)."""
+    submodule logs DDPStrategy's validation loss on the mpi engine (issue 57 B). A per-epoch StepLR resumed from
+    DDPStrategy's first-epoch checkpoint runs DDPStrategy's rates (0.05, then 0.025) and ends at its weights on both
+    engines (issue 57 C: on Horovod the rate stayed 0.05, 0.18 away)."""
     rows = _job(tmp_path, GRAD, "horovod_too", "--nprocs", "2", "++distributed.backend", "mpi")
     for row in rows:
         for got in (row, row["horovod"]):
@@ -273,12 +353,20 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
         # BatchNorm, steps calling a submodule: the validation during fit logs DDPStrategy's value (before: each rank's
         # own statistics, 0.00975563 against 0.00933252 in the issue's template)
         assert abs(row["bn"]["got"] - row["bn"]["ref"]) <= 1e-6 and row["bn"]["max_diff"] <= 1e-6, row["bn"]
+        # issue 57 C: resumed by Horovod, the rate stayed 0.1 while the scheduler stepped (Lightning's load gave the
+        # engine's optimizer new param groups; the scheduler kept setting those of configure_optimizers' optimizer)
+        sched, want = row["sched"], [0.1 * 0.5 ** (i // 8) for i in range(24)]  # 8 steps an epoch, halved each epoch
+        assert sched["full"] == want and sched["ddp"] == want[8:] and sched["ddp_vs_full"] <= 1e-6, sched
+        for engine in ("mpi", "horovod"):
+            got = sched[engine]
+            assert got["engine"] == engine and got["lrs"] == want[8:] and got["max_diff"] <= 1e-6, (engine, got)
 
 
 def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) -> None:
     """Under torchrun: param mode (param_sync_step 3; then DiLoCo's Nesterov outer step with 2 fragments, int8
     exchange and an overlap of 1 step) equals distkit's own loop on the same data order; a resume from the first epoch's checkpoint
-    (Lightning's file + each rank's sidecar) ends where the uninterrupted run ended."""
+    (Lightning's file + each rank's sidecar) ends where the uninterrupted run ended; with dropout and a checkpoint
+    written at the end of validation too, bit for bit (issue 57 D)."""
     plain = {"distributed": {"reduce_type": "param", "param_sync_step": 3}}
     diloco = {"distributed": {"reduce_type": "param", "param_sync_step": 4, "param_sync_fragments": 2,
                               "param_sync_compression": "int8", "param_sync_overlap": 1,
@@ -291,6 +379,10 @@ def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) 
             assert row[case]["res"]["spread"] > 1e-3  # the ranks stepped on their own (local steps)
             _check_logged(row[case]["res"])
         assert row["0"]["sidecar"] and row["0"]["resume_diff"] <= 1e-6, row
+        # issue 57 D: with dropout the resume is the same run, bit for bit (before: 0.58 apart; the resumed fit made
+        # one DataLoader iterator more than the run before its first step, each drawing from the global RNG)
+        drop = row["dropout"]
+        assert drop["sidecar"] and drop["resume_diff"] == 0.0 and drop["spread"] > 1e-3, drop
 
 
 #: what cannot work, each refused in one line before training starts; the last one uncaught (exit 2, one line)

@@ -20,13 +20,15 @@ Nothing else in distkit imports this module (it imports lightning).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
 from lightning.fabric.utilities.distributed import ReduceOp
@@ -34,7 +36,7 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
-from distkit.config.arguments import Source
+from distkit.config import RunConfig
 from distkit.errors import UnsupportedCombination, UsageError
 from distkit.integrations.lightning_fabric import (  # noqa: F401 (DistkitFabricStrategy: imported from here)
     SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _NoSync, _SessionStep, _Shared, _backward, _devices, _join,
@@ -43,20 +45,28 @@ from distkit.integrations.lightning_fabric import (  # noqa: F401 (DistkitFabric
 from distkit.session import Session
 
 
+#: ``source`` as DistkitStrategy takes it (distkit.config.arguments.Source), its types in the order LightningCLI
+#: should try them: jsonargparse takes the first that parses, and under Source's order the dict of
+#: ``--trainer.strategy.source '{"seed": 3}'`` became an argparse.Namespace, read as add_arguments' (its keys ignored)
+CLISource = Union[dict, str, Sequence[str], argparse.Namespace, RunConfig, None]
+
+
 class DistkitStrategy(_Shared, ParallelStrategy):
     """A Lightning ``ParallelStrategy`` whose engine and mode come from distkit's config.
 
     ``source``: a config file path (or list), a dict (``{"distributed": {"backend": "mpi"}}``), an
     ``argparse.Namespace`` from :func:`distkit.add_arguments`, or a RunConfig; ``keys`` override it. Made under plain
     ``python`` with ``nprocs > 1`` (``--nprocs N``) this call does not return in the launching process: it starts the
-    script again as N ranks, waits and exits with their status (as :func:`distkit.init`).
+    script again as N ranks, waits and exits with their status (as :func:`distkit.init`). LightningCLI:
+    ``--trainer.strategy distkit.lightning.DistkitStrategy --trainer.strategy.source CONFIG`` (a file or a JSON dict),
+    or ``--trainer.strategy distkit`` (the defaults) in a script that imported :mod:`distkit.lightning`.
 
     Cross-rank contract: every rank makes it with the same config; Lightning then calls the collectives
     (``setup_environment``, ``setup``, ``optimizer_step``, ``reduce``, ``barrier``, ``broadcast``, ``all_gather``,
     ``save_checkpoint``, ``on_train_end``) on every rank in the same order, as it does for ``DDPStrategy``.
     """
 
-    def __init__(self, source: Source = None, **keys: Any) -> None:
+    def __init__(self, source: CLISource = None, **keys: Any) -> None:
         self._cfg, self._engine, env = _resolve(source, keys)
         super().__init__(parallel_devices=_devices(self._cfg, env), cluster_environment=_FixedEnvironment.of(env))
         self._num_nodes = 1
@@ -196,6 +206,21 @@ class DistkitStrategy(_Shared, ParallelStrategy):
         """Collective: ``tensor`` reduced over every rank, in place as DDPStrategy's; a non-tensor is returned as is."""
         return _reduce(self.dk, tensor, group, reduce_op)
 
+    def process_dataloader(self, dataloader: object) -> object:
+        """(Lightning's data connector, each loader of a stage) Param mode: a ``DataLoader`` without a generator of
+        its own gets one, seeded by the run's seed and this rank, for its base seed (its workers' seeds)."""
+        if self._param_mode and isinstance(dataloader, DataLoader) and dataloader.generator is None:
+            # Each DataLoader iterator draws its base seed from the generator it is given, by default the global
+            # one that dropout draws from. A resumed fit makes another number of iterators before its first step
+            # than the uninterrupted run made after the checkpoint (a file written at the end of validation: the
+            # resumed fit iterates the train loader twice before its first batch, the run once), so the rank's
+            # RNG state that the sidecar restored (dk.load) had moved by then (issue 57 D). Off the global
+            # stream, it is the model's alone, as in distkit's own loop (distkit.data, issue 36). Grad mode keeps
+            # DDPStrategy's stream: Lightning's checkpoints hold no RNG state there either.
+            seed = int(os.environ.get("PL_GLOBAL_SEED", self._cfg.seed))  # seed_everything's, else distkit's
+            dataloader.generator = torch.Generator().manual_seed(seed * 65_537 + self.global_rank + 1)
+        return dataloader
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -226,8 +251,10 @@ class DistkitStrategy(_Shared, ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Collective in param mode: Lightning's optimizer state (rank 0's), then this rank's own state from the
-        sidecar, if the checkpoint has one."""
+        sidecar, if the checkpoint has one. Lightning's schedulers keep stepping the optimizer that steps."""
         super().load_optimizer_state_dict(checkpoint)
+        assert self.dk is not None
+        _share_param_groups(self.dk)
         own, side = self._param_state(), (self._resume_from or "") + SIDECAR
         if own is not None and os.path.isdir(side):
             self.dk.load(side, own)  # type: ignore[union-attr]
@@ -249,6 +276,20 @@ class DistkitStrategy(_Shared, ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("distkit", cls, description="distkit's engines and modes (config: distkit's "
                                    "defaults; pass DistkitStrategy(source) for your own)")
+
+
+def _share_param_groups(dk: Session) -> None:
+    """After Lightning's ``optimizer.load_state_dict`` on the engine's optimizer (a resume): ``configure_optimizers``'
+    optimizer, which Lightning's schedulers hold, shares that optimizer's param groups and state again.
+
+    Horovod's ``DistributedOptimizer`` is a second optimizer object made over the param-group dicts of the one it
+    wraps, so a scheduler setting the rate in those dicts sets the rate it steps with, until torch's
+    ``load_state_dict`` gives it new dicts: from then on the scheduler set dicts nothing steps (issue 57 C: the rate
+    stayed where the checkpoint left it). ``dk.load`` relinks the same way (``relink_given_optimizer`` in
+    distkit.checkpoint.load, which the integrations may not import: the layering map in docs/layout.md)."""
+    given, engine = dk._given_optimizer, dk._optimizer
+    if isinstance(given, torch.optim.Optimizer) and engine is not None and given is not engine:
+        given.param_groups, given.state = engine.param_groups, engine.state
 
 
 if "distkit" not in StrategyRegistry:
