@@ -1,0 +1,304 @@
+"""The conformance suite's front-door axis (issue 57), as data: what each bridge gives for each idiom it can express.
+
+The own-loop suite (``tests/test_conformance.py``) runs one idioms script on every engine and mode. The front doors
+are the frameworks' own loops with distkit plugged in: Lightning's ``Trainer`` (``distkit.lightning.DistkitStrategy``),
+Lightning's ``Fabric`` (the same strategy), ``transformers.Trainer`` (``distkit.hf.DistkitTrainer``) and Accelerate
+loops (``distkit.hf.ParamSync``). Their comparisons already run in real processes in ``tests/test_lightning.py`` and
+``tests/test_hf.py`` (a few jobs, each measuring many things in one start: the suite's time is spent); this module
+adds no process. It states, per front door, idiom, mode and engine, what those tests assert and which test
+asserts it:
+
+- :data:`IDENTICAL`: asserted bit for bit (``torch.equal``, a difference ``== 0.0``, or ``==``) against the row's
+  reference;
+- :data:`CLOSE`: asserted within 1e-6 of the row's reference (the largest difference of any tensor or value);
+- :data:`RUNS`: the engine is taken (the row "engine choice"), with the test of a run on it;
+- a refusal: the documented one-line error, shown by phrases of it that the test asserts;
+- :data:`NOT_OFFERED`: the bridge does not take that engine or mode (:data:`OFFERED`, docs/integrations.md's
+  "What each engine does inside each framework"); no result is claimed;
+- :data:`UNTESTED`: the bridge takes the engine and mode, but no test asserts the idiom there.
+
+:func:`render_table` is the markdown ``docs/integrations.md`` shows; ``tests/test_front_doors.py`` keeps the two equal,
+checks that every test named exists and that no cell claims a result without a test.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+#: the engines (the columns), in docs/integrations.md's order
+ENGINES: tuple[str, ...] = ("ddp", "mpi", "horovod", "deepspeed", "fsdp")
+MODES: tuple[str, ...] = ("grad", "param")
+
+IDENTICAL = "identical"
+CLOSE = "Δ ≤ 1e-6"
+RUNS = "runs"
+REFUSED = "refused"
+NOT_OFFERED = "not offered"
+UNTESTED = "untested"
+#: the results that claim something, and so need a test
+CLAIMS: frozenset[str] = frozenset({IDENTICAL, CLOSE, RUNS, REFUSED})
+
+LIGHTNING = "Lightning `Trainer` (`DistkitStrategy`)"
+FABRIC = "Lightning `Fabric` (`DistkitStrategy`)"
+TRAINER = "`transformers.Trainer` (`DistkitTrainer`)"
+PARAMSYNC = "Accelerate loop (`ParamSync`)"
+DOORS: tuple[str, ...] = (LIGHTNING, FABRIC, TRAINER, PARAMSYNC)
+
+
+def _pairs(engines: tuple[str, ...], modes: tuple[str, ...]) -> frozenset[tuple[str, str]]:
+    """Every (engine, mode) of ``engines`` x ``modes``."""
+    return frozenset((e, m) for e in engines for m in modes)
+
+
+#: front door -> the (engine, mode) pairs it takes (docs/integrations.md): Lightning's strategy leaves DeepSpeed and
+#: FSDP to Lightning's own strategies; both Hugging Face bridges run on Accelerate's torch.distributed group (the ddp
+#: engine), ParamSync in param mode only (an Accelerate loop's grad mode is Accelerate's own DDP)
+OFFERED: dict[str, frozenset[tuple[str, str]]] = {
+    LIGHTNING: _pairs(("ddp", "mpi", "horovod"), MODES),
+    FABRIC: _pairs(("ddp", "mpi", "horovod"), MODES),
+    TRAINER: _pairs(("ddp",), MODES),
+    PARAMSYNC: _pairs(("ddp",), ("param",)),
+}
+
+#: label -> pytest node id of a test that asserts the cells citing the label
+TESTS: dict[str, str] = {
+    "L1": "tests/test_lightning.py::test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes",
+    "L2": "tests/test_lightning.py::test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy",
+    "L3": "tests/test_lightning.py::test_param_mode_equals_own_loop_and_resumes_from_checkpoint",
+    "L4": "tests/test_lightning.py::test_a_torchmetrics_metric_logged_on_the_mpi_engine_is_ddps_value",
+    "L5": "tests/test_lightning.py::test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop",
+    "L6": "tests/test_lightning.py::test_refusals_are_one_line_and_core_does_not_import_lightning",
+    "L7": "tests/test_lightning.py::test_example_bug_report_template_on_the_mpi_engine",
+    "H1": "tests/test_hf.py::test_distkit_trainer_grad_mode_equals_the_trainers_ddp",
+    "H2": "tests/test_hf.py::test_distkit_trainer_param_mode_equals_own_loop_and_resumes",
+    "H3": "tests/test_hf.py::test_load_best_model_at_end_in_param_mode_is_the_evaluated_model[best]",
+    "H4": "tests/test_hf.py::test_load_best_model_at_end_in_param_mode_is_the_evaluated_model[best-outer]",
+    "H5": "tests/test_hf.py::test_distkit_trainer_refusals_name_the_fix_before_writing_anything",
+    "H6": "tests/test_hf.py::test_refusals_are_one_line_exit_2_on_every_rank",
+    "H7": "tests/test_hf.py::test_param_sync_is_local_sgd_bit_for_bit",
+    "H8": "tests/test_hf.py::test_param_sync_extras_equal_distkits_own_loop",
+    "H9": "tests/test_hf.py::test_save_state_mid_period_resumes_bit_for_bit",
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One engine's result for one idiom and mode: a result of the vocabulary above, the labels of the tests (of
+    :data:`TESTS`) that assert it, and for a refusal the phrases of its one line that those tests assert."""
+
+    result: str
+    tests: tuple[str, ...] = ()
+    phrases: tuple[str, ...] = ()
+
+    def shown(self) -> str:
+        """The cell as the table shows it: ``Δ ≤ 1e-6 (L1)``, ``refused: "...DeepSpeedStrategy..." (L6)``."""
+        text = f'{REFUSED}: "...{"...".join(self.phrases)}..."' if self.result == REFUSED else self.result
+        return f"{text} ({', '.join(self.tests)})" if self.tests else text
+
+
+def identical(*tests: str) -> Cell:
+    """Asserted bit for bit against the row's reference by ``tests``."""
+    return Cell(IDENTICAL, tests)
+
+
+def close(*tests: str) -> Cell:
+    """Asserted within 1e-6 of the row's reference by ``tests``."""
+    return Cell(CLOSE, tests)
+
+
+def runs(*tests: str) -> Cell:
+    """The engine is taken: ``tests`` run it."""
+    return Cell(RUNS, tests)
+
+
+def refused(phrases: tuple[str, ...], *tests: str) -> Cell:
+    """The documented one-line refusal, of which ``tests`` assert ``phrases``."""
+    return Cell(REFUSED, tests, phrases)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One idiom of one front door in one mode: what it is compared with, and each engine's cell."""
+
+    door: str
+    idiom: str
+    mode: str
+    compared_with: str
+    cells: Mapping[str, Cell]
+
+
+def row(door: str, idiom: str, mode: str, compared_with: str, **given: Cell) -> Row:
+    """A row with the cells ``given`` by engine; every other engine's cell is :data:`NOT_OFFERED` where the front
+    door does not take that engine in ``mode`` (:data:`OFFERED`), else :data:`UNTESTED`."""
+    assert set(given) <= set(ENGINES) and door in DOORS and mode in MODES, (door, mode, sorted(given))
+    cells = {e: given.get(e) or Cell(NOT_OFFERED if (e, mode) not in OFFERED[door] else UNTESTED) for e in ENGINES}
+    return Row(door, idiom, mode, compared_with, cells)
+
+
+DDPSTRATEGY = "Lightning's `DDPStrategy` (same module, seed, data)"
+OWN_LOOP = "distkit's own loop (same model, data order, settings)"
+CLOSED_FORM = "the one-process loss of the final weights over the whole set"
+UNINTERRUPTED = "the uninterrupted run"
+FABRIC_DDP = "Fabric's own `ddp` strategy"
+STOCK = "the stock `transformers.Trainer` (its DDP)"
+OWN_ON_BATCHES = "distkit's own loop on the batches the Trainer drew"
+LOCALSGD = "Accelerate's `LocalSGD`"
+REFUSAL = "refused: the asserted text; runs: a test's run on it"
+
+#: engine -> its refusal by ``DistkitStrategy(...)``: in its constructor, before the Trainer or Fabric it is given to
+_LIGHTNING_ENGINES = dict(deepspeed=refused(("DeepSpeedStrategy",), "L6"), fsdp=refused(("FSDPStrategy",), "L6"))
+_NOT_DDP = "use distkit's own loop (distkit.init) or distkit train"
+
+ROWS: list[Row] = [
+    # -- Lightning Trainer -------------------------------------------------------------------------------------------
+    row(LIGHTNING, "`fit`: final parameters and buffers (`state_dict`; BoringModel's `Linear` has no buffers)", "grad",
+        DDPSTRATEGY, ddp=close("L1"), mpi=close("L2"), horovod=close("L2")),
+    row(LIGHTNING, "`fit`: final parameters and buffers (`state_dict`; plain, and DiLoCo + 2 fragments + int8 + "
+        "overlap 1)", "param", OWN_LOOP, ddp=close("L3")),
+    row(LIGHTNING, "`accumulate_grad_batches=2` + `gradient_clip_val=0.05`: final parameters", "grad", DDPSTRATEGY,
+        ddp=close("L1"), mpi=close("L2"), horovod=close("L2")),
+    row(LIGHTNING, "`accumulate_grad_batches=2` + `gradient_clip_val=0.05`: final parameters", "param", OWN_LOOP),
+    row(LIGHTNING, "BatchNorm, steps calling `self.model(x)`: `valid_loss` logged during `fit` (rank 0's statistics "
+        "before validation) and final parameters", "grad", DDPSTRATEGY, mpi=close("L2")),
+    row(LIGHTNING, "BatchNorm, steps calling `self.model(x)`: `valid_loss` logged during `fit` and final parameters",
+        "param", OWN_LOOP),
+    row(LIGHTNING, "torchmetrics `MeanMetric` logged with `self.log(name, metric)`", "grad",
+        "DDP's value (0.5, the mean over both ranks)", mpi=identical("L4")),
+    row(LIGHTNING, "torchmetrics `MeanMetric` logged with `self.log(name, metric)`", "param", OWN_LOOP),
+    row(LIGHTNING, "`self.log(..., sync_dist=True)` in `validation_step`/`test_step`: what `trainer.validate` and "
+        "`trainer.test` return after `fit`", "grad", CLOSED_FORM, ddp=close("L1"), mpi=close("L2", "L7"),
+        horovod=close("L2")),
+    row(LIGHTNING, "`self.log(..., sync_dist=True)` in `validation_step`/`test_step`: what `trainer.validate` and "
+        "`trainer.test` return after `fit`", "param", CLOSED_FORM, ddp=close("L3")),
+    row(LIGHTNING, "`trainer.validate` without `fit`, each rank's weights its own: rank 0's evaluated", "grad",
+        CLOSED_FORM, ddp=close("L1")),
+    row(LIGHTNING, "`trainer.validate` without `fit`, each rank's weights its own: rank 0's evaluated", "param",
+        CLOSED_FORM),
+    row(LIGHTNING, "`trainer.predict` outputs", "grad", DDPSTRATEGY),
+    row(LIGHTNING, "`trainer.predict` outputs", "param", OWN_LOOP),
+    row(LIGHTNING, "per-step LR schedule (`'interval': 'step'`)", "grad", DDPSTRATEGY),
+    row(LIGHTNING, "per-step LR schedule (`'interval': 'step'`)", "param", OWN_LOOP),
+    row(LIGHTNING, "per-epoch `StepLR` resumed from `DDPStrategy`'s first-epoch checkpoint: every step's rate "
+        "(asserted equal) and final parameters", "grad", "`DDPStrategy`'s resume from the same file",
+        mpi=close("L2"), horovod=close("L2")),
+    row(LIGHTNING, "per-epoch `StepLR` across a resume", "param", OWN_LOOP),
+    row(LIGHTNING, "best checkpoint (`ModelCheckpoint(monitor=...)`, `best_model_path`)", "grad", DDPSTRATEGY),
+    row(LIGHTNING, "best checkpoint (`ModelCheckpoint(monitor=...)`, `best_model_path`)", "param", OWN_LOOP),
+    row(LIGHTNING, "`ModelCheckpoint` + `fit(ckpt_path=epoch=0.ckpt)` (param: + each rank's sidecar)", "grad",
+        UNINTERRUPTED, ddp=close("L1")),
+    row(LIGHTNING, "`ModelCheckpoint` + `fit(ckpt_path=epoch=0.ckpt)` (param: + each rank's sidecar)", "param",
+        UNINTERRUPTED, ddp=close("L3")),
+    row(LIGHTNING, "dropout, `ModelCheckpoint(save_on_train_epoch_end=False)`, the same resume", "grad",
+        UNINTERRUPTED),
+    row(LIGHTNING, "dropout, `ModelCheckpoint(save_on_train_epoch_end=False)`, the same resume", "param",
+        UNINTERRUPTED, ddp=identical("L3")),
+    row(LIGHTNING, "resume after a kill (a rank killed during `fit`)", "grad", UNINTERRUPTED),
+    row(LIGHTNING, "resume after a kill (a rank killed during `fit`)", "param", UNINTERRUPTED),
+    row(LIGHTNING, "LightningCLI: `--trainer.strategy distkit` and the class path with `--trainer.strategy.source`",
+        "grad", "each other", ddp=identical("L1")),
+    row(LIGHTNING, "engine choice (`distributed.backend`)", "grad", REFUSAL, ddp=runs("L1"), mpi=runs("L2"),
+        horovod=runs("L2"), **_LIGHTNING_ENGINES),
+    row(LIGHTNING, "engine choice (`distributed.backend`)", "param", REFUSAL, ddp=runs("L3")),
+    row(LIGHTNING, "`Trainer(devices=2)` alone, no `--nprocs` or `mpirun`", "grad", REFUSAL, ddp=runs("L1"),
+        mpi=refused(("--nprocs 2", "mpirun -np 2"), "L6")),
+    row(LIGHTNING, "manual optimization (`automatic_optimization = False`)", "grad", REFUSAL,
+        ddp=refused(("DDPStrategy",), "L6")),
+    row(LIGHTNING, "`precision='16-mixed'` (a GradScaler)", "grad", REFUSAL, ddp=refused(("bf16-mixed",), "L6")),
+    row(LIGHTNING, "distkit's own `precision` key", "grad", REFUSAL, ddp=refused(("on the Trainer or Fabric",), "L6")),
+    # -- Lightning Fabric --------------------------------------------------------------------------------------------
+    row(FABRIC, "`fabric.setup`, `setup_dataloaders`, `backward`, `optimizer.step`: final parameters and buffers "
+        "(a `Linear`: no buffers)", "grad", FABRIC_DDP, ddp=close("L5"), mpi=close("L2"), horovod=close("L2")),
+    row(FABRIC, "`fabric.setup`, `setup_dataloaders`, `backward`, `optimizer.step`: final parameters and buffers "
+        "(a `Linear`: no buffers)", "param", OWN_LOOP, ddp=close("L5")),
+    row(FABRIC, "`fabric.all_reduce` (mean, sum, an integer mean; in place)", "grad", "the values Fabric's own `ddp` "
+        "gives", ddp=identical("L5")),
+    row(FABRIC, "`fabric.all_reduce` (mean, sum, an integer mean; in place)", "param", "the values Fabric's own `ddp` "
+        "gives", ddp=identical("L5")),
+    row(FABRIC, "accumulation (`fabric.no_backward_sync`) + `fabric.clip_gradients`", "grad", FABRIC_DDP),
+    row(FABRIC, "accumulation (`fabric.no_backward_sync`) + `fabric.clip_gradients`", "param", OWN_LOOP),
+    row(FABRIC, "torchmetrics `Metric` of the set-up module", "grad", FABRIC_DDP),
+    row(FABRIC, "torchmetrics `Metric` of the set-up module", "param", OWN_LOOP),
+    row(FABRIC, "LR scheduler stepped by the loop", "grad", FABRIC_DDP),
+    row(FABRIC, "LR scheduler stepped by the loop", "param", OWN_LOOP),
+    row(FABRIC, "evaluation between syncs", "param", OWN_LOOP),
+    row(FABRIC, "`fabric.save` after epoch 1, `fabric.load` + epoch 2 (param: + each rank's sidecar)", "grad",
+        UNINTERRUPTED),
+    row(FABRIC, "`fabric.save` after epoch 1, `fabric.load` + epoch 2 (param: + each rank's sidecar)", "param",
+        UNINTERRUPTED, ddp=close("L5")),
+    row(FABRIC, "resume after a kill", "grad", UNINTERRUPTED),
+    row(FABRIC, "resume after a kill", "param", UNINTERRUPTED),
+    row(FABRIC, "engine choice (`distributed.backend`; the `DistkitStrategy` Fabric is given)", "grad", REFUSAL,
+        ddp=runs("L5"), mpi=runs("L2"), horovod=runs("L2"), **_LIGHTNING_ENGINES),
+    row(FABRIC, "engine choice (`distributed.backend`; the `DistkitStrategy` Fabric is given)", "param", REFUSAL,
+        ddp=runs("L5")),
+    row(FABRIC, "distkit's own `precision` key", "grad", REFUSAL, ddp=refused(("on the Trainer or Fabric",), "L6")),
+    # -- transformers.Trainer ----------------------------------------------------------------------------------------
+    row(TRAINER, "`train()`: final parameters and buffers (`state_dict`; tiny GPT-2, dropout 0.1)", "grad", STOCK,
+        ddp=close("H1")),
+    row(TRAINER, "`train()`: final parameters and buffers (`state_dict`; tiny GPT-2, outer Nesterov, 2 fragments, "
+        "int8, overlap 1, `max_grad_norm` 1.0)", "param", OWN_ON_BATCHES, ddp=identical("H2")),
+    row(TRAINER, "`gradient_accumulation_steps=2` + the default `max_grad_norm=1.0` clipping", "grad", STOCK,
+        ddp=close("H1")),
+    row(TRAINER, "`gradient_accumulation_steps=2` + the default `max_grad_norm=1.0` clipping", "param",
+        OWN_ON_BATCHES),
+    row(TRAINER, "per-step LR schedule (the Trainer's default linear decay)", "grad", STOCK, ddp=close("H1")),
+    row(TRAINER, "per-step LR schedule (the Trainer's default linear decay)", "param", OWN_ON_BATCHES),
+    row(TRAINER, "logged training loss (`log_history`)", "grad", STOCK),
+    row(TRAINER, "logged training loss (`log_history`)", "param", OWN_ON_BATCHES),
+    row(TRAINER, "`evaluate()` during and after `train()`", "grad", STOCK),
+    row(TRAINER, "`evaluate()` between syncs: the mean of the replicas", "param",
+        "the best checkpoint's model (the replicas' mean) and `best_metric`", ddp=identical("H3", "H4")),
+    row(TRAINER, "`predict()` outputs", "grad", STOCK),
+    row(TRAINER, "`predict()` outputs", "param", OWN_ON_BATCHES),
+    row(TRAINER, "`load_best_model_at_end`: the best checkpoint, the model every rank ends with", "grad", STOCK),
+    row(TRAINER, "`load_best_model_at_end`: the best checkpoint, the model every rank ends with", "param",
+        "the replicas' mean at the best step; `evaluate()` = `best_metric`", ddp=identical("H3", "H4")),
+    row(TRAINER, "`train(resume_from_checkpoint=checkpoint-4)` in new processes (param: mid-period, an exchange in "
+        "flight)", "grad", UNINTERRUPTED),
+    row(TRAINER, "`train(resume_from_checkpoint=checkpoint-4)` in new processes (param: mid-period, an exchange in "
+        "flight)", "param", UNINTERRUPTED, ddp=identical("H2")),
+    row(TRAINER, "dropout, the same resume", "grad", UNINTERRUPTED),
+    row(TRAINER, "dropout, the same resume", "param", UNINTERRUPTED),
+    row(TRAINER, "resume after a kill", "grad", UNINTERRUPTED),
+    row(TRAINER, "resume after a kill", "param", UNINTERRUPTED),
+    row(TRAINER, "engine choice (`distkit=` or `++distributed.backend`)", "grad", REFUSAL, ddp=runs("H1"),
+        mpi=refused(("not 'mpi'", _NOT_DDP), "H5", "H6"), horovod=refused(("not 'horovod'", _NOT_DDP), "H5", "H6"),
+        deepspeed=refused(("TrainingArguments(deepspeed=...)",), "H5"),
+        fsdp=refused(("TrainingArguments(fsdp=...)",), "H5")),
+    row(TRAINER, "engine choice (`distkit=` or `++distributed.backend`)", "param", REFUSAL, ddp=runs("H2")),
+    row(TRAINER, "`fp16=True` in `TrainingArguments`", "grad", REFUSAL,
+        ddp=refused(("remove fp16 from TrainingArguments (bf16=True works)",), "H5")),
+    row(TRAINER, "`mpirun` with no `MASTER_ADDR`", "grad", REFUSAL,
+        ddp=refused(("launch with torchrun --nproc_per_node 2 (or accelerate launch)",), "H6")),
+    # -- Accelerate loop (param mode only) ---------------------------------------------------------------------------
+    row(PARAMSYNC, "final parameters and buffers (BatchNorm MLP, `local_sgd_steps=3`, one instance over 2 epochs; "
+        "buffers each rank's own, as `LocalSGD` leaves them)", "param", LOCALSGD, ddp=identical("H7")),
+    row(PARAMSYNC, "per-step LR schedule: Accelerate's example (`examples/hf_local_sgd.py`: AdamW, linear warmup "
+        "stepped every step, dropout, a `ParamSync` per epoch)", "param", "the same file with `LocalSGD`",
+        ddp=identical("H7")),
+    row(PARAMSYNC, "outer Nesterov + 2 fragments + int8 + overlap 1: parameters and BatchNorm buffers", "param",
+        "distkit's own loop (same keys, per-rank batches)", ddp=identical("H8")),
+    row(PARAMSYNC, "`accelerator.accumulate` + gradient clipping", "param", LOCALSGD),
+    row(PARAMSYNC, "evaluation after the block (`gather_for_metrics`)", "param", LOCALSGD),
+    row(PARAMSYNC, "`accelerator.save_state` mid-period (plain; extras with an exchange in flight), `load_state` in "
+        "new processes", "param", UNINTERRUPTED, ddp=identical("H9")),
+    row(PARAMSYNC, "dropout, the same resume", "param", UNINTERRUPTED),
+    row(PARAMSYNC, "resume after a kill", "param", UNINTERRUPTED),
+    row(PARAMSYNC, "engine choice (`config=`)", "param", REFUSAL, ddp=runs("H7"),
+        mpi=refused(("distributed.backend must be 'ddp'",), "H7")),
+]
+
+
+def render_table() -> str:
+    """The markdown table of :data:`ROWS`, then the list of the tests its cells cite (what docs/integrations.md
+    shows)."""
+    head = "| front door | idiom | mode | compared with | " + " | ".join(ENGINES) + " |"
+    lines = [head, "|" + "---|" * (len(ENGINES) + 4)]
+    for r in ROWS:
+        lines.append(f"| {r.door} | {r.idiom} | {r.mode} | {r.compared_with} | "
+                     + " | ".join(r.cells[e].shown() for e in ENGINES) + " |")
+    lines.append("")
+    lines.append("Tests cited:")
+    lines.append("")
+    lines += [f"- {label}: `{node}`" for label, node in TESTS.items()]
+    return "\n".join(lines) + "\n"
