@@ -132,7 +132,7 @@ class TrainingRun:
             if self._logged_through > dk.num_steps:  # said, so that a resume from an older checkpoint hides nothing unseen
                 print(f"distkit: metrics.jsonl holds steps up to {self._logged_through} from the earlier run; steps "
                       f"{dk.num_steps + 1}-{self._logged_through} are not logged again (there or in a tracker)", flush=True)
-            self.out = open(metrics, "a" if dk.num_steps else "w")
+            self.out = checkpoint.open_own(metrics, "a" if dk.num_steps else "w")
         if cfg.loggers:
             # rank 0 starts them; one that cannot start (a store it cannot write, a W&B error) stops every rank
             def start() -> None:

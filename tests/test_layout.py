@@ -62,7 +62,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "trainer": {"errors", "env", "config", "components", "health", "checkpoint", "evaluation", "session", "tasks",
                 "trackers"},
     "compat": {"errors", "env", "config", "launch", "health", "backends", "portable", "session"},
-    "integrations": {"errors", "env", "config", "components", "health", "backends", "session"},
+    "integrations": {"errors", "env", "config", "components", "health", "backends", "portable", "session"},
     "lightning": {"integrations"}, "hf": {"integrations"},
     "commands": {"errors", "env", "config", "components", "launch", "health", "backends", "checkpoint", "portable",
                  "ft", "tasks", "trainer"},

@@ -28,7 +28,7 @@ from distkit.config import RunConfig
 from distkit.env import resolve_rendezvous
 from distkit.errors import PortInUse, RankStalled, UsageError
 from distkit.launch.guard import kill_stopped_siblings
-from distkit.launch.netif import prepare_gloo
+from distkit.launch.netif import listen_address, prepare_gloo, serve_store
 from distkit.health.watchdog import ranks_text
 
 from .base import Strategy
@@ -136,8 +136,12 @@ class DDPStrategy(Strategy):
         try:
             # wait_for_workers=False: the arrivals are awaited below, and a rank that never arrives is then
             # named from the store (a store that waited itself would leave none to ask)
-            store = dist.TCPStore(addr, port, self.world_size, is_master=master,
-                                  timeout=datetime.timedelta(seconds=startup_s), wait_for_workers=False)
+            if master:  # listening where the ranks reach it only (loopback on one host), not on every interface
+                store = serve_store(listen_address(addr, self.env.local_world_size >= self.world_size), port,
+                                    self.world_size, datetime.timedelta(seconds=startup_s))
+            else:
+                store = dist.TCPStore(addr, port, self.world_size, is_master=False,
+                                      timeout=datetime.timedelta(seconds=startup_s), wait_for_workers=False)
             identity = job_identity(self.env.launcher, self.env.job_id, self.world_size, self.cfg.output_dir,
                                     sys.argv[0] if sys.argv else "")
             theirs = _same_job(store, self.rank, identity)

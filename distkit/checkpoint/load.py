@@ -137,7 +137,7 @@ def load_portable(session: SessionView, path: str, manifest: dict[str, Any], sta
     elif averager is not None:
         averager.restart()
     if os.path.isfile(os.path.join(path, f"rank-{session.rank:05d}.pt")):  # (a converted checkpoint has none)
-        own = torch.load(os.path.join(path, f"rank-{session.rank:05d}.pt"), map_location="cpu", weights_only=False, mmap=True)
+        own = portable.load_file(os.path.join(path, f"rank-{session.rank:05d}.pt"), mmap=True)
         rng = (own.get("distkit") or own).get("rng")
         if rng is not None:
             torch.set_rng_state(rng["torch"])

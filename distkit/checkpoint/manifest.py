@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from distkit import portable
 from distkit.errors import CheckpointError, ConfigError
 
 from .paths import STEP_RE, _ASIDE_RE, _rank_file, _step_of, sha256_file
@@ -154,6 +155,26 @@ def exists(path: str) -> bool:
                for rel, want in manifest["files"].items())
 
 
+def _edited(path: str, manifest: dict[str, Any]) -> Optional[str]:
+    """What makes ``manifest`` (read by :func:`read_manifest`, which refuses names outside the checkpoint) one no
+    distkit wrote (None: nothing): a file reached through a symbolic link, or a file every checkpoint of its kind has
+    left out of the map (a rank file, the portable part's metadata), which the sizes and hashes of the files it does
+    list cannot reveal."""
+    files = manifest["files"]
+    for rel in files:
+        parts = rel.split("/")
+        if any(os.path.islink(os.path.join(path, *parts[:i + 1])) for i in range(len(parts))):
+            return f"{os.path.join(path, rel)} is a symbolic link (a checkpoint holds its own files)"
+    need = [] if manifest.get("engine") == "portable" else [_rank_file(r) for r in range(int(manifest.get("world_size") or 0))]
+    if manifest.get("portable"):
+        need.append(f"{portable.DIR}/.metadata")
+    missing = [n for n in need if n not in files]
+    if missing:
+        return (f"{os.path.join(path, 'manifest.json')} lists no {missing[0]}, which every checkpoint of "
+                f"{manifest.get('world_size')} rank(s) has: the manifest was edited")
+    return None
+
+
 def verify(path: str, only: Optional[str] = None, under: Optional[str] = None) -> Optional[str]:
     """What is damaged in checkpoint ``path`` (the first file, by name), or None when every file (or
     just file ``only``, or the files in its subdirectory ``under``) has the size and sha256 its
@@ -162,6 +183,9 @@ def verify(path: str, only: Optional[str] = None, under: Optional[str] = None) -
         manifest = read_manifest(path)
     except CheckpointError as e:
         return str(e)
+    problem = _edited(path, manifest)
+    if problem:
+        return problem
     for rel, want in sorted(manifest["files"].items()):
         if (only is None or rel == only) and (under is None or rel.startswith(under + os.sep)):
             problem = _check_file(path, rel, want)
@@ -346,4 +370,4 @@ def read_rank_file(path: str, rank: int, world_size: int) -> dict[str, Any]:
     if problem:
         raise CheckpointError(f"checkpoint '{path}' is damaged: {problem}; resume from another checkpoint "
                               "(++resume auto falls back to the newest complete one)")
-    return torch.load(os.path.join(path, _rank_file(rank)), map_location="cpu", weights_only=False)  # type: ignore[no-any-return]
+    return portable.load_file(os.path.join(path, _rank_file(rank)))  # type: ignore[no-any-return]

@@ -11,7 +11,7 @@ import os
 import socket
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import IO, TYPE_CHECKING, Any, Callable, Optional
 
 from distkit.errors import ConfigError, OutputError
 
@@ -71,6 +71,21 @@ def _check_new_path(output_dir: str, target: str, existing: str) -> None:
                           "may be (4095): choose a shorter output_dir")
 
 
+def open_own(path: str, mode: str) -> IO[str]:
+    """Open a run's own file under ``output_dir`` for writing (``mode`` "w" or "a"), never through a symbolic link:
+    a link planted there (``metrics.jsonl`` -> a file elsewhere) would make the run overwrite what it points at.
+    Raises :class:`OutputError` naming the file."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OutputError(f"'{path}' is a symbolic link: distkit writes its own files in output_dir, never "
+                              "through a link; remove it") from None
+        raise
+    return os.fdopen(fd, mode)
+
+
 def write_json(path: str, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` (its directory made if missing) atomically: into a hidden temporary
     sibling, flushed to disk, then renamed over ``path``. A failure (a full disk) removes the temporary file
@@ -80,7 +95,9 @@ def write_json(path: str, obj: Any) -> None:
     tmp = os.path.join(directory, f".{name}.tmp")
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(tmp, "w") as f:
+        with contextlib.suppress(FileNotFoundError):  # a leftover, or a link planted as it: the name, not its target
+            os.unlink(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
             json.dump(obj, f, indent=2)
             f.flush()
             os.fsync(f.fileno())  # a full disk surfaces here at the latest, before the old file is replaced
@@ -156,7 +173,13 @@ def lock_output_dir(output_dir: str) -> None:
     for _ in range(100):  # (another run's refusal deleting the file we opened: open the one there now)
         new_file = not os.path.lexists(path)
         # not inheritable across exec (PEP 446): a spawned rank gets LOCK_ENV instead; a forked rank shares it
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a symbolic link planted as the lock file
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ConfigError(f"output_dir '{output_dir}': its lock file '{path}' is a symbolic link: distkit "
+                                  "writes its own files there, never through a link; remove it") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -107,6 +107,11 @@ def save_state(session: SessionView, path: str, state: dict[str, Any], backgroun
             out[key] = value.state_dict()
         else:
             out[key] = value
+    # the user's entries (the engine's state is distkit's own): what a load could not read without running code is
+    # refused now, naming the entry, not found at the resume
+    engine_keys = {k for k, v in state.items()
+                   if session._model is not None and (v is session._model or v is session._optimizer)}
+    portable.check_saveable({k: v for k, v in out.items() if k not in engine_keys})
     out["distkit"] = internal_state(session)
     # in the manifest: a resume checks them before anything is restored
     shapes = model_shapes(session.unwrap()) if session._model is not None else None

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from distkit import checkpoint, portable
-from distkit.errors import ConfigError
-from distkit.commands.export import located
+from distkit.errors import CheckpointError, ConfigError
+from distkit.commands.export import loadable, located
 
 
 class _OneProcess:
@@ -44,6 +44,7 @@ def to_file(path: str, out: str) -> str:
     problem = checkpoint.verify(ckpt, under=portable.DIR)
     if problem:
         raise ConfigError(f"checkpoint '{ckpt}' is damaged: {problem}")
+    loadable(ckpt)
     entries = portable.read(ckpt)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     torch.save(entries, out + ".part")
@@ -56,9 +57,11 @@ def to_checkpoint(path: str, out: str) -> dict[str, Any]:
     its manifest. The manifest names no engine ("portable"), so every resume goes through the portable
     part; RNG states are not in the file, so a resume keeps the seeds it starts with."""
     try:
-        entries = torch.load(path, map_location="cpu", weights_only=False)
+        entries = portable.load_file(path)
         meta = entries[portable.META]
         progress = meta["progress"]
+    except CheckpointError:  # a file that would run code: its own line
+        raise
     except Exception as e:  # not a file `distkit convert CKPT FILE` wrote
         raise ConfigError(f"'{path}' is not a single-file distkit checkpoint ({type(e).__name__}: {e}): write one with "
                           "`distkit convert CKPT state.pt`") from None

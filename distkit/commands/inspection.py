@@ -5,7 +5,8 @@ Reported: step, samples (global), global batch, engine, reduce_type, ZeRO stage,
 has the engine-neutral portable part (then it resumes anywhere), the model's tensors
 (count, elements, fp32 bytes, from the manifest's shapes), every file with its size, and integrity:
 each file's size and sha256 against the manifest. Exit status 0 when intact, 1 when damaged, 2 for
-a path that is not a checkpoint. When the run's ``latest`` is missing or damaged, the newest complete
+a path that is not a checkpoint or an intact one whose loading would run code (every file's pickle is read, never
+run: docs/security.md). When the run's ``latest`` is missing or damaged, the newest complete
 checkpoint is inspected and one line on stderr says so (as ``++resume auto`` does).
 """
 from __future__ import annotations
@@ -17,10 +18,8 @@ import os
 import sys
 from typing import Any
 
-import torch
-
-from distkit import checkpoint
-from distkit.commands.export import locate
+from distkit import checkpoint, portable
+from distkit.commands.export import loadable, locate
 
 
 def describe(path: str) -> dict[str, Any]:
@@ -39,10 +38,12 @@ def describe(path: str) -> dict[str, Any]:
                 dist = json.load(f).get("distributed", {})
             info["engine"], info["reduce_type"] = dist.get("backend"), dist.get("reduce_type")
     problem = checkpoint.verify(ckpt)
+    if problem is None:
+        loadable(ckpt)
     if info["samples"] is None and problem is None:
         rank0 = os.path.join(ckpt, "rank-00000.pt")
         if os.path.isfile(rank0):
-            saved = torch.load(rank0, map_location="cpu", weights_only=False)
+            saved = portable.load_file(rank0)
             info["samples"] = saved.get("distkit", {}).get("progress", {}).get("samples")
     shapes = manifest.get("shapes") or {}
     elements = sum(math.prod(s) for s in shapes.values())

@@ -24,6 +24,10 @@ def add_parser(sub: Any) -> None:
                                    "foreground and print the URL for fault_tolerance.lighthouse.")
     p.add_argument("--port", type=int, default=29510, help="port to listen on (default 29510; 0: any free port is "
                                                              "not supported by the lighthouse, give one)")
+    p.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
+                   help="the address to listen on (default 127.0.0.1: groups on this host only; on a cluster the "
+                        "address of the interface the groups reach it by, e.g. the login node's; :: or 0.0.0.0 for "
+                        "every interface). The lighthouse has no authentication: bind it narrowly (docs/security.md)")
     p.add_argument("--min-replicas", dest="min_replicas", type=int, default=1, metavar="N",
                    help="groups a quorum needs at least (default 1: the groups go on as long as one lives)")
     p.add_argument("--join-timeout", dest="join_timeout", type=float, default=10.0, metavar="S",
@@ -47,15 +51,19 @@ def command(args: argparse.Namespace) -> list[str]:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
     if ft_lighthouse.extension_path() is None:
         raise BackendUnavailable(f"torchft is not installed: {ft_lighthouse.INSTALL_HINT}")
-    return [sys.executable, ft_lighthouse.__file__, "--bind", f"[::]:{args.port}", "--min_replicas", str(args.min_replicas),
+    bind = f"[{args.bind}]" if ":" in args.bind else args.bind
+    return [sys.executable, ft_lighthouse.__file__, "--bind", f"{bind}:{args.port}", "--min_replicas", str(args.min_replicas),
             "--join_timeout_ms", str(int(args.join_timeout * 1000)),
             "--heartbeat_timeout_ms", str(int(args.heartbeat_timeout * 1000)), "--quorum_tick_ms", "100"]
 
 
 def run(args: argparse.Namespace) -> int:
     cmd = command(args)
-    print(f"distkit: lighthouse at http://{socket.gethostname()}:{args.port} (min_replicas {args.min_replicas}): "
-          f"give the groups fault_tolerance = {{'lighthouse': 'http://{socket.gethostname()}:{args.port}', ...}}",
+    # the URL the groups can use: the bound address itself, or this host's name where it listens everywhere
+    host = socket.gethostname() if args.bind in ("0.0.0.0", "::", "") else (
+        f"[{args.bind}]" if ":" in args.bind else args.bind)
+    print(f"distkit: lighthouse at http://{host}:{args.port} (min_replicas {args.min_replicas}): "
+          f"give the groups fault_tolerance = {{'lighthouse': 'http://{host}:{args.port}', ...}}",
           flush=True)
     # The lighthouse writes its log to this command's stderr. It blocks once that is a full pipe nobody reads,
     # and then forms no quorum: the groups would wait. --quiet keeps the log to warnings (torchft's Rust logger

@@ -77,7 +77,7 @@ class FaultTolerance:
         from torchft.process_group import ProcessGroupGloo
 
         from distkit.env import _my_address
-        from distkit.launch.netif import reachable_address
+        from distkit.launch.netif import is_ip, reachable_address, serve_store
 
         self.replica_id, self.num_replicas = int(ft["replica_id"]), int(ft["num_replicas"])
         self.url, self._rank, self._end_job = ft["lighthouse"], strategy.rank, strategy.end_job
@@ -97,7 +97,8 @@ class FaultTolerance:
         self._store = None
         where = None
         if strategy.rank == 0:
-            self._store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=timeout, wait_for_workers=False)
+            # on the address the other groups are told (a single-host job's is loopback), not on every interface
+            self._store = serve_store(here if is_ip(here) else "", 0, None, timeout)
             where = (here, int(self._store.port))
         host, port = strategy.broadcast_object(where, 0) if strategy.world_size > 1 else where
         #: how many heals this rank went through (the caller re-seeks its data when it grows)

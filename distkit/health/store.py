@@ -1,8 +1,9 @@
 """The heartbeat store: a :class:`torch.distributed.TCPStore` served by rank 0 on a free port, one client per rank.
 
 Its address reaches the other ranks once, through the engine's own ``broadcast_object``, so the mpi and horovod
-engines need no torch process group. Rank 0 advertises the interface toward ``MASTER_ADDR`` (a host name may
-resolve to loopback), else the host's own address; a rank on rank 0's host connects to 127.0.0.1.
+engines need no torch process group. It listens on loopback when every rank is on rank 0's host, else on the
+address rank 0 advertises: the interface toward ``MASTER_ADDR`` (a host name may resolve to loopback), else the
+host's own address; never on every interface where that address is known (issue 59).
 
 Cost: per heartbeat interval each rank sends one ``add`` and one ``multi_get`` of ``world_size`` keys to rank 0's
 store (``world_size**2`` key reads per interval there: fine for hundreds of ranks).
@@ -14,14 +15,14 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
-from distkit.launch.netif import host_identity, reachable_address
+from distkit.launch.netif import host_identity, is_ip, reachable_address, serve_store
 
 if TYPE_CHECKING:
     from distkit.health.protocols import StrategyLike
 
 
 def connect_store(strategy: StrategyLike, timeout_s: float, startup_s: Optional[float] = None) -> Optional[Any]:
-    """Collective (one ``strategy.broadcast_object``, one ``all_gather_object``; more than one rank): this rank's
+    """Collective (one ``strategy.broadcast_object``, two ``all_gather_object``; more than one rank): this rank's
     client of the heartbeat store (rank 0's is the server itself), on every rank; None on every rank when the store
     cannot be served or some rank cannot reach it (rank 0 and each rank that failed print one line: the job runs
     on without a watchdog, with the engines' own timeouts).
@@ -39,18 +40,21 @@ def connect_store(strategy: StrategyLike, timeout_s: float, startup_s: Optional[
     # (connecting is start-up: its bound)
     timeout = datetime.timedelta(seconds=max(float(timeout_s), float(startup_s or 0.0)))
     store, where, error = None, None, ""
+    one_host = len(set(strategy.all_gather_object(host_identity()))) == 1
     if strategy.rank == 0:
         try:
-            store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
             # The address the others reach: the interface toward MASTER_ADDR (a host name may resolve
-            # to loopback), else the host's own address.
-            where = {"host": host_identity(), "port": int(store.port),
-                     "addr": reachable_address(os.environ.get("MASTER_ADDR")) or _my_address()}
+            # to loopback), else the host's own address; the store listens there only (loopback on one host).
+            addr = reachable_address(os.environ.get("MASTER_ADDR")) or _my_address()
+            bind = "127.0.0.1" if one_host else addr if is_ip(addr) else ""
+            store = serve_store(bind, 0, None, timeout)
+            where = {"host": host_identity(), "port": int(store.port), "addr": addr, "bind": bind}
         except Exception as e:  # noqa: BLE001 - reported below, the run goes on without a watchdog
             error = f"{type(e).__name__}: {e}"
     where = strategy.broadcast_object(where, 0)
     if strategy.rank != 0 and where is not None:
-        addr = "127.0.0.1" if where["host"] == host_identity() else where["addr"]
+        local = where["host"] == host_identity() and where["bind"] in ("127.0.0.1", "")
+        addr = "127.0.0.1" if local else where["addr"]
         try:
             store = dist.TCPStore(addr, where["port"], None, False, timeout=timeout)
         except Exception as e:  # noqa: BLE001

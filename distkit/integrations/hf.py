@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distkit import portable
 from distkit.backends.ddp import DDPStrategy
 from distkit.backends.parts import param_averager
 from distkit.config import RunConfig, resolve
@@ -328,8 +329,7 @@ def _rank_file(accelerator: Accelerator) -> Optional[dict[str, Any]]:
         return None
     cached = getattr(accelerator, "_distkit_loaded", None)
     if cached is None or cached[0] != directory:
-        state = torch.load(os.path.join(files, f"rank-{accelerator.process_index:05d}.pt"), map_location="cpu",
-                           weights_only=False)
+        state = portable.load_file(os.path.join(files, f"rank-{accelerator.process_index:05d}.pt"))
         cached = accelerator._distkit_loaded = (directory, state)
     return cached[1]  # type: ignore[no-any-return]
 

@@ -14,6 +14,8 @@ and a start-up collective hangs, the mpi engine's timeout message says so.
 """
 from __future__ import annotations
 
+import datetime
+import errno
 import fcntl
 import functools
 import ipaddress
@@ -21,7 +23,7 @@ import os
 import socket
 import struct
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from distkit.errors import ConfigError
 
@@ -145,3 +147,65 @@ def openmpi_interface_hint(env: "ClusterEnv") -> str:
     return (f"; or, as the job spans hosts, Open MPI connects over a network interface the other hosts cannot "
             f"reach: give mpirun --mca btl_tcp_if_include <the hosts' subnet, e.g. 10.0.0.0/24> (this host "
             f"has {mine})")
+
+
+def is_ip(text: str) -> bool:
+    """Whether ``text`` is an IP address (a host name cannot be bound)."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def listen_address(master_addr: Optional[str], single_host: bool) -> str:
+    """Where a server of this process that the job's ranks connect to through ``master_addr`` listens (issue 59:
+    no job listens where it need not): a one-host job on loopback (``master_addr``'s own loopback address, else
+    127.0.0.1); across hosts this host's address that ``master_addr`` names, else the one on the interface that
+    routes to it (the interface the ranks share, as gloo's). "" (every interface) only where neither is known:
+    a host name that resolves to loopback on rank 0's host (Debian's 127.0.1.1) in a job of several hosts, whose
+    other hosts reach it at an address this host cannot tell."""
+    ip: Optional[str] = None
+    if master_addr:
+        try:
+            ip = _resolve(master_addr)
+        except OSError:
+            ip = None
+    if single_host:
+        return ip if ip is not None and ipaddress.ip_address(ip).is_loopback else "127.0.0.1"
+    if ip is not None and not ipaddress.ip_address(ip).is_loopback and ip in interface_addresses().values():
+        return ip
+    if ip is not None and ipaddress.ip_address(ip).is_loopback:
+        return ""
+    return reachable_address(master_addr) or ""
+
+
+def serve_store(bind: str, port: int, world_size: Optional[int], timeout: datetime.timedelta,
+                wait_for_workers: bool = False) -> Any:
+    """A ``torch.distributed.TCPStore`` server on ``bind``:``port`` (0: a free port) only. torch's server listens on
+    every interface whatever host it is given (measured: ``TCPStore("127.0.0.1", 0, is_master=True)`` listens on
+    ``*``), so the socket is bound here and handed to it (``master_listen_fd``); ``bind`` "" keeps torch's own.
+    A taken port raises RuntimeError naming EADDRINUSE, as torch's own bind does."""
+    import torch.distributed as dist
+
+    if not bind:
+        return dist.TCPStore("0.0.0.0", port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers)
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as torch sets it: a port in TIME_WAIT)
+        try:
+            sock.bind((bind, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise RuntimeError(f"EADDRINUSE: {bind}:{port} is taken ({e})") from None
+            raise
+        sock.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(bind, sock.getsockname()[1], world_size, True, timeout=timeout,
+                              wait_for_workers=wait_for_workers, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now
+    return store
+

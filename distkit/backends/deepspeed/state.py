@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
+from distkit import portable
 from distkit.errors import ConfigError, UnsupportedCombination
 
 from .config import ENGINE_DIR, TAG, _DeepSpeedConfigured
@@ -321,6 +322,11 @@ class _DeepSpeedState(_DeepSpeedConfigured):
         if not os.path.isdir(os.path.join(path, TAG)):
             raise ConfigError(f"checkpoint '{directory}' holds no DeepSpeed engine state ({path}): it was not written "
                               "by the deepspeed backend with this param_sync_group_size")
+        # DeepSpeed reads its files with torch.load(weights_only=False): checked first (a checkpoint from
+        # elsewhere runs no code here)
+        tag = os.path.join(path, TAG)
+        portable.check_files([os.path.join(tag, f) for f in sorted(os.listdir(tag)) if f.endswith(".pt")],
+                             portable.DEEPSPEED_GLOBALS)
         engine: Any = model
         loaded, _ = engine.load_checkpoint(path, tag=TAG, load_module_strict=True, load_optimizer_states=True,
                                            load_lr_scheduler_states=True)

@@ -132,7 +132,7 @@ class Trainer:
         if started_by_fit:
             if index < int(os.environ.get(FIT_ENV, "1")):
                 return self.model, self.optimizer  # the parent ran this fit already; its result arrives below
-            state = torch.load(os.path.join(handoff, "initial.pt"), weights_only=False)
+            state = portable.load_file(os.path.join(handoff, "initial.pt"))
             self.model.load_state_dict(state["model"])
             if self.optimizer is not None and state["optimizer"] is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
