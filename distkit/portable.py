@@ -91,10 +91,14 @@ def load_file(path: str, mmap: bool = False) -> Any:
                               f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else 'empty'})") from None
 
 
-#: what DeepSpeed's own checkpoint files name besides tensors and numpy (its ZeRO optimizer states): an enum built from
-#: its value and a loss scaler built from its attributes, neither running code of the file
+#: what DeepSpeed's own checkpoint files name besides tensors and numpy (its ZeRO and bf16 optimizer states): the ZeRO
+#: stage enum (built from its value), the loss scalers (state_dict stores the object; built from their attributes, no
+#: __setstate__) and the fragment addresses of ZeRO-1/2's param_slice_mappings (a two-int dataclass): none runs code
+#: of the file
 DEEPSPEED_GLOBALS = frozenset({"deepspeed.runtime.zero.config.ZeroStageEnum",
-                               "deepspeed.runtime.fp16.loss_scaler.LossScaler"})
+                               "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                               "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                               "deepspeed.utils.tensor_fragment.fragment_address"})
 _NUMPY_NAMES = re.compile(r"numpy(\._core|\.core)?\.(multiarray\._reconstruct|multiarray\.scalar|ndarray|dtype|dtypes\.\w+)")
 
 

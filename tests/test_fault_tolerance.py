@@ -582,8 +582,9 @@ def test_a_group_cut_off_by_the_network_is_left_out_and_ends_with_one_line(tmp_p
     with nethosts.Hosts(3) as h:
         log = tmp_path / "lighthouse.log"  # a file, not a pipe nobody reads (conftest's lighthouse fixture says why)
         with log.open("w") as sink:
-            lh = h.popen(0, lighthouse_cmd(port, 2), env=base_env(), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+            # on host 0's own address (distkit lighthouse listens on loopback unless told: docs/security.md)
+            lh = h.popen(0, lighthouse_cmd(port, 2, "--bind", h.addr(0)), env=base_env(), cwd=ROOT, stdout=sink,
+                         stderr=subprocess.STDOUT, start_new_session=True)
         try:
             url = f"http://{h.addr(0)}:{port}"
             deadline = time.monotonic() + 30
