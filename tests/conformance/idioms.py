@@ -360,6 +360,10 @@ def main() -> None:
         error = None
         if name in UNCAUGHT:
             _save(record, path)  # what ran so far, before the process may end here
+            if r.dk is not None:
+                # every rank's record is on disk before any rank may end the job here: a rank that ran ahead (param
+                # mode has no per-step collective) aborted the others, on Horovod, before rank 0 recorded raw_clip
+                r.dk.barrier()
             PHASES[name](r)
         else:
             from distkit.errors import DistkitError
