@@ -36,6 +36,7 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
+from distkit.checkpoint.load import relink_given_optimizer
 from distkit.config import RunConfig
 from distkit.errors import UnsupportedCombination, UsageError
 from distkit.integrations.lightning_fabric import (  # noqa: F401 (DistkitFabricStrategy: imported from here)
@@ -254,7 +255,7 @@ class DistkitStrategy(_Shared, ParallelStrategy):
         sidecar, if the checkpoint has one. Lightning's schedulers keep stepping the optimizer that steps."""
         super().load_optimizer_state_dict(checkpoint)
         assert self.dk is not None
-        _share_param_groups(self.dk)
+        relink_given_optimizer(self.dk)  # (dk.load's own relink: Horovod's optimizer got new param groups)
         own, side = self._param_state(), (self._resume_from or "") + SIDECAR
         if own is not None and os.path.isdir(side):
             self.dk.load(side, own)  # type: ignore[union-attr]
@@ -276,20 +277,6 @@ class DistkitStrategy(_Shared, ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("distkit", cls, description="distkit's engines and modes (config: distkit's "
                                    "defaults; pass DistkitStrategy(source) for your own)")
-
-
-def _share_param_groups(dk: Session) -> None:
-    """After Lightning's ``optimizer.load_state_dict`` on the engine's optimizer (a resume): ``configure_optimizers``'
-    optimizer, which Lightning's schedulers hold, shares that optimizer's param groups and state again.
-
-    Horovod's ``DistributedOptimizer`` is a second optimizer object made over the param-group dicts of the one it
-    wraps, so a scheduler setting the rate in those dicts sets the rate it steps with, until torch's
-    ``load_state_dict`` gives it new dicts: from then on the scheduler set dicts nothing steps (issue 57 C: the rate
-    stayed where the checkpoint left it). ``dk.load`` relinks the same way (``relink_given_optimizer`` in
-    distkit.checkpoint.load, which the integrations may not import: the layering map in docs/layout.md)."""
-    given, engine = dk._given_optimizer, dk._optimizer
-    if isinstance(given, torch.optim.Optimizer) and engine is not None and given is not engine:
-        given.param_groups, given.state = engine.param_groups, engine.state
 
 
 if "distkit" not in StrategyRegistry:

@@ -171,13 +171,12 @@ def listen_address(master_addr: Optional[str], single_host: bool) -> str:
             ip = _resolve(master_addr)
         except OSError:
             ip = None
+    loopback = ip is not None and ipaddress.ip_address(ip).is_loopback
     if single_host:
-        return ip if ip is not None and ipaddress.ip_address(ip).is_loopback else "127.0.0.1"
-    if ip is not None and not ipaddress.ip_address(ip).is_loopback and ip in interface_addresses().values():
-        return ip
-    if ip is not None and ipaddress.ip_address(ip).is_loopback:
+        return ip if loopback else "127.0.0.1"
+    if loopback:
         return ""
-    return reachable_address(master_addr) or ""
+    return ip if ip in interface_addresses().values() else reachable_address(master_addr) or ""
 
 
 def serve_store(bind: str, port: int, world_size: Optional[int], timeout: datetime.timedelta,
