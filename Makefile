@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned here, not in install_requires: 2.13.0 is the CPU wheel on these machines.
 	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[mpi,deepspeed,ft,plot,trackers,lightning,hf,speechbrain,dev]'
+	$(PY) -m pip install -q --no-compile -e '.[mpi,deepspeed,ft,plot,trackers,lightning,hf,speechbrain,returnn,dev]'
 	$(PY) scripts/torchaudio_python_only.py
 	touch $@
 

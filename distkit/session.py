@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from distkit import lazy_import
+from distkit.launch import lazy_import
 
 from distkit.launch import ompi_leftovers
 from distkit.backends import check_backend, startup, strategy_class

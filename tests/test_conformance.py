@@ -245,7 +245,7 @@ def test_idiom_gives_ddp_result_or_the_documented_error(runs: Any, idiom: str, e
 
 
 def test_deepspeed_ranks_leave_mlflow_unloaded_until_used(runs: Any) -> None:
-    """DeepSpeed runs ``import mlflow`` at its own import (its autotuner); distkit defers it (distkit.lazy_import):
+    """DeepSpeed runs ``import mlflow`` at its own import (its autotuner); distkit defers it (distkit.launch.lazy_import):
     0.7-0.8 s of CPU per rank where MLflow is installed, as it is here. The idioms script never uses it."""
     import importlib.util
 

@@ -199,7 +199,7 @@ def test_what_the_launcher_imports_for_its_forked_ranks_leaves_it_able_to_fork(e
                                                                                dynamo: str) -> None:
     """The spawner imports the engine's modules once before forking its ranks (distkit.launch.forkrank.preimport): DDP's
     grad mode lists torch._dynamo, which its constructor loads in every rank; the others leave it deferred
-    (distkit.lazy_import.defer_dynamo), and the forks inherit that. Neither may start a thread (a fork would copy
+    (distkit.launch.lazy_import.defer_dynamo), and the forks inherit that. Neither may start a thread (a fork would copy
     only the calling one, and can_fork would send every rank to a new interpreter instead)."""
     probe = ("import sys, threading, torch; from distkit.launch import forkrank; assert 'torch._dynamo' not in sys.modules; "
              f"forkrank.preimport({engine!r}); "

@@ -16,10 +16,10 @@ from conftest import ROOT
 
 PKG = ROOT / "distkit"
 
-#: the root's modules: the core (docs/layout.md); ``lightning.py`` and ``hf.py`` are the documented import paths of
+#: the root's modules: the core (docs/layout.md); ``lightning.py``, ``hf.py`` and ``speechbrain.py`` are the documented import paths of
 #: the bridges in integrations/ (re-exports, nothing else)
 ROOT_MODULES = {"__init__", "__main__", "session", "job", "env", "errors", "data", "evaluation", "trainer",
-                "components", "portable", "report", "lazy_import", "main_process", "lightning", "hf"}
+                "components", "portable", "report", "main_process", "lightning", "hf", "speechbrain"}
 FOLDERS = {"launch", "ft", "sync", "health", "commands", "integrations", "config", "backends", "checkpoint", "tasks",
            "trackers", "compat"}
 
@@ -41,8 +41,8 @@ LAZY_SUBCOMMANDS = {"distkit.commands.inspection", "distkit.commands.export", "d
 #: what each part may import of distkit (docs/layout.md, "Map of the package"): a part is a root module or a
 #: folder; every import of any kind counts
 MAY_IMPORT: dict[str, set[str]] = {
-    "errors": set(), "lazy_import": set(), "env": {"errors"}, "trackers": {"errors"},
-    "launch": {"errors", "env", "lazy_import"},
+    "errors": set(), "env": {"errors"}, "trackers": {"errors"},
+    "launch": {"errors", "env"},
     "sync": {"errors"},
     "config": {"errors", "env", "launch", "sync", "trackers", "ft"},  # validation: nprocs, codecs, trackers, ft.checks
     "components": {"errors", "config"},
@@ -51,20 +51,20 @@ MAY_IMPORT: dict[str, set[str]] = {
     "health": {"errors", "env", "launch", "config"},
     "tasks": {"errors", "config", "main_process"},
     "ft": {"errors", "env", "config", "launch", "sync", "health", "backends"},  # backends: the Strategy type only
-    "backends": {"errors", "env", "config", "launch", "sync", "health", "portable", "lazy_import", "checkpoint"},
+    "backends": {"errors", "env", "config", "launch", "sync", "health", "portable", "checkpoint"},
     "checkpoint": {"errors", "env", "config", "health", "portable", "backends"},
     "data": {"errors", "config", "ft"},
     "evaluation": {"errors", "data", "tasks"},
     "report": {"backends", "config", "env", "evaluation"},
     "job": {"errors", "env", "config", "components", "launch", "health", "backends"},
     "session": {"errors", "env", "config", "components", "launch", "health", "backends", "checkpoint", "data", "ft",
-                "job", "lazy_import", "main_process", "report"},
+                "job", "main_process", "report"},
     "trainer": {"errors", "env", "config", "components", "health", "checkpoint", "evaluation", "session", "tasks",
                 "trackers"},
     "compat": {"errors", "env", "config", "launch", "health", "backends", "portable", "session"},
     "integrations": {"errors", "env", "config", "components", "health", "backends", "checkpoint", "portable",
                      "session"},
-    "lightning": {"integrations"}, "hf": {"integrations"},
+    "lightning": {"integrations"}, "hf": {"integrations"}, "speechbrain": {"integrations"},
     "commands": {"errors", "env", "config", "components", "launch", "health", "backends", "checkpoint", "portable",
                  "ft", "tasks", "trainer"},
     "__main__": {"commands"},
@@ -293,18 +293,20 @@ def test_only_the_integrations_import_the_frameworks_and_nothing_imports_them() 
     """Issue 39: the frameworks are optional extras. distkit.integrations.lightning* import Lightning and
     distkit.integrations.hf Accelerate (transformers, a model library, stays a lazy import of the tasks and of
     hf_trainer); no other module imports either framework, and nothing of distkit imports the integrations but
-    their documented paths (distkit.lightning, distkit.hf)."""
-    frameworks = {"lightning", "pytorch_lightning", "lightning_fabric", "accelerate"}
-    bridges = {"distkit.integrations.lightning": {"lightning"}, "distkit.integrations.hf": {"accelerate"}}
+    their documented paths (distkit.lightning, distkit.hf, distkit.speechbrain); SpeechBrain likewise (issue 58)."""
+    frameworks = {"lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "speechbrain", "returnn"}
+    bridges = {"distkit.integrations.lightning": {"lightning"}, "distkit.integrations.hf": {"accelerate"},
+               "distkit.integrations.speechbrain": {"speechbrain"}, "distkit.integrations.returnn": {"returnn"}}
     seen: dict[str, set[str]] = {}
     for name, path in _modules().items():
         bridge = next((b for b in bridges if name == b or name.startswith(b + "_")), None)
         used = _third_party_imports(path) & frameworks
         if bridge is None:
-            assert not used, f"{name} imports {used}: only the Lightning and Hugging Face integrations may"
+            assert not used, f"{name} imports {used}: only the Lightning, Hugging Face and SpeechBrain integrations may"
         else:
             seen[bridge] = seen.get(bridge, set()) | used
     assert seen == bridges, seen  # the bridges exist and import what they bridge
     for name, deps in import_graph().items():
-        if not name.startswith("distkit.integrations") and name not in ("distkit.lightning", "distkit.hf"):
+        if not name.startswith("distkit.integrations") and name not in ("distkit.lightning", "distkit.hf",
+                                                                         "distkit.speechbrain"):
             assert not {d for d in deps if d.startswith("distkit.integrations")}, (name, deps)

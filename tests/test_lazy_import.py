@@ -1,4 +1,4 @@
-"""distkit.lazy_import: a deferred module runs its code on first use, exactly once, and behaves as imported."""
+"""distkit.launch.lazy_import: a deferred module runs its code on first use, exactly once, and behaves as imported."""
 from __future__ import annotations
 
 import inspect
@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from distkit import lazy_import
+from distkit.launch import lazy_import
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_code_that_fails_leaves_it_unimported_as_a_plain_import_would(pkg: str, 
 DYNAMO_PROBE = """\
 import hashlib, os, sys, tempfile, torch
 import torch.distributed as dist
-from distkit import lazy_import
+from distkit.launch import lazy_import
 if sys.argv[1] == "defer":
     lazy_import.defer_dynamo()
 dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
@@ -100,7 +100,7 @@ print(digest, loaded, type(sys.modules["torch._dynamo"]).__name__, vars(fn)["__d
 
 
 def test_a_deferred_dynamo_trains_the_same_loads_on_compile_and_disables_for_real_then() -> None:
-    """distkit.lazy_import.defer_dynamo (every Session; the spawner): eager training (steps, zero_grad, a scheduler,
+    """distkit.launch.lazy_import.defer_dynamo (every Session; the spawner): eager training (steps, zero_grad, a scheduler,
     state_dict, init_process_group) never loads torch._dynamo and gives the same parameters as a plain process;
     torch.compile loads it, and the optimizer methods marked as already disabled get dynamo's real wrapper."""
     import subprocess

@@ -200,7 +200,7 @@ progress_bar = False
 def test_start_up_is_done_when_training_starts_in_param_mode_too(tmp_path: Path, mode: str, dynamo: str) -> None:
     """Issue 36 item 17: torch.optim imported torch._dynamo at the first optimizer step (1.2 s of CPU, 5 s under
     load), DDP's constructor in grad mode: param mode's first 10 steps counted it as training and its setup_time_s
-    did not. Training imports nothing of it now: param mode never loads it (distkit.lazy_import.defer_dynamo),
+    did not. Training imports nothing of it now: param mode never loads it (distkit.launch.lazy_import.defer_dynamo),
     grad mode's DDP wrapper loaded it in setup. Ranks in new interpreters (as under torchrun, mpirun, srun)."""
     cfg = tmp_path / "started.py"
     cfg.write_text(STARTED_CONFIG)

@@ -113,7 +113,7 @@ class DDPStrategy(Strategy):
     def before_forks(cls, cfg: RunConfig) -> tuple[str, ...]:
         """``torch._dynamo`` in grad mode: DDP's constructor reads ``torch._dynamo.utils``, so every rank would load it
         (1.2-1.4 s of CPU each here); param mode has no DDP wrapper and leaves it deferred
-        (:func:`distkit.lazy_import.defer_dynamo`)."""
+        (:func:`distkit.launch.lazy_import.defer_dynamo`)."""
         return ("torch._dynamo",) if cfg.distributed.reduce_type == "grad" else ()
 
     def init(self) -> None:

@@ -208,7 +208,7 @@ def _gpus() -> dict[str, Any]:
 #: the optional packages distkit uses when they are there (trackers, plots, replica groups, the bridges), by the name
 #: ``importlib.metadata`` knows them
 OPTIONAL = ("torchft", "tensorboard", "mlflow", "mlflow-skinny", "wandb", "matplotlib", "safetensors", "transformers", "accelerate",
-            "lightning", "pytorch-lightning")
+            "lightning", "pytorch-lightning", "speechbrain", "returnn", "dm-tree")
 
 
 def _optional() -> dict[str, Any]:

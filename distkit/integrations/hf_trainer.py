@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +30,7 @@ from distkit.config.arguments import Source, config_from
 from distkit.errors import BackendUnavailable, UnsupportedCombination
 from distkit.health.guards import install_excepthook
 from distkit.integrations.hf import refuse_mpirun_without_rendezvous
+from distkit.integrations.replicas import ReplicaMean, rng_kept
 from distkit.integrations.session_optimizer import SessionOptimizer
 from distkit.session import Session
 
@@ -71,19 +70,6 @@ class _SessionModule(nn.Module):
         return self._dk.no_sync()  # type: ignore[no-any-return]
 
 
-@contextlib.contextmanager
-def _rng_kept() -> Iterator[None]:
-    """torch's, Python's and numpy's RNG as they were before: ``distkit.init`` seeds them with distkit's ``seed``,
-    and the Trainer's own ``set_seed(args.seed)`` (its constructor) must stay what dropout and sampling draw from."""
-    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        np.random.set_state(states[2])
-
-
 class DistkitTrainer(Trainer):
     """``transformers.Trainer`` on distkit: ``DistkitTrainer(model, args, ..., distkit=config)``.
 
@@ -116,11 +102,9 @@ class DistkitTrainer(Trainer):
                                          "deepspeed/fsdp config, or use transformers.Trainer for them")
         if cfg.explicit_keys is not None and "output_dir" not in cfg.explicit_keys:  # (None: a RunConfig, as given)
             cfg.output_dir = os.path.join(self.args.output_dir, STATE_DIR)  # the Session's files with the run's
-        #: dk.finish() ran (the end of training: every rank holds the same model from then on)
-        self._finished = False
-        self._averaged = False  # inside _one_model's block (a nested one, e.g. evaluate's, averages nothing again)
-        with _rng_kept():
+        with rng_kept():
             self.dk = _init(cfg)
+        self._replicas = ReplicaMean(self.dk)  # evaluation and the checkpoint's model files: one model
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's Accelerator (it initialises the process group distkit's Session adopts), whose ``backward``
@@ -158,9 +142,9 @@ class DistkitTrainer(Trainer):
 
     def _finish(self) -> None:
         """Collective, once: ``dk.finish()`` when the Session trained a model."""
-        if self.dk._model is not None and not self._finished:
+        if self.dk._model is not None and not self._replicas.finished:
             self.dk.finish()
-            self._finished = True
+            self._replicas.finished = True
 
     def _load_best_model(self) -> None:
         """Collective: the training's final sync first, then the Trainer's load of the best checkpoint (the same
@@ -169,33 +153,10 @@ class DistkitTrainer(Trainer):
         self._finish()
         super()._load_best_model()
 
-    def _differing_replicas(self) -> Optional[Any]:
-        """The averager, where the ranks' replicas differ now (param mode, training, not just synced: the same
-        answer on every rank, the sync schedule is); else None."""
-        averager = self.dk._strategy.averager if self.dk._model is not None else None
-        if averager is None or self._finished or self.dk.world_size == 1 or averager.in_sync():
-            return None
-        return averager
-
-    @contextlib.contextmanager
-    def _one_model(self) -> Iterator[None]:
-        """Collective in param mode while the replicas differ: every rank holds the mean of the replicas
-        (parameters and floating buffers, the tensors a sync averages, plainly: no outer step) inside the block,
-        and its own replica again after it (training goes on from there, as if nothing had happened). Else a no-op."""
-        averager = self._differing_replicas()
-        if averager is None or self._averaged:
-            yield
-            return
-        own = [t.detach().clone() for t in averager.tensors]  # one copy of the model, for the block's length
-        self.dk._strategy.average_parameters(averager.tensors, [averager.is_parameter(i) for i in range(len(own))])
-        self._averaged = True
-        try:
-            yield
-        finally:
-            self._averaged = False
-            with torch.no_grad():
-                for t, mine in zip(averager.tensors, own, strict=True):
-                    t.copy_(mine)
+    def _one_model(self) -> contextlib.AbstractContextManager[None]:
+        """Collective in param mode while the replicas differ: every rank holds the mean of the replicas inside
+        the block (:class:`~distkit.integrations.replicas.ReplicaMean`), its own replica after it."""
+        return self._replicas.block()
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's (``evaluate``, ``predict``) on one model: in param mode during training the mean of the

@@ -4,4 +4,4 @@ exit watch (:mod:`.exit_watch`), Open MPI's leftovers (:mod:`.ompi_leftovers`), 
 (:mod:`.netif`) and the /proc readers they use (:mod:`.procfs`). ``distkit sbatch``, which reads configs, is a command
 (:mod:`distkit.commands.sbatch`): the config checks ``nprocs`` here, so launch stays below config.
 
-Imports: ``errors``, ``env``, ``lazy_import`` and each other; nothing of training (no torch at module level)."""
+Imports: ``errors``, ``env`` and each other; nothing of training (no torch at module level)."""

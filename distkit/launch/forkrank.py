@@ -122,11 +122,11 @@ def _user_modules() -> list[str]:
 def preimport(engine: tuple[str, ...] = ()) -> None:
     """Import the engine's modules (``Strategy.before_forks``) in the launching process (before :func:`start`); a
     failure is left to the rank, and what follows it is not imported. ``torch._dynamo`` is deferred first
-    (:func:`distkit.lazy_import.defer_dynamo`: the ranks inherit the deferral) unless the engine lists it: then it is
+    (:func:`distkit.launch.lazy_import.defer_dynamo`: the ranks inherit the deferral) unless the engine lists it: then it is
     imported here, once, not once per rank (N ranks importing it at once on fewer cores than N wait for each other)."""
     import importlib
 
-    from distkit import lazy_import
+    from distkit.launch import lazy_import
 
     if "torch._dynamo" not in engine:
         lazy_import.defer_dynamo()

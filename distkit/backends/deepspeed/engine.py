@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distkit import lazy_import
+from distkit.launch import lazy_import
 from distkit.config import DistributedConfig, RunConfig
 from distkit.sync.averager import flat_mean
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError

@@ -1,0 +1,215 @@
+"""distkit.speechbrain (issue 58): two of SpeechBrain's own minimal examples (tests/sb_recipes: ASR_CTC and
+speaker_id, vendored from speechbrain/speechbrain) with one changed line, ``import distkit.speechbrain as sb``, on
+every engine through SpeechBrain's own command lines, against the same recipe under SpeechBrain's own DDP.
+
+The reference is SpeechBrain's DDP (torchrun, gloo) without its SyncBatchNorm conversion, which torch allows on CUDA
+only (tests/sb_recipes/run.py --no-syncbn): BatchNorm statistics as plain DDP keeps them, the same as distkit's.
+Compared: the end-of-training checkpoint the recipe's Checkpointer writes (every tensor file: the modules, the
+InputNormalization statistics), the train log SpeechBrain writes (train and valid loss, PER), every rank's final
+model (tests/sb_recipes/run.py: after ``evaluate`` loaded the best checkpoint) and distkit's ``ranks_in_sync``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, ok, run
+
+RECIPES = ROOT / "tests" / "sb_recipes"
+RUN = str(RECIPES / "run.py")
+TORCHRUN = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "0", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "localhost:0"]
+MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable]
+ZERO2 = ["++distributed.backend", "deepspeed", "++distributed.deepspeed_config",
+         '{"zero_optimization": {"stage": 2}}']
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SpeechBrain's tests/samples layout, generated (tests/sb_recipes/make_data.py)."""
+    where = tmp_path_factory.mktemp("sb_data")
+    ok(run([sys.executable, str(RECIPES / "make_data.py"), str(where)]))
+    return where
+
+
+def converted(recipe: str, where: Path) -> Path:
+    """The recipe with its one changed line (``import speechbrain as sb`` -> ``import distkit.speechbrain as sb``)."""
+    text = (RECIPES / recipe / "train.py").read_text()
+    new = text.replace("\nimport speechbrain as sb\n", "\nimport distkit.speechbrain as sb\n")
+    changed = [(a, b) for a, b in zip(text.splitlines(), new.splitlines()) if a != b]
+    assert changed == [("import speechbrain as sb", "import distkit.speechbrain as sb")], changed
+    path = where / f"{recipe}_distkit.py"
+    path.write_text(new)
+    return path
+
+
+def recipe_args(recipe: str, data: Path, out: Path, *extra: str) -> list[str]:
+    return [str(RECIPES / recipe / "hparams.yaml"), "--data_folder", str(data), "--output_folder", str(out),
+            "--noprogressbar", *extra]
+
+
+def last_checkpoint(out: Path) -> dict[str, Any]:
+    """Every file of the end-of-training checkpoint (the one whose epoch counter is the last): tensors loaded."""
+    found = {}
+    for ckpt in (out / "save").glob("CKPT+*"):
+        found[int((ckpt / "counter.ckpt").read_text())] = ckpt
+    ckpt = found[max(found)]
+    return {f.name: torch.load(f, weights_only=True) for f in sorted(ckpt.glob("*.ckpt"))
+            if f.is_file() and f.name not in ("brain.ckpt", "dataloader-TRAIN.ckpt", "counter.ckpt")}
+
+
+def tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in tensors(val, f"{prefix}.{key}").items()}
+    return {prefix: torch.tensor(float(obj))} if isinstance(obj, (int, float)) else {}
+
+
+def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    ta, tb = tensors(a), tensors(b)
+    assert set(ta) == set(tb), sorted(set(ta) ^ set(tb))
+    return max((ta[k].double() - tb[k].double()).abs().max().item() for k in ta)
+
+
+def final(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"final-{rank}.pt", weights_only=True)
+
+
+def in_sync(out: Path) -> list[bool]:
+    return [json.loads((out / f"summary-{r}.json").read_text())["ranks_in_sync"] for r in (0, 1)]
+
+
+def reference(data: Path, out: Path, *extra: str) -> Path:
+    """ASR_CTC under SpeechBrain's own DDP: torchrun, --distributed_backend gloo, SyncBatchNorm conversion off."""
+    ok(run([*TORCHRUN, RUN, "--no-syncbn", str(RECIPES / "asr_ctc" / "train.py"),
+            *recipe_args("asr_ctc", data, out, "--distributed_backend", "gloo", *extra)], timeout=240))
+    return out
+
+
+@pytest.fixture(scope="module")
+def asr_reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return reference(data, tmp_path_factory.mktemp("sb_ref") / "out")
+
+
+#: SpeechBrain's clipping off (a norm no gradient reaches): DeepSpeed clips inside its step with a norm summed over its
+#: partitions, which rounds differently from torch's ``clip_grad_norm_``, and Adam carries a last-bit difference in a
+#: near-zero gradient on to a step of ``lr`` (docs/integrations.md: 1.6e-2 on this recipe with clipping, 0 without)
+NO_CLIP = ("--max_grad_norm", "1e9")
+
+
+@pytest.fixture(scope="module")
+def asr_reference_unclipped(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return reference(data, tmp_path_factory.mktemp("sb_ref_unclipped") / "out", *NO_CLIP)
+
+
+#: engine -> the command line a SpeechBrain user runs (SpeechBrain's own: torchrun, mpirun, plain python)
+ENGINES = {
+    "ddp": (TORCHRUN, ()),
+    "mpi": (MPIRUN, ("++distributed.backend", "mpi")),
+    "horovod": (MPIRUN, ("++use_horovod", "True")),
+    "deepspeed": ([sys.executable], ("--nprocs", "2", *ZERO2, *NO_CLIP)),
+    "fsdp": ([sys.executable], ("--nprocs", "2", "++distributed.backend", "fsdp")),
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends(engine: str, data: Path, tmp_path: Path,
+                                                                     request: pytest.FixtureRequest) -> None:
+    """Grad mode on every engine: the checkpoint SpeechBrain's Checkpointer writes at the end (CRDNN with BatchNorm,
+    LiGRU, dropout; InputNormalization's statistics, all-reduced by SpeechBrain through the engine), the train log
+    (train and valid loss, PER: the validation SpeechBrain runs on every rank), every rank's final model after
+    ``evaluate`` recovered the best checkpoint, clipping (SpeechBrain's max_grad_norm 5, on the first param group):
+    bit for bit on ddp, mpi, horovod and fsdp; on ZeRO-2 bit for bit without clipping (see NO_CLIP)."""
+    launcher, extra = ENGINES[engine]
+    asr_reference = request.getfixturevalue("asr_reference_unclipped" if engine == "deepspeed" else "asr_reference")
+    out = tmp_path / "out"
+    ok(run([*launcher, RUN, str(converted("asr_ctc", tmp_path)), *recipe_args("asr_ctc", data, out, *extra)],
+           timeout=240))
+    assert json.loads((out / "summary-0.json").read_text())["backend"] == engine
+    ours, theirs = last_checkpoint(out), last_checkpoint(asr_reference)
+    if engine in ("deepspeed", "fsdp"):  # their optimizer state is partitioned: in distkit.ckpt, per rank
+        assert "optimizer.ckpt" not in ours and (out / "save").glob("CKPT+*/distkit.ckpt")
+        theirs.pop("optimizer.ckpt")
+    assert max_diff(ours, theirs) == 0.0
+    assert in_sync(out) == [True, True]
+    if engine != "deepspeed":  # (ZeRO keeps fp32 partitions of its own, which evaluate's recovery does not load)
+        for rank in (0, 1):
+            assert max_diff(final(out, rank), final(asr_reference, rank)) == 0.0, rank
+    assert (out / "train_log.txt").read_text() == (asr_reference / "train_log.txt").read_text()
+    # exactly one rank wrote: one experiment directory's files, one log line per epoch
+    assert len((out / "train_log.txt").read_text().splitlines()) == 3
+
+
+#: param mode, every 4th step averaged; dropout off: SpeechBrain's LiGRU draws its recurrent dropout masks from a pool
+#: whose position (``drop_mask_cnt``, speechbrain/nnet/RNN.py) is no buffer, so no checkpoint holds it (SpeechBrain's
+#: own neither) and a resumed run draws other masks
+PARAM = ("++distributed.reduce_type", "param", "++distributed.param_sync_step", "4", "--dropout", "0.0")
+
+
+def test_param_mode_inside_a_brain_is_the_same_on_ddp_and_mpi_and_a_kill_mid_epoch_resumes_the_same_run(
+        data: Path, tmp_path: Path) -> None:
+    """Param mode (local steps, every 4th averaged) in ASR_CTC: the ranks hold one model at the end (the final
+    sync), ddp (``--nprocs 2``) and mpi (under mpirun) end bit for bit alike; a rank killed with SIGKILL at step 9
+    (mid-epoch 2), after SpeechBrain's intra-epoch checkpoint at step 8 (``--ckpt_interval_steps 2``), and the same
+    command again (SpeechBrain's ``recover_if_possible``: each rank's replica, optimizer moments, averager and random
+    streams from the ``distkit`` recoverable) ends bit for bit where the run that was not stopped ends."""
+    recipe = str(converted("asr_ctc", tmp_path))
+    runs = {}
+    for name, launcher, extra in [("ddp", [sys.executable], ("--nprocs", "2")),
+                                  ("mpi", MPIRUN, ("++distributed.backend", "mpi"))]:
+        out = tmp_path / name
+        ok(run([*launcher, RUN, recipe, *recipe_args("asr_ctc", data, out, *extra, *PARAM, "--ckpt_interval_steps",
+                                                      "2")], timeout=240))
+        assert in_sync(out) == [True, True], name
+        runs[name] = out
+    assert max_diff(final(runs["ddp"], 0), final(runs["mpi"], 0)) == 0.0
+    assert max_diff(final(runs["ddp"], 0), final(runs["ddp"], 1)) == 0.0
+    assert max_diff(last_checkpoint(runs["ddp"]), last_checkpoint(runs["mpi"])) == 0.0
+    # killed mid-epoch, then the same command: the same run
+    out = tmp_path / "killed"
+    args = [sys.executable, RUN, recipe, *recipe_args("asr_ctc", data, out, "--nprocs", "2", *PARAM,
+                                                      "--ckpt_interval_steps", "2")]
+    killed = run(args, timeout=240, DISTKIT_FAULT="1:9:kill")
+    assert killed.returncode != 0 and not (out / "final-0.pt").exists(), killed.stderr[-2000:]
+    assert any((out / "save").glob("CKPT+*/distkit.ckpt")), "no checkpoint before the kill"
+    ok(run(args, timeout=240))
+    assert max_diff(final(out, 0), final(runs["ddp"], 0)) == 0.0
+    assert max_diff(last_checkpoint(out), last_checkpoint(runs["ddp"])) == 0.0
+    assert in_sync(out) == [True, True]
+
+
+def test_speaker_id_on_horovod_in_param_mode_with_diloco_keeps_speechbrains_helpers_on_one_rank(
+        data: Path, tmp_path: Path) -> None:
+    """speaker_id (x-vector TDNN with BatchNorm, Fbank, InputNormalization) in DiLoCo (an outer Nesterov step at
+    every sync) under mpirun on Horovod: ranks in sync at the end; SpeechBrain's main-process helpers (the experiment
+    directory, the train logger, the checkpointer) wrote once: one log line per epoch."""
+    out = tmp_path / "out"
+    ok(run([*MPIRUN, RUN, str(converted("speaker_id", tmp_path)),
+            *recipe_args("speaker_id", data, out, "++use_horovod", "True", "++distributed.reduce_type", "param",
+                         "++distributed.param_sync_step", "1", "++distributed.outer_optimizer",
+                         '{"class": "nesterov", "lr": 0.7, "momentum": 0.9}')], timeout=240))
+    assert in_sync(out) == [True, True]
+    assert max_diff(final(out, 0), final(out, 1)) == 0.0
+    assert len((out / "train_log.txt").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("flag, expected", [
+    (("--data_parallel_backend",), "--data_parallel_backend"),
+    (("--grad_accumulation_factor", "4"), "grad_accumulation_factor 4 with 6 training batches"),
+])
+def test_what_a_brain_cannot_do_stops_before_training_in_one_line(flag: tuple[str, ...], expected: str, data: Path,
+                                                                  tmp_path: Path) -> None:
+    """Refusals, exit 2, one line naming the fix, before the first step."""
+    out = tmp_path / "out"
+    res = run([sys.executable, str(converted("asr_ctc", tmp_path)),
+               *recipe_args("asr_ctc", data, out, "--nprocs", "2", *flag)], timeout=240)
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    errors = [line for line in res.stderr.splitlines() if line.startswith("distkit: error")]
+    assert errors and expected in errors[0], res.stderr[-3000:]
+    assert not list((out / "save").glob("CKPT+*")) if (out / "save").exists() else True
