@@ -5,9 +5,15 @@ not against a file made to pass them): every case below rewrites it to match. Ea
 ``open(MARKER, "w")``, which creates the marker file when the file is unpickled the way torch's and Python's default
 loaders do. On every path: the marker is never created, the load stops with one line naming the file, exit 2, and
 the run's output_dir is unchanged.
+
+And what distkit believes of its network peers (issue 59 item 4, issue 62 item 4): a stranger's records in a running
+job's heartbeat store (a real TCP client without the job's token) are ignored in one line and hide no stall; a record
+that names a pid, sealed or not, never gets that process killed; a torchft heal reads the live group's state
+weights-only.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -15,18 +21,22 @@ import pickle
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import BIN, ROOT, base_env, distkit, ok, run
 
 from distkit import portable
 from distkit.commands.convert import _OneProcess
 from distkit.errors import CheckpointError
+from distkit.health.watchdog import Watchdog
+from distkit.launch.netif import host_identity
 from distkit.tasks.digits import make_model
 
 RUN = ["++max_steps", "4", "++progress_bar", "False", "++log_every", "2", "++batch_size", "8"]
@@ -355,3 +365,199 @@ def test_links_planted_in_output_dir_write_nothing_outside_it(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="lock file .* is a symbolic link"):
         checkpoint.lock_output_dir(str(out))
     assert victim.read_text() == "keep me\n"
+
+
+# -- the heartbeat store: a stranger's records (issue 59 item 4, issue 62 item 4) -----------------------------------
+def _sleeper() -> "subprocess.Popen[bytes]":
+    """A process of this user that is no rank of any job: what a forged record would have distkit kill."""
+    return subprocess.Popen(["sleep", "120"], env=base_env())
+
+
+def _alive(p: "subprocess.Popen[bytes]") -> bool:
+    return p.poll() is None
+
+
+def test_records_naming_a_pid_never_get_it_killed(capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 62 item 4: the watchdog took the pid it SIGKILLs from ``who/<rank>`` records, which anyone reaching the
+    store can write, and parsed them loosely (a bad value: a traceback in its thread). Rank 0's real watchdog on a
+    real TCPStore, 5 ranks, rank 1-4's records forged before it learns where they run: an unsealed record (a
+    stranger's) and a record sealed with the job's token (a peer that holds it) each name a process of this user
+    that is no rank, stopped (what the end of a job ends); the others are not ASCII, or sealed but not
+    ``<host> <pid>``, and one counter is no number. The judge names ranks 1-4 (silent) and kills on this host:
+    both processes live on, every bad value is one line naming its key, no traceback."""
+    delta = datetime.timedelta(seconds=5)
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
+    victims = [_sleeper(), _sleeper()]
+    fired = threading.Event()
+
+    def end_job(code: int) -> None:  # record instead of ending the test process; never return
+        fired.set()
+        threading.Event().wait()
+
+    w0 = Watchdog(server, 0, 5, 1.0, end_job)  # (its own token: unknown to the stranger)
+    try:
+        for v in victims:
+            os.kill(v.pid, signal.SIGSTOP)
+        here = host_identity()
+        server.set("who/1", f"{here} {victims[0].pid}")  # the stranger's: no seal
+        server.set("who/2", w0._seal.seal("who/2", f"{here} {victims[1].pid}"))  # a peer's: sealed, not its own pid
+        server.set("who/3", b"\xff\xfe not text")
+        server.set("who/4", w0._seal.seal("who/4", f"{here} -7"))
+        for r in (1, 2, 4):
+            server.set(f"hb/{r}", w0._seal.seal(f"hb/{r}", "1"))
+        server.set("hb/3", "abc")
+        w0.run()
+        assert fired.wait(15), "the judge never named the silent ranks"
+        assert sorted(w0._where) == [0, 1, 2, 3, 4] and all(w0._where[r][1] == 0 for r in (1, 2, 3, 4)), w0._where
+        w0.kill_local([1, 2, 3, 4])
+        assert w0.reap_local_peers(2.0) == []
+        time.sleep(0.5)
+        assert all(_alive(v) for v in victims), "a pid named by a record was killed"
+    finally:
+        w0._stop.set()
+        for v in victims:
+            v.kill()
+            v.wait()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    said = [ln for ln in err.splitlines() if ln.startswith("distkit: rank 0: ")]
+    for key, why in (("who/1", "not sealed"), ("who/3", "not ASCII"), ("who/4", "not '<host identity> <pid>'"),
+                     ("hb/3", "not sealed")):
+        assert [ln for ln in said if f"ignored {key} in the heartbeat store ({why}" in ln], (key, err)
+    assert [ln for ln in said if f"who/2 in the heartbeat store names pid {victims[1].pid} on this host, but no "
+            "process here carries rank 2's mark: that pid is never signalled" in ln], err
+    assert "ranks 1, 2, 3, 4 stopped responding" in err, err
+
+
+def test_a_strangers_meeting_mark_meets_no_one(capfd: pytest.CaptureFixture[str]) -> None:
+    """The start-up meeting through the store: a stranger's ``meet`` key for rank 1 does not stand for rank 1."""
+    from distkit.errors import RankStalled
+
+    delta = datetime.timedelta(seconds=5)
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
+    w0 = Watchdog(server, 0, 2, 30.0, lambda code: None)
+    server.set("meet/1/1", "1")
+    with pytest.raises(RankStalled, match=r"^rank 1 did not reach the test's point"):
+        w0.meet("the test's point", 0.5)
+    assert "ignored meet/1/1 in the heartbeat store (not sealed)" in capfd.readouterr().err
+
+
+def _stranger(where: Path, victim: int, stamp: Path, done: threading.Event, log: list[str]) -> None:
+    """Reach the job's heartbeat store (its address from DISTKIT_FAULT_STORE; not its token): overwrite rank 1's
+    ``who`` record with ``victim``'s pid as soon as rank 1 wrote it, and once rank 1 has stopped (``stamp``), keep
+    its heartbeat going (a growing counter every 0.1 s, plain and with a made-up seal) until ``done``."""
+    try:
+        while not where.exists():
+            if done.wait(0.05):
+                return
+        host, port = where.read_text().split()
+        store = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=30))
+        store.wait(["who/1"])
+        store.set("who/1", f"{host_identity()} {victim}")
+        log.append("who")
+        while not stamp.exists():
+            if done.wait(0.05):
+                return
+        n = 10**6
+        while not done.wait(0.1):
+            n += 1
+            store.set("hb/1", str(n) if n % 2 else f"{n} #{'0' * 32}")
+        log.append("hb")
+    except Exception as e:  # noqa: BLE001 - the job ended under it (its store is gone)
+        log.append(f"{type(e).__name__}")
+
+
+def test_a_stranger_in_a_running_jobs_heartbeat_store_hides_no_stall_and_kills_nothing(tmp_path: Path) -> None:
+    """Issue 59 item 4: a 2-rank ddp job (``--nprocs``, ``timeout_s`` 4), whose rank 1 stops itself (SIGSTOP) at
+    step 5. A stranger who reaches its heartbeat store (a real TCP client, without the job's token) rewrites rank 1's
+    ``who`` record to name a process of this user, and after the stop keeps rank 1's heartbeat counter growing (what
+    the store's old protocol took for beats: the stall stayed hidden until the engine's own timeout, unnamed). Now:
+    rank 1 is named as before, within timeout_s + 5 s of the stop; the stranger's counter is ignored in one line
+    naming ``hb/1``; the process it named lives on."""
+    out, stamp, where = tmp_path / "run", tmp_path / "stamp", tmp_path / "store"
+    victim = _sleeper()
+    done, log = threading.Event(), []
+    stranger = threading.Thread(target=_stranger, args=(where, victim.pid, stamp, done, log), daemon=True)
+    stranger.start()
+    try:
+        res = run([str(BIN / "python"), "-m", "distkit", "train", "configs/returnn_ddp.py", "--nprocs", "2",
+                   "++output_dir", str(out), "++max_steps", "100000", "++progress_bar", "False", "++log_every", "1",
+                   "++distributed.timeout_s", "4"], timeout=240, DISTKIT_FAULT="1:5:stop",
+                  DISTKIT_FAULT_STAMP=str(stamp), DISTKIT_FAULT_STORE=str(where))
+        ended = time.time()
+        done.set()
+        stranger.join(30)
+        assert res.returncode != 0 and stamp.exists(), res.stderr[-3000:]
+        assert "distkit: rank 1 stopped responding: no heartbeat for " in res.stderr, res.stderr[-3000:]
+        assert ended - float(stamp.read_text().split()[1]) < 4 + 5, res.stderr[-3000:]
+        assert "ignored hb/1 in the heartbeat store" in res.stderr, (log, res.stderr[-3000:])
+        assert "who" in log and "hb" in log, log
+        assert _alive(victim), "the pid the stranger named was killed"
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    finally:
+        done.set()
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # (torchft's tensors on the response's bytes)
+def test_a_heal_reads_a_live_groups_state_weights_only(tmp_path: Path) -> None:
+    """The torchft heal path: a healing group receives a live group's state over torchft's HTTP transport, which
+    reads it with ``weights_only=False`` (a server that sends a pickled call runs it: shown first, with torchft's own
+    transport). distkit's transport reads it weights-only: a plain state arrives whole, the payload is refused in one
+    line naming what it names, and nothing runs. Its server listens on the address given, not every interface."""
+    pytest.importorskip("torchft")
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    from distkit.ft.torchft_parts import heal_transport
+
+    t = datetime.timedelta(seconds=20)
+    marker = tmp_path / "PWNED"
+    hostile = {"user": {"default": {"model": {"w": torch.ones(2)}, "extra": Payload(str(marker))}}, "torchft": {}}
+    plain = {"user": {"default": {"model": {"w": torch.arange(3.0)}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}],
+                                  "distkit": {"num_steps": 5}}}, "torchft": {"step": 2, "batches_committed": 2}}
+    ours = [heal_transport(t, "127.0.0.1") for _ in range(2)]
+    theirs = [HTTPTransport(timeout=t, num_chunks=0) for _ in range(2)]
+    try:
+        theirs[0].send_checkpoint([1], 1, hostile, t)
+        theirs[1].recv_checkpoint(0, theirs[0].metadata(), 1, t)
+        assert marker.exists(), "torchft's own transport did not run the payload: this test shows nothing"
+        marker.unlink()
+        assert ours[0]._server.socket.getsockname()[0] == "127.0.0.1" and ours[0].metadata().startswith(
+            "http://127.0.0.1:")
+        ours[0].send_checkpoint([1], 1, plain, t)
+        got = ours[1].recv_checkpoint(0, ours[0].metadata(), 1, t)
+        assert torch.equal(got["user"]["default"]["model"]["w"], torch.arange(3.0)) and \
+            got["user"]["default"]["groups"] == [{"lr": 0.1, "betas": (0.9, 0.99)}] and got["torchft"]["step"] == 2
+        ours[0].send_checkpoint([1], 2, hostile, t)
+        with pytest.raises(Exception, match=r"refused the state a live group sent from http://127\.0\.0\.1:\d+/"
+                                            r"checkpoint/2/full: loading it would run code \(it names \S*open\)"):
+            ours[1].recv_checkpoint(0, ours[0].metadata(), 2, t)
+        assert not marker.exists()
+    finally:
+        for tr in ours + theirs:
+            tr.shutdown(wait=False)
+
+
+def test_a_fault_tolerant_group_on_one_host_listens_on_loopback_only(lighthouse: str, tmp_path: Path) -> None:
+    """torchft starts its Manager server (the group's rank 0) and every rank's heal server on every interface
+    (``[::]``): 3 of a 2-rank group's 14 listening sockets were on ``::``. distkit gives them the address the other
+    groups are told, loopback when the lighthouse is on this host: every socket of the group is on loopback."""
+    out = tmp_path / "ft"
+    ft = f"{{'lighthouse': '{lighthouse}', 'replica_id': 0, 'num_replicas': 1}}"
+    proc = subprocess.Popen([str(BIN / "python"), "-m", "distkit", "train", "configs/returnn_ddp.py", "--nprocs", "2",
+                             "++output_dir", str(out), "++max_steps", "100000", "++progress_bar", "False",
+                             "++log_every", "5", "++distributed", "{'backend': 'ddp', 'reduce_type': 'param', "
+                             "'param_sync_step': 5}", "++fault_tolerance", ft], cwd=ROOT, env=base_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics = out / "group-0" / "metrics.jsonl"
+        while not (metrics.exists() and '"sync"' in metrics.read_text()):  # a sync done: every server is up
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.2)
+        listening = _listening(_descendants(proc.pid))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert len(listening) >= 7, listening  # the stores (rendezvous, heartbeat, group's), Manager, 2 heal, gloo's
+    assert all(a.startswith("127.") for a in listening), listening

@@ -370,16 +370,25 @@ def test_a_run_shorter_than_a_heartbeat_still_sees_a_stopped_peer_out() -> None:
     rank 1's first beat when a 6-step run ended (the next beat is up to 1 s away), so no rank knew where the
     other ran, none saw its host's peers out, and rank 1, stopped after the last barrier, kept torchrun waiting
     forever. Now rank 0 learns at stop() where the ranks run (from the store it serves) if its beater has not,
-    and then ends the stopped peer."""
+    and then ends the stopped peer. (The peer shows itself as rank 1 as a rank does, by its mark, and its record is
+    sealed with the job's token: a pid a record names alone is never signalled, tests/test_security.py.)"""
+    from distkit.health.records import mark
+
     delta = datetime.timedelta(seconds=5.0)
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=delta, wait_for_workers=False)
-    peer = subprocess.Popen(["sleep", "60"])
+    peer = subprocess.Popen([sys.executable, "-c", "import sys, time; open('/proc/self/comm', 'w').write("
+                             "sys.stdin.readline().strip()); print('ready', flush=True); time.sleep(60)"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         w0 = Watchdog(server, 0, 2, 60.0, lambda code: None)  # 1 s beats
+        assert peer.stdin is not None and peer.stdout is not None
+        peer.stdin.write(mark(w0._token, 1, peer.pid) + "\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().strip() == "ready"
         w0.run()
         # rank 1 (the sleeping process) arrives just after rank 0's first beat, and stops before its own first one
         time.sleep(0.2)
-        server.set("who/1", f"{host_identity()} {peer.pid}")
+        server.set("who/1", w0._seal.seal("who/1", f"{host_identity()} {peer.pid}"))
         os.kill(peer.pid, signal.SIGSTOP)
         w0.stop()  # the run ended before rank 0's second beat
         assert w0.reap_local_peers(10.0) == [1]

@@ -49,7 +49,8 @@ from distkit.sync.averager import unflatten_into
 from distkit.errors import LighthouseLost
 from distkit.ft.checks import CONNECT_TIMEOUT_S
 from distkit.ft.state import load_training_state, training_state
-from distkit.ft.torchft_parts import QuorumsSeen, TorchftLines, groups_of, quiet_heal_server, quorum_gloo
+from distkit.ft.torchft_parts import (QuorumsSeen, TorchftLines, groups_of, heal_transport, manager_server_on,
+                                     quiet_heal_server, quorum_gloo)
 from distkit.ft.watch import (FROZEN_S, PROBE_TIMEOUT_S, TICK_S, WATCH_INTERVAL_S, Watch, groups_named_ago,
                               lighthouse_answers, lighthouse_status, stale_heartbeats)
 
@@ -123,18 +124,22 @@ class FaultTolerance:
         os.environ.setdefault("TORCHFT_QUORUM_RETRIES", "0")  # a failed quorum is reported, not retried silently
         connect = datetime.timedelta(seconds=min(float(ft.get("connect_timeout_s", CONNECT_TIMEOUT_S)), float(timeout_s)))
         self._pg = quorum_gloo(ProcessGroupGloo, timeout, connect)
-        self.manager = Manager(
-            pg=self._pg, load_state_dict=load, state_dict=state_dict,
-            # async quorum: a healing group takes no part in the average of the sync it joins at (its tensors are
-            # zeroed and not counted), receives it, and gets the rest of a live group's state at should_commit
-            min_replica_size=int(ft.get("min_replicas", 1)), use_async_quorum=True, timeout=timeout,
-            quorum_timeout=datetime.timedelta(seconds=float(ft.get("quorum_timeout_s", 600))),
-            connect_timeout=datetime.timedelta(seconds=PROBE_TIMEOUT_S * 2),
-            rank=strategy.rank, world_size=strategy.world_size, store_addr=host, store_port=port,
-            lighthouse_addr=ft["lighthouse"], replica_id=f"distkit_group_{self.replica_id}", hostname=here,
-            # every group starts from the same model (the seed, and rank 0's broadcast inside the group): no heal
-            # at step 0, which would replace the other groups' first period by one group's
-            init_sync=False)
+        bind = here if is_ip(here) else ""  # where torchft's servers of this rank listen: the address it is known by
+        with manager_server_on(bind):  # (torchft's Manager server: on every interface otherwise)
+            self.manager = Manager(
+                pg=self._pg, load_state_dict=load, state_dict=state_dict,
+                # a live group's state read weights-only, its server on the address the other groups are told
+                checkpoint_transport=heal_transport(timeout, bind),
+                # async quorum: a healing group takes no part in the average of the sync it joins at (its tensors are
+                # zeroed and not counted), receives it, and gets the rest of a live group's state at should_commit
+                min_replica_size=int(ft.get("min_replicas", 1)), use_async_quorum=True, timeout=timeout,
+                quorum_timeout=datetime.timedelta(seconds=float(ft.get("quorum_timeout_s", 600))),
+                connect_timeout=datetime.timedelta(seconds=PROBE_TIMEOUT_S * 2),
+                rank=strategy.rank, world_size=strategy.world_size, store_addr=host, store_port=port,
+                lighthouse_addr=ft["lighthouse"], replica_id=f"distkit_group_{self.replica_id}", hostname=here,
+                # every group starts from the same model (the seed, and rank 0's broadcast inside the group): no heal
+                # at step 0, which would replace the other groups' first period by one group's
+                init_sync=False)
         # torchft's Manager drops each quorum's answer once it has configured itself: kept, for the groups' names
         self._quorums = QuorumsSeen(self.manager._client)
         self.manager._client = self._quorums

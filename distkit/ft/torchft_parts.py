@@ -1,17 +1,25 @@
 """torchft, adapted for :mod:`distkit.ft.groups`: its Manager's log lines as one distkit line each, the
-quorums it drops kept, its heal server's access lines silenced, its reconfigurable gloo group with a connect
-bound apart from the exchange bound (and kept alive when an exchange is given up), distkit's group numbers from
-torchft's replica ids."""
+quorums it drops kept, its heal transport reading weights only and listening on one address, its heal server's
+access lines silenced, its reconfigurable gloo group with a connect bound apart from the exchange bound (and kept
+alive when an exchange is given up), distkit's group numbers from torchft's replica ids."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import logging
+import pickle
 import re
+import socket
+import socketserver
 import sys
-from typing import Any, Callable
+import threading
+import urllib.request
+from typing import Any, Callable, Iterator
 
 import torch
+
+from distkit.errors import DistkitError
 
 
 class TorchftLines(logging.Filter):
@@ -55,6 +63,93 @@ class QuorumsSeen:
         self.last = self._client._quorum(*args, **kwargs)
         self.count += 1
         return self.last
+
+
+#: torchft's HTTP transport builds its server while this lock is held (the server class is swapped for the build)
+_BUILDING = threading.Lock()
+
+
+def heal_transport(timeout: datetime.timedelta, bind: str) -> Any:
+    """torchft's HTTP checkpoint transport (how a healing group receives a live group's state), with two changes:
+
+    * what a peer sends is read by torch's weights-only unpickler (tensors, numbers, strings, containers), not
+      torchft's ``weights_only=False``: a live group's state is plain data (:func:`distkit.ft.state.training_state`),
+      and a server that sends anything else (a pickled object's ``__reduce__``) is refused with one line, before
+      any of it runs;
+    * its server listens on ``bind`` (the address the other groups are told, as the group's store; "" keeps
+      torchft's every interface) and names that address, not the host's name, to the groups that heal from it.
+
+    The transport still authenticates no one (torchft's protocol has no place for it): whoever reaches the server
+    can fetch the state it serves (docs/security.md)."""
+    from torchft.checkpointing import http_transport
+    from torchft.checkpointing._serialization import _streaming_load
+    from torchft.http import _IPv6HTTPServer
+
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+
+    class Server(_IPv6HTTPServer):  # type: ignore[misc, valid-type]
+        address_family = family
+
+        def server_bind(self) -> None:  # (http.server's looks the address's name up in DNS: seconds where none answers)
+            socketserver.TCPServer.server_bind(self)
+            self.server_name, self.server_port = self.server_address[:2]
+
+    class WeightsOnlyHTTPTransport(http_transport.HTTPTransport):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            if not bind:
+                super().__init__(timeout=timeout, num_chunks=0)
+                return
+            with _BUILDING:  # torchft builds its server on ("", 0): on bind here instead
+                original = http_transport._IPv6HTTPServer
+                http_transport._IPv6HTTPServer = lambda _address, handler: Server((bind, 0), handler)
+                try:
+                    super().__init__(timeout=timeout, num_chunks=0)
+                finally:
+                    http_transport._IPv6HTTPServer = original
+
+        def address(self) -> str:
+            if not bind:
+                return str(super().address())
+            host = f"[{bind}]" if ":" in bind else bind
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: datetime.timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                try:
+                    return _streaming_load(f, weights_only=True)
+                except pickle.UnpicklingError as e:
+                    text = str(e)
+                    found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"Unsupported global: ([\w.]+)", text)
+                    what = found.group(1) if found else (text.splitlines() or [type(e).__name__])[0][:200]
+                    raise DistkitError(f"refused the state a live group sent from {address}: loading it would run "
+                                       f"code (it names {what}); a heal takes tensors, numbers, strings and "
+                                       "containers only (docs/security.md)") from None
+
+    return WeightsOnlyHTTPTransport()
+
+
+@contextlib.contextmanager
+def manager_server_on(bind: str) -> Iterator[None]:
+    """While torchft's Manager is built: its server (on the group's rank 0: what the group's other ranks and a healing
+    group call), which torchft starts on ``[::]:PORT`` (every interface), listens on ``bind`` instead (the address
+    it is known by: the Manager's ``hostname``). "" changes nothing."""
+    import torchft.manager as torchft_manager
+
+    if not bind:
+        yield
+        return
+    original = torchft_manager.ManagerServer
+    host = f"[{bind}]" if ":" in bind else bind
+
+    def narrow(**kwargs: Any) -> Any:
+        return original(**{**kwargs, "bind": f"{host}:{str(kwargs['bind']).rpartition(':')[2]}"})
+
+    torchft_manager.ManagerServer = narrow
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original
 
 
 def quiet_heal_server(manager: Any, who: str) -> None:

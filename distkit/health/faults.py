@@ -26,6 +26,9 @@ up", checked every 0.1 s; still at most its S seconds).
 seconds) to PATH, so a test can time the job's end from the fault and check that the process is gone.
 
 In both paths ``{step}`` stands for the fault's step: several delays of one rank, each released by its own file.
+
+``DISTKIT_FAULT_STORE=PATH``: rank 0 writes ``HOST PORT`` of the heartbeat store it serves to PATH, so a test can
+play a stranger who reaches the store (it learns the address, not the job's token: docs/security.md).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ _FAULTS = [(int(p[0]), int(p[1]), p[2], p[3] if len(p) > 3 else "step")
            for p in (one.split(":") for one in _SPEC.split(",") if one)]
 _STAMP = os.environ.get("DISTKIT_FAULT_STAMP", "")
 _UNTIL = os.environ.get("DISTKIT_FAULT_UNTIL", "")
+_STORE = os.environ.get("DISTKIT_FAULT_STORE", "")
 #: seconds a ``delay`` fault sleeps (unless it says: ``delay=S``)
 DELAY_S = 5.0
 
@@ -48,6 +52,14 @@ def maybe_fire(rank: int, step: int, point: str = "step") -> None:
     for f_rank, f_step, kind, f_point in _FAULTS:
         if rank == f_rank and step == f_step and point == f_point:
             _fire(kind, step)
+
+
+def note_store(host: str, port: int) -> None:
+    """Rank 0 serves the heartbeat store at ``host``:``port``: written to ``DISTKIT_FAULT_STORE``'s path if set."""
+    if _STORE:
+        with open(_STORE + ".tmp", "w") as f:
+            f.write(f"{host} {port}\n")
+        os.replace(_STORE + ".tmp", _STORE)
 
 
 def _fire(kind: str, step: int) -> None:

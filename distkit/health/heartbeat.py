@@ -1,19 +1,30 @@
 """This rank's heartbeat in the job's heartbeat store, and what it has read of every other rank's.
 
 The store I/O half of the watchdog (:class:`distkit.health.watchdog.Watchdog` is a :class:`Heartbeat`): the
-**beater thread** adds 1 to this rank's counter ``hb/<rank>`` every ``interval = min(1, T / 4)`` seconds
-(``T``: ``distributed.timeout_s``) and reads every rank's counter (one ``multi_get``), noting on this process's
-monotonic clock when it saw each counter change (clocks of different hosts need not agree). From those reads
+**beater thread** writes this rank's counter ``hb/<rank>``, one more every ``interval = min(1, T / 4)`` seconds
+(``T``: ``distributed.timeout_s``), and reads every rank's counter (one ``multi_get``), noting on this process's
+monotonic clock when it saw each counter grow (clocks of different hosts need not agree). From those reads
 :meth:`Heartbeat.ages` says how long each peer was seen silent; the judge (clock only) decides from the ages.
 
 Keys in the store: ``hb/<rank>`` (the counter), ``who/<rank>`` (``"<host identity> <pid>"``, set once by
-:meth:`Watchdog.run <distkit.health.watchdog.Watchdog.run>`, read here once every rank beat).
+:meth:`Watchdog.run <distkit.health.watchdog.Watchdog.run>`, read here once every rank beat). Every value is sealed
+with the job's token (:mod:`distkit.health.records`): the store is torch's, which anyone who reaches it may write.
+A value that fails its seal or its grammar, or a counter that does not grow, is no beat and no place: it is ignored,
+in one line per key (``distkit: rank 0: ignored hb/1 in the heartbeat store (...)``). A pid read from ``who/<rank>``
+on this host is kept only if that process carries the rank's mark (:func:`~distkit.health.records.marked_start`),
+else it is 0: nothing is ever signalled by a number a record names.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from typing import Any, Optional
+
+from distkit.health.records import (Seal, mark, marked_start, parse_count, parse_who, process_token, same_process,
+                                    signal_process)
+from distkit.launch.netif import host_identity
 
 #: seconds between heartbeats at most (also the judge's period)
 MAX_INTERVAL_S = 1.0
@@ -28,6 +39,10 @@ def _key(rank: int) -> str:
     return f"hb/{rank}"
 
 
+def _who(rank: int) -> str:
+    return f"who/{rank}"
+
+
 class Heartbeat:
     """This rank's counter in the heartbeat store and the last value and change time of every rank's, as this
     rank's own reads saw them. Not collective: every rank runs one against the same store.
@@ -36,12 +51,23 @@ class Heartbeat:
         store: the job's heartbeat store (rank 0 serves it; every rank holds a client).
         rank, world_size: this rank's place in the job.
         interval_s: seconds between heartbeats (:func:`interval_for`).
+        token: the job's token (:func:`distkit.health.store.connect_store`); None: this process's own
+            (:func:`~distkit.health.records.process_token`: several ranks' watchdogs in one process).
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, interval_s: float) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, interval_s: float,
+                 token: Optional[bytes] = None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval_s = interval_s
+        self._token = token if token is not None else process_token()
+        self._seal = Seal(self._token)
+        #: this rank's thread name that shows its process to be this rank of this job (set by Watchdog.run)
+        self.mark = mark(self._token, rank, os.getpid())
+        self._count = 0  # this rank's own counter: the last value written
+        self._counts = [-1] * world_size  # each rank's last counter accepted (they only grow)
+        self._reported: set[str] = set()  # the keys whose bad values were reported (one line each)
         now = time.monotonic()
+        #: each rank's last accepted heartbeat value (the raw bytes in the store)
         self._values: list[Optional[bytes]] = [None] * world_size
         #: monotonic time at which this rank last saw each rank's counter change (or the start)
         self._changed = [now] * world_size
@@ -50,7 +76,11 @@ class Heartbeat:
         #: monotonic start of the first store call since the last that completed (None while they complete)
         self._trying: Optional[float] = None
         self._keys = [_key(r) for r in range(world_size)]  # every rank's heartbeat counter
-        self._where: dict[int, tuple[str, int]] = {}  # rank -> (hostname, pid), once every rank beat
+        #: rank -> (host identity, pid), once every rank beat; the pid is 0 unless the rank runs on this host and its
+        #: process carries the rank's mark (a host of "" where the record was not this job's)
+        self._where: dict[int, tuple[str, int]] = {}
+        #: rank -> the start time its process had when its mark was seen (this host's ranks; see records.same_process)
+        self._start: dict[int, str] = {}
         self._stop = threading.Event()
         self._beater = threading.Thread(target=self._beat_loop, name="distkit-heartbeat", daemon=True)
 
@@ -67,17 +97,20 @@ class Heartbeat:
             self._stop.wait(self.interval_s)
 
     def beat(self, seen: list[bool]) -> bool:
-        """One heartbeat: add 1 to this rank's counter and read every counter that exists (``seen``: the ranks
-        known to have beaten, updated in place). A call that fails leaves the judge to decide (the store's host is
-        gone or not answering). Returns False once the connection to the store is broken for good."""
+        """One heartbeat: write this rank's counter, one more, and read every counter that exists (``seen``: the
+        ranks known to have beaten, updated in place). A call that fails leaves the judge to decide (the store's
+        host is gone or not answering). Returns False once the connection to the store is broken for good."""
         keys = self._keys
         if self._trying is None:
             self._trying = time.monotonic()
         try:
-            self.store.add(keys[self.rank], 1)
+            self._count += 1
+            self.store.set(keys[self.rank], self._seal.seal(keys[self.rank], str(self._count)))
             if not all(seen):  # at start: a rank that never beat must not block the read
                 seen[:] = [s or self.store.check([k]) for s, k in zip(seen, keys)]
-            if all(seen) and len(self._where) < self.world_size:  # (again at the next beat if it failed)
+            # (again at the next beat if it failed; a who/ key deleted by a stranger must not block the read)
+            if all(seen) and len(self._where) < self.world_size and self.store.check(
+                    [_who(r) for r in range(self.world_size)]):
                 self._learn_where()
             ranks = [r for r in range(self.world_size) if seen[r]]
             values = self.store.multi_get([keys[r] for r in ranks])
@@ -86,14 +119,71 @@ class Heartbeat:
         now = time.monotonic()
         for r, v in zip(ranks, values):
             if v != self._values[r]:
-                self._values[r], self._changed[r] = v, now
+                count = self._open(keys[r], v, parse_count, "not a heartbeat counter")
+                if count is None:
+                    continue
+                if count <= self._counts[r]:
+                    self._report(keys[r], f"counter {count} after {self._counts[r]}: an old value written again")
+                    continue
+                self._values[r], self._counts[r], self._changed[r] = v, count, now
         self._last_ok, self._trying = now, None
         return True
 
-    def _learn_where(self) -> None:
-        for r, v in enumerate(self.store.multi_get([f"who/{r}" for r in range(self.world_size)])):
-            host, _, pid = v.decode().rpartition(" ")
-            self._where[r] = (host, int(pid))
+    def _open(self, key: str, raw: Any, parse: Any, grammar: str) -> Any:
+        """The parsed payload of ``key``'s value ``raw`` (``parse(payload)``), or None, reported once for the key,
+        when it is not a value of this job or not in its grammar."""
+        payload, why = self._seal.open(key, raw)
+        value = parse(payload) if payload is not None else None
+        if value is None:
+            self._report(key, why or f"{grammar}: {payload[:60]!r}")
+        return value
+
+    def _report(self, key: str, why: str) -> None:
+        """One line, once per key: a value of the store that was ignored, and why."""
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        print(f"distkit: rank {self.rank}: ignored {key} in the heartbeat store ({why}); not a record of this job: "
+              "a stranger reached the store, or it was damaged (docs/security.md)",
+              file=sys.__stderr__ or sys.stderr, flush=True)
+
+    def _learn_where(self, report: bool = True) -> None:
+        """Where every rank runs, from the store's ``who/<rank>`` records: (host identity, pid) each. A pid is kept
+        only for a rank on this host whose process carries the rank's mark (with the start time it has now); a
+        record that is not this job's is no place (host ""). With ``report`` False, an unmarked pid is not
+        reported (at the end of a run a peer's watchdog, which holds the mark, may have stopped already)."""
+        keys = [_who(r) for r in range(self.world_size)]
+        here = host_identity()
+        for r, raw in enumerate(self.store.multi_get(keys)):
+            if r == self.rank:  # this rank's own place: known here, not read
+                self._where[r] = (here, os.getpid())
+                continue
+            place = self._open(keys[r], raw, parse_who, "not '<host identity> <pid>'")
+            if place is None:
+                self._where[r] = ("", 0)
+                continue
+            host, pid = place
+            start = marked_start(pid, mark(self._token, r, pid)) if host == here else None
+            if host == here and start is None and report:
+                print(f"distkit: rank {self.rank}: {keys[r]} in the heartbeat store names pid {pid} on this host, "
+                      f"but no process here carries rank {r}'s mark: that pid is never signalled (a forged or stale "
+                      "record, or a rank in another pid namespace; docs/security.md)",
+                      file=sys.__stderr__ or sys.stderr, flush=True)
+            if start is not None:
+                self._start[r] = start
+            self._where[r] = (host, pid if start is not None else 0)
+
+    def is_rank(self, r: int) -> bool:
+        """Whether rank ``r``'s learned pid is still the process that carried its mark (False for this rank, for
+        a rank elsewhere or unknown, and for one whose process is gone)."""
+        pid = self._where.get(r, ("", 0))[1]
+        return r != self.rank and pid != os.getpid() and same_process(pid, self._start.get(r))
+
+    def kill_rank(self, r: int) -> bool:
+        """SIGKILL rank ``r``'s process if :meth:`is_rank` holds (checked and signalled as one: a pidfd); returns
+        whether it was sent."""
+        pid = self._where.get(r, ("", 0))[1]
+        return r != self.rank and pid != os.getpid() and signal_process(pid, self._start.get(r))
 
     # -- what this rank saw: clock only ------------------------------------------------------
     def ages(self) -> dict[int, float]:

@@ -7,13 +7,15 @@ from the ranks' places (host identity, pid) that the heartbeat learned from the 
 (:class:`distkit.health.heartbeat.Heartbeat`). The marks are local to the host (:mod:`distkit.launch.procfs`), never
 store keys: the store's server, rank 0, may have left already.
 
+Only a process known to be a rank of this job is ever signalled: one whose pid this host's ranks saw carry the
+rank's mark when they learned the places (:mod:`distkit.health.records`), and that is still the same process (its
+start time). A record that names some other pid (forged, stale, a bug) names a process that is never touched.
+
 :class:`LocalPeers` is a part of :class:`distkit.health.watchdog.Watchdog` (a mixin; it holds no state of its own).
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
 import time
 
@@ -26,8 +28,14 @@ class LocalPeers:
 
     #: this rank (set by the heartbeat)
     rank: int
-    #: rank -> (host identity, pid), once every rank beat (learned by the heartbeat)
+    #: rank -> (host identity, pid), once every rank beat (learned by the heartbeat; pid 0: not known to be the rank)
     _where: dict[int, tuple[str, int]]
+
+    def is_rank(self, r: int) -> bool:  # (the heartbeat's: whether rank r's pid is still its marked process)
+        raise NotImplementedError
+
+    def kill_rank(self, r: int) -> bool:  # (the heartbeat's: SIGKILL rank r's process if is_rank(r))
+        raise NotImplementedError
 
     def leave(self) -> None:
         """Mark this rank as leaving (after its engine's teardown), for :meth:`reap_local_peers`: the mark is
@@ -38,9 +46,10 @@ class LocalPeers:
         procfs.mark_left()
 
     def _local_ranks(self) -> list[int]:
-        """The ranks on this host (as far as this rank has learned where the ranks run), in order."""
+        """The ranks on this host (as far as this rank has learned where the ranks run, and their processes carried
+        their marks; this rank itself), in order."""
         here = host_identity()
-        return sorted(r for r, (host, _) in self._where.items() if host == here)
+        return sorted(r for r, (host, pid) in self._where.items() if host == here and (pid > 0 or r == self.rank))
 
     def reap_local_peers(self, timeout_s: float) -> list[int]:
         """The end of a run, on the lowest rank of this host only: wait until every other rank on this host
@@ -58,7 +67,7 @@ class LocalPeers:
             now = time.monotonic()
             for r, pid in list(peers.items()):
                 state = procfs.state(pid)
-                if state in (None, "Z") or procfs.has_left(pid):
+                if state in (None, "Z") or procfs.has_left(pid) or not self.is_rank(r):  # (gone, or its pid reused)
                     del peers[r]
                     continue
                 if state in ("T", "t"):
@@ -66,9 +75,8 @@ class LocalPeers:
                 else:
                     stopped_since.pop(r, None)
                 if now - stopped_since.get(r, now) >= 1.0 or now >= deadline:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-                    killed.append(r)
+                    if self.kill_rank(r):
+                        killed.append(r)
                     del peers[r]
             if peers:  # (no sleep after the last: the launcher may stop this rank any moment after its peer died)
                 time.sleep(0.05)
@@ -89,7 +97,7 @@ class LocalPeers:
         if watch_exit and not killed and len(local) > 1 and local[0] == self.rank:
             from distkit.launch import exit_watch
 
-            exit_watch.watch_until_exit({r: self._where[r][1] for r in local})
+            exit_watch.watch_until_exit({r: self._where[r][1] for r in local if r == self.rank or self.is_rank(r)})
         if killed:
             names = ", ".join(str(r) for r in killed)
             print(f"distkit: rank{'s' * (len(killed) > 1)} {names} stopped responding while the job ended (after "
@@ -99,10 +107,7 @@ class LocalPeers:
             os._exit(1)
 
     def kill_local(self, ranks: list[int]) -> None:
-        """SIGKILL those of ``ranks`` that run on this host (their pids as learned), never this process."""
-        here = host_identity()
+        """SIGKILL those of ``ranks`` that run on this host (their processes as learned: :meth:`is_rank`), never
+        this process."""
         for r in ranks:
-            host, pid = self._where.get(r, ("", 0))
-            if host == here and pid > 0 and pid != os.getpid():
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+            self.kill_rank(r)

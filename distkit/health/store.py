@@ -5,8 +5,13 @@ engines need no torch process group. It listens on loopback when every rank is o
 address rank 0 advertises: the interface toward ``MASTER_ADDR`` (a host name may resolve to loopback), else the
 host's own address; never on every interface where that address is known (issue 59).
 
-Cost: per heartbeat interval each rank sends one ``add`` and one ``multi_get`` of ``world_size`` keys to rank 0's
-store (``world_size**2`` key reads per interval there: fine for hundreds of ranks).
+The store is torch's: it cannot refuse a peer that reaches it. Rank 0 also makes the job's token here
+(:func:`distkit.health.records.new_token`) and sends it with the address, through the same broadcast; every value
+distkit writes to the store is sealed with it and a value that fails its seal is ignored
+(:mod:`distkit.health.records`).
+
+Cost: per heartbeat interval each rank sends one ``set`` and one ``multi_get`` of ``world_size`` keys to rank 0's
+store (``world_size**2`` key reads and as many HMACs per interval in all: fine for hundreds of ranks).
 """
 from __future__ import annotations
 
@@ -15,15 +20,19 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
+from distkit.health import faults
+from distkit.health.records import new_token
 from distkit.launch.netif import host_identity, is_ip, reachable_address, serve_store
 
 if TYPE_CHECKING:
     from distkit.health.protocols import StrategyLike
 
 
-def connect_store(strategy: StrategyLike, timeout_s: float, startup_s: Optional[float] = None) -> Optional[Any]:
+def connect_store(strategy: StrategyLike, timeout_s: float,
+                  startup_s: Optional[float] = None) -> Optional[tuple[Any, bytes]]:
     """Collective (one ``strategy.broadcast_object``, two ``all_gather_object``; more than one rank): this rank's
-    client of the heartbeat store (rank 0's is the server itself), on every rank; None on every rank when the store
+    client of the heartbeat store (rank 0's is the server itself) and the job's token (rank 0's, the same on every
+    rank: :mod:`distkit.health.records`), on every rank; None on every rank when the store
     cannot be served or some rank cannot reach it (rank 0 and each rank that failed print one line: the job runs
     on without a watchdog, with the engines' own timeouts).
 
@@ -48,7 +57,9 @@ def connect_store(strategy: StrategyLike, timeout_s: float, startup_s: Optional[
             addr = reachable_address(os.environ.get("MASTER_ADDR")) or _my_address()
             bind = "127.0.0.1" if one_host else addr if is_ip(addr) else ""
             store = serve_store(bind, 0, None, timeout)
-            where = {"host": host_identity(), "port": int(store.port), "addr": addr, "bind": bind}
+            where = {"host": host_identity(), "port": int(store.port), "addr": addr, "bind": bind,
+                     "token": new_token().hex()}
+            faults.note_store(addr if bind == "" else bind, int(store.port))
         except Exception as e:  # noqa: BLE001 - reported below, the run goes on without a watchdog
             error = f"{type(e).__name__}: {e}"
     where = strategy.broadcast_object(where, 0)
@@ -65,4 +76,4 @@ def connect_store(strategy: StrategyLike, timeout_s: float, startup_s: Optional[
             print(f"distkit: rank {strategy.rank}: no stall watchdog ({error or 'a rank cannot reach the store'}); "
                   f"a stopped rank is noticed only by the engine's timeout", file=sys.stderr, flush=True)
         return None
-    return store
+    return store, bytes.fromhex(where["token"])

@@ -10,9 +10,10 @@ after the engine joined its process group and stops it in ``close``):
 
 * **store**: a :class:`torch.distributed.TCPStore` served by rank 0 on a free port. Its address
   reaches the other ranks once, through the engine's own ``broadcast_object``, so the mpi and
-  horovod engines need no torch process group (:mod:`distkit.health.store`).
-* **beater thread**: every ``interval = min(1, T / 4)`` seconds it adds 1 to this rank's counter
-  ``hb/<rank>`` and reads every rank's counter (one ``multi_get``), where ``T`` is
+  horovod engines need no torch process group (:mod:`distkit.health.store`); with it the job's token,
+  which seals every value distkit writes there (:mod:`distkit.health.records`: a value a stranger wrote is ignored).
+* **beater thread**: every ``interval = min(1, T / 4)`` seconds it writes this rank's counter
+  ``hb/<rank>``, one more, and reads every rank's counter (one ``multi_get``), where ``T`` is
   ``distributed.timeout_s`` (:class:`distkit.health.heartbeat.Heartbeat`, which a Watchdog is).
 * **judge thread** (clock only, it never waits on the network): a rank whose counter has not
   changed for ``T`` seconds of this process's monotonic clock (clocks of different hosts need not
@@ -22,7 +23,8 @@ after the engine joined its process group and stops it in ``close``):
   counter was not read, so it cannot have been seen unchanged.
   The judge prints ``distkit: rank K stopped responding: no heartbeat for T s (noticed by rank R)``
   to stderr, records it for distkit's spawner (:func:`distkit.launch.spawner.record_stall`, so the spawner
-  names rank K, not the rank that noticed), SIGKILLs rank K when it runs on this host (a stopped
+  names rank K, not the rank that noticed), SIGKILLs rank K when it runs on this host (its process, known by the
+  mark it carries, never a pid a record names alone; a stopped
   process never acts on the SIGTERM launchers send it; the job is ending anyway) and ends the job
   through the engine (:meth:`~distkit.backends.base.Strategy.end_job`: ``MPI_Abort`` on the MPI
   engines, ``os._exit(1)`` elsewhere, after which the launcher stops the others).
@@ -49,7 +51,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from distkit.errors import RankStalled
-from distkit.health.heartbeat import Heartbeat, interval_for
+from distkit.health.heartbeat import Heartbeat, _who, interval_for
+from distkit.health.records import name_thread
 from distkit.health.local_peers import LocalPeers
 from distkit.health.store import connect_store
 from distkit.launch.guard import end_launcher_after
@@ -97,11 +100,14 @@ class Watchdog(Heartbeat, LocalPeers):
         startup_s: ``distributed.startup_s()``: the judge's bound instead of ``timeout_s`` until
             :meth:`end_startup` (a rank busy in start-up work on a loaded machine may not beat for seconds:
             an import holds the GIL); None: ``timeout_s`` from the start.
+        token: the job's token (:func:`~distkit.health.store.connect_store`); None: this process's own (several
+            ranks' watchdogs in one process).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
-                 end_job: Callable[[int], None], startup_s: Optional[float] = None) -> None:
-        super().__init__(store, rank, world_size, interval_for(timeout_s))
+                 end_job: Callable[[int], None], startup_s: Optional[float] = None,
+                 token: Optional[bytes] = None) -> None:
+        super().__init__(store, rank, world_size, interval_for(timeout_s), token)
         #: the judge's bound now (seconds) and the config key that sets it; the heartbeat interval is timeout_s's
         self.timeout_s = float(timeout_s)
         self.key = "distributed.timeout_s"
@@ -115,10 +121,18 @@ class Watchdog(Heartbeat, LocalPeers):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> None:
-        """Publish where this rank runs, then start both threads. Not collective."""
-        self.store.set(f"who/{self.rank}", f"{host_identity()} {os.getpid()}")
-        self._beater.start()
+        """Start the judge and name its thread with this rank's mark (what shows this process to be this rank of
+        this job to the ranks of its host: :mod:`distkit.health.records`), publish where this rank runs (sealed),
+        then start the heartbeat. Not collective."""
         self._judge.start()
+        name_thread(self._judge, self.mark)
+        key = _who(self.rank)
+        try:
+            self.store.set(key, self._seal.seal(key, f"{host_identity()} {os.getpid()}"))
+        except BaseException:
+            self._stop.set()  # (no judge without a heartbeat)
+            raise
+        self._beater.start()
 
     def stop(self, join_s: float = STOP_JOIN_S) -> None:
         """Stop judging, at once, and the heartbeat (normal teardown; idempotent). Not collective. Waits up to
@@ -142,7 +156,7 @@ class Watchdog(Heartbeat, LocalPeers):
             # (a call to another rank's server could block for good on a stopped server: not from here).
             with contextlib.suppress(Exception):
                 self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout_s, 5.0)))
-                self._learn_where()
+                self._learn_where(report=False)
 
     # -- the judge: clock only ---------------------------------------------------------------
     def end_startup(self) -> None:
@@ -156,14 +170,21 @@ class Watchdog(Heartbeat, LocalPeers):
         Raises :class:`RankStalled` naming the ranks that did not come within ``timeout_s`` seconds.
 
         Polls (every 10 ms) rather than ``store.wait``: the store client is shared with the heartbeat thread,
-        and a blocking wait would hold its lock, so this rank's heartbeat would stop while it waits."""
+        and a blocking wait would hold its lock, so this rank's heartbeat would stop while it waits. A rank's key
+        counts once it holds its sealed value (one a stranger wrote is ignored, in one line)."""
         self._meetings += 1
         keys = [f"meet/{self._meetings}/{r}" for r in range(self.world_size)]
-        self.store.set(keys[self.rank], "1")
+        self.store.set(keys[self.rank], self._seal.seal(keys[self.rank], "1"))
         deadline = time.monotonic() + timeout_s
-        while not self.store.check(keys):
+
+        def came(r: int, raw: Any) -> bool:
+            return self._open(keys[r], raw, lambda p: p if p == "1" else None, "not a meeting's mark") is not None
+
+        while True:
+            if self.store.check(keys) and all(came(r, v) for r, v in enumerate(self.store.multi_get(keys))):
+                return
             if time.monotonic() >= deadline:
-                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k]) or not came(r, self.store.get(k))]
                 if not missing:
                     return
                 raise RankStalled(f"{ranks_text(missing)} did not reach {what} within {timeout_s:g} s "
@@ -284,10 +305,11 @@ def start_watchdog(strategy: StrategyLike, timeout_s: float, startup_s: Optional
     global _ACTIVE
     if strategy.world_size == 1:
         return None
-    store = connect_store(strategy, timeout_s, startup_s)
-    if store is None:
+    connected = connect_store(strategy, timeout_s, startup_s)
+    if connected is None:
         return None
-    watchdog = Watchdog(store, strategy.rank, strategy.world_size, timeout_s, strategy.end_job, startup_s)
+    store, token = connected
+    watchdog = Watchdog(store, strategy.rank, strategy.world_size, timeout_s, strategy.end_job, startup_s, token)
     watchdog.run()
     _ACTIVE = watchdog
     return watchdog
