@@ -164,6 +164,8 @@ class Brain(_sb.Brain):
                                              "only, which this engine (it clips inside its step) cannot: "
                                              "--max_grad_norm 0, or one param group")
             self.dk.cfg.gradient_clip = float(self.max_grad_norm)  # the engine clips the one group in its step
+        if self.find_unused_parameters:  # SpeechBrain's run option: DDP's own keyword (distributed.options)
+            self.dk.cfg.distributed.options.setdefault("find_unused_parameters", True)
         model = _Forward(self, trainable)
         wrapped, optimizer = self.dk.setup(model, optimizer)
         self._forward = wrapped
