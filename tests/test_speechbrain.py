@@ -92,14 +92,19 @@ def reference(data: Path, out: Path, *extra: str) -> Path:
     return out
 
 
+#: SpeechBrain's gradient accumulation: 2 micro-batches per step (no_sync on the first)
+ACCUM = ("--grad_accumulation_factor", "2")
+
+
 @pytest.fixture(scope="module")
 def asr_reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return reference(data, tmp_path_factory.mktemp("sb_ref") / "out")
+    return reference(data, tmp_path_factory.mktemp("sb_ref") / "out", *ACCUM)
 
 
 #: SpeechBrain's clipping off (a norm no gradient reaches): DeepSpeed clips inside its step with a norm summed over its
 #: partitions, which rounds differently from torch's ``clip_grad_norm_``, and Adam carries a last-bit difference in a
-#: near-zero gradient on to a step of ``lr`` (docs/integrations.md: 1.6e-2 on this recipe with clipping, 0 without)
+#: near-zero gradient on to a step of ``lr`` (docs/integrations.md: 1.6e-2 on this recipe with clipping, 0 without);
+#: likewise its accumulation, which sums the micro-steps' reduced gradients in its partitions (9.2e-3 with ACCUM)
 NO_CLIP = ("--max_grad_norm", "1e9")
 
 
@@ -110,11 +115,11 @@ def asr_reference_unclipped(data: Path, tmp_path_factory: pytest.TempPathFactory
 
 #: engine -> the command line a SpeechBrain user runs (SpeechBrain's own: torchrun, mpirun, plain python)
 ENGINES = {
-    "ddp": (TORCHRUN, ()),
-    "mpi": (MPIRUN, ("++distributed.backend", "mpi")),
-    "horovod": (MPIRUN, ("++use_horovod", "True")),
+    "ddp": (TORCHRUN, ACCUM),
+    "mpi": (MPIRUN, ("++distributed.backend", "mpi", *ACCUM)),
+    "horovod": (MPIRUN, ("++use_horovod", "True", *ACCUM)),
     "deepspeed": ([sys.executable], ("--nprocs", "2", *ZERO2, *NO_CLIP)),
-    "fsdp": ([sys.executable], ("--nprocs", "2", "++distributed.backend", "fsdp")),
+    "fsdp": ([sys.executable], ("--nprocs", "2", "++distributed.backend", "fsdp", *ACCUM)),
 }
 
 
@@ -124,8 +129,9 @@ def test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends(engine: 
     """Grad mode on every engine: the checkpoint SpeechBrain's Checkpointer writes at the end (CRDNN with BatchNorm,
     LiGRU, dropout; InputNormalization's statistics, all-reduced by SpeechBrain through the engine), the train log
     (train and valid loss, PER: the validation SpeechBrain runs on every rank), every rank's final model after
-    ``evaluate`` recovered the best checkpoint, clipping (SpeechBrain's max_grad_norm 5, on the first param group):
-    bit for bit on ddp, mpi, horovod and fsdp; on ZeRO-2 bit for bit without clipping (see NO_CLIP)."""
+    ``evaluate`` recovered the best checkpoint, clipping (SpeechBrain's max_grad_norm 5, on the first param group),
+    gradient accumulation (2): bit for bit on ddp, mpi, horovod and fsdp; on ZeRO-2 bit for bit without clipping
+    and accumulation (see NO_CLIP)."""
     launcher, extra = ENGINES[engine]
     asr_reference = request.getfixturevalue("asr_reference_unclipped" if engine == "deepspeed" else "asr_reference")
     out = tmp_path / "out"
