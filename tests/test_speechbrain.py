@@ -193,13 +193,19 @@ def test_param_mode_inside_a_brain_is_the_same_on_ddp_and_mpi_and_a_kill_mid_epo
 def test_speaker_id_on_horovod_in_param_mode_with_diloco_keeps_speechbrains_helpers_on_one_rank(
         data: Path, tmp_path: Path) -> None:
     """speaker_id (x-vector TDNN with BatchNorm, Fbank, InputNormalization) in DiLoCo (an outer Nesterov step at
-    every sync) under mpirun on Horovod: ranks in sync at the end; SpeechBrain's main-process helpers (the experiment
-    directory, the train logger, the checkpointer) wrote once: one log line per epoch."""
+    every sync) under mpirun on Horovod, the mode from a ``distributed:`` block in the recipe's hparams YAML (plain
+    values beside HyperPyYAML's tags), the engine from the command line (``++use_horovod True``): ranks in sync at
+    the end; SpeechBrain's main-process helpers (the experiment directory, the train logger, the checkpointer) wrote
+    once: one log line per epoch."""
+    hparams = tmp_path / "hparams.yaml"
+    hparams.write_text((RECIPES / "speaker_id" / "hparams.yaml").read_text() + "\ndistributed:\n  reduce_type: param\n"
+                       "  param_sync_step: 1\n  outer_optimizer: {class: nesterov, lr: 0.7, momentum: 0.9}\n")
     out = tmp_path / "out"
-    ok(run([*MPIRUN, RUN, str(converted("speaker_id", tmp_path)),
-            *recipe_args("speaker_id", data, out, "++use_horovod", "True", "++distributed.reduce_type", "param",
-                         "++distributed.param_sync_step", "1", "++distributed.outer_optimizer",
-                         '{"class": "nesterov", "lr": 0.7, "momentum": 0.9}')], timeout=240))
+    args = recipe_args("speaker_id", data, out, "++use_horovod", "True")
+    ok(run([*MPIRUN, RUN, str(converted("speaker_id", tmp_path)), str(hparams), *args[1:]], timeout=240))
+    summary = json.loads((out / "summary-0.json").read_text())
+    assert (summary["backend"], summary["reduce_type"], summary["param_sync_step"]) == ("horovod", "param", 1)
+    assert summary["outer_optimizer"] == {"class": "nesterov", "lr": 0.7, "momentum": 0.9}, summary
     assert in_sync(out) == [True, True]
     assert max_diff(final(out, 0), final(out, 1)) == 0.0
     assert len((out / "train_log.txt").read_text().splitlines()) == 3

@@ -29,7 +29,10 @@ dk = getattr(brain, "dk", None)
 if dk is not None:  # distkit: the engine's whole state (collective), and whether the ranks hold the same
     state, rank = dk.state_dict(), dk.rank
     with open(os.path.join(out, f"summary-{rank}.json"), "w") as f:
-        json.dump({"ranks_in_sync": dk.summary()["ranks_in_sync"], "backend": dk.backend}, f)
+        d = dk.cfg.distributed
+        json.dump({"ranks_in_sync": dk.summary()["ranks_in_sync"], "backend": dk.backend,
+                   "reduce_type": d.reduce_type, "param_sync_step": d.param_sync_step,
+                   "outer_optimizer": d.outer_optimizer}, f)
 else:  # SpeechBrain's DDP: the modules it wrapped, under distkit's names for them
     rank = int(os.environ.get("RANK", "0"))
     state = {f"brain_modules.{name}.{k}": v.detach().clone()
