@@ -226,6 +226,24 @@ def detect(environ: Mapping[str, str]) -> ClusterEnv:
     return _build(e, "single", 0, 1, local_rank=0, local_world=1, node_rank=0, num_nodes=1)
 
 
+#: the variables of a rank's place that a hand-set (or leftover) job is made of: case 6 of :func:`detect`
+_HAND_SET = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "NNODES", "NUM_NODES")
+
+
+def check_launched(env: ClusterEnv, environ: Mapping[str, str]) -> ClusterEnv:
+    """ConfigError (bad input, exit 2) at once for ``RANK``/``WORLD_SIZE`` > 1 that no launcher set: no launcher's own
+    variables (torchrun, srun, mpirun, horovodrun, deepspeed, distkit's spawner) and no ``MASTER_ADDR``/``MASTER_PORT``
+    to meet at, as a shell's leftover ``export RANK=0 WORLD_SIZE=2`` leaves them (the run then waited for a rank 1
+    that never comes, or failed after start-up naming MASTER_ADDR). Returns ``env``. Not collective; pure."""
+    if env.launcher != "env" or not env.is_distributed or env.master_addr is not None or env.master_port is not None:
+        return env
+    found = [(n, v) for n, v in ((n, _get(environ, n)) for n in _HAND_SET) if v is not None]
+    raise ConfigError(f"{' '.join(f'{n}={v[1]}' for n, v in found)} in the environment, but no launcher set them (no "
+                      "MASTER_ADDR/MASTER_PORT, no torchrun, mpirun or srun variables), so no other rank will come: "
+                      f"unset {' '.join(n for n, _ in found)} to run here (--nprocs N starts N ranks), or start the "
+                      "ranks with torchrun/mpirun/srun (or export MASTER_ADDR and MASTER_PORT when starting them by hand)")
+
+
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
     """Expand SLURM's compressed host list, in order: "node[01-03,07],gpu7" -> node01..node03, node07, gpu7.
 

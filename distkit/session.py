@@ -52,9 +52,10 @@ from distkit.config.arguments import (  # noqa: F401 (distkit.session's names be
     CONFIGS_DEST, OVERRIDES_DEST, Source, add_arguments, config_from,
 )
 from distkit.data import ShardedLoader, sharded_loader
-from distkit.env import ClusterEnv, detect
+from distkit.env import ClusterEnv, check_launched, detect
 from distkit.errors import ConfigError, UsageError
 from distkit.ft.groups import join as join_groups
+from distkit.health import faults
 from distkit.health.guards import (
     LossWatch, check_backward, check_step, guard_raw_clip, check_scheduler_steps, install_excepthook, name_missing_module,
     setup_optimizer,
@@ -85,10 +86,10 @@ def init(source: Source = None, env: Optional[ClusterEnv] = None, **keys: Any) -
     cfg, local_rank = config_from(source, **keys)
     check_backend(cfg)
     check_device(cfg)  # e.g. nccl without CUDA: one line now, not a traceback per rank later
-    environ = dict(os.environ)
-    if local_rank is not None:  # the old torch.distributed.launch passes it only as an argument
-        environ.setdefault("LOCAL_RANK", str(local_rank))
-    env = env or detect(environ)
+    faults.check()  # a DISTKIT_FAULT that is no fault spec: one line, not a traceback at import
+    # (the old torch.distributed.launch passes --local_rank only as an argument)
+    environ = dict(os.environ) if local_rank is None else {"LOCAL_RANK": str(local_rank), **os.environ}
+    env = env or check_launched(detect(environ), environ)  # a leftover RANK/WORLD_SIZE: one line, not a wait
     if env.launcher == "openmpi" and env.local_rank == 0:  # so a killed mpirun's pid can serve the next one
         ompi_leftovers.clear()
     if env.launcher == "single" and cfg.nprocs > 1:

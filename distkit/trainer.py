@@ -185,16 +185,16 @@ class TrainingRun:
         return state
 
     def _maybe_resume(self) -> None:
-        """Rank 0 picks the checkpoint (``resume``: "auto" = the newest verified complete one, falling
-        back from a damaged ``latest`` and saying so; a directory; None/"none" = start fresh) and checks
-        that it fits this world size and model; every rank then loads it or raises the same error."""
+        """Rank 0 picks the checkpoint (``resume``: "auto" = the newest verified complete one, falling back from a
+        damaged ``latest`` and saying so; a directory; None/"none" = start fresh), checks that it fits this world size
+        and model, and keeps the output_dir's run id when it continues; every rank loads it or raises the same error."""
         faults.maybe_fire(self.dk.rank, 0, "setup")  # (a rank whose set-up work takes long: tests of start-up's bound)
         choice: tuple[Optional[str], list[str], Optional[BaseException], str] = (None, [], None, "")
         if self.dk.is_main:
             try:
+                checkpoint.refuse_if_in_use(self.cfg.output_dir)  # a live run's checkpoints: "in use", not "earlier"
                 path, notes = checkpoint.fitting_checkpoint(self.cfg, self.dk.world_size,
                                                             lambda: checkpoint.model_shapes(self.dk.unwrap()))
-                # the run id: the output_dir's run's when it continues, a new one when it starts (over)
                 run_id = (checkpoint.recorded_run_id(self.cfg.output_dir) if path else None) or checkpoint.new_run_id()
                 if path is not None:
                     foreign = checkpoint.run_id_note(path, run_id)

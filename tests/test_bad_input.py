@@ -34,8 +34,14 @@ CASES = [
      [], ["fault_tolerance.connect_timeout_s must be a positive number of seconds, got 0"]),
     ("compression_in_grad_mode", "", ["++distributed.param_sync_compression", "int8"],
      ["param_sync_compression' only applies to reduce_type 'param'"]),
-    ("compression_unknown_codec", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'int4'}\n", [],
-     ["param_sync_compression' must be one of none, bf16, fp16, int8; got 'int4'"]),
+    ("compression_unknown_codec", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'int2'}\n", [],
+     ["param_sync_compression' must be one of none, bf16, fp16, int8, int4, topk; got 'int2'"]),
+    ("topk_density_zero", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'topk', "
+     "'param_sync_topk_density': 0}\n", [], ["'distributed.param_sync_topk_density' must be a number in (0, 1], got 0"]),
+    ("topk_bits_three", "", ["++distributed.param_sync_topk_bits", "3"],
+     ["'distributed.param_sync_topk_bits' must be 2, 4 or 8, got 3"]),
+    ("topk_chunk_beyond_int16", "", ["++distributed.param_sync_topk_chunk", "65536"],
+     ["'distributed.param_sync_topk_chunk' must be an integer from 1 to 32768, got 65536"]),
     ("compression_with_fault_tolerance", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'bf16'}\n"
      "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2}\n", [],
      ["param_sync_compression' is not available with fault_tolerance yet"]),
@@ -122,6 +128,18 @@ CASES = [
     ("nccl_on_cpu_device", "device = 'cpu'\n", ["++distributed.pg_backend", "nccl"],
      ["pg_backend 'nccl' needs CUDA tensors but device is 'cpu'", "'gloo'"]),
     ("nprocs_beyond_the_machine", "", ["--nprocs", "10000"], ["--nprocs 10000 is more local ranks", "per CPU core"]),
+    # issue 62 item 6: silently accepted (a wait cut to timeout_s unseen; a truthy string), or a traceback
+    ("ft_connect_timeout_over_timeout_s", "torch_distributed = {'reduce_type': 'param'}\n"
+     "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2, 'connect_timeout_s': 600}\n",
+     ["++distributed.timeout_s", "300"], ["fault_tolerance.connect_timeout_s (600) is larger than distributed.timeout_s "
+                                          "(300)", "set connect_timeout_s to at most 300, or raise distributed.timeout_s"]),
+    ("ft_lighthouse_port_out_of_range", "torch_distributed = {'reduce_type': 'param'}\n"
+     "fault_tolerance = {'lighthouse': 'http://127.0.0.1:99999', 'replica_id': 0, 'num_replicas': 2}\n", [],
+     ["fault_tolerance.lighthouse must be the lighthouse's URL with a port from 1 to 65535", "'http://127.0.0.1:99999'"]),
+    ("progress_bar_maybe", "", ["++progress_bar", "maybe"], ["'progress_bar' must be True or False, got 'maybe'"]),
+    ("progress_bar_string_in_file", "progress_bar = 'False'\n", [], ["'progress_bar' must be True or False, got 'False'"]),
+    ("preemption_two", "preemption = 2\n", [], ["'preemption' must be True or False, got 2"]),
+    ("distributed_bool_two", "", ["++distributed.avg_grad", "2"], ["'distributed.avg_grad' must be True or False, got 2"]),
 ]
 
 
@@ -458,3 +476,142 @@ def test_an_error_without_a_message_still_says_what_failed(tmp_path: Path, capsy
     assert main(["train", str(cfg)]) == 1
     err = capsys.readouterr().err
     assert "distkit: rank 0 failed: MemoryError: out of memory (the allocation failed; reduce batch_size" in err, err
+
+
+# -- issue 62 item 6 ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["", "# to do\n\n"], ids=["zero_bytes", "only_a_comment"])
+def test_an_empty_python_config(text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 0-byte .py config trained every default into runs/default; now one line naming the file, as for YAML."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.py"
+    cfg.write_text(text)
+    assert main(["train", str(cfg)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"distkit: error: config file '{cfg}' is empty (no keys): write the keys in it (`distkit keys` lists them), "
+        "or task = 'digits' for the defaults"]
+    assert list(tmp_path.iterdir()) == [cfg]
+
+
+STALE = "RANK=0 WORLD_SIZE=2 in the environment, but no launcher set them (no MASTER_ADDR/MASTER_PORT, no torchrun, "
+
+
+def test_a_leftover_rank_and_world_size_are_one_line_at_once(tmp_path: Path) -> None:
+    """``RANK=0 WORLD_SIZE=2`` left in the shell, no launcher: one line naming the variables to unset, before any
+    wait (was: a wait for rank 1, or after start-up "rank 0 failed: ConfigError" about MASTER_ADDR)."""
+    cfg, out = _write(tmp_path, "task = 'digits'\n")
+    res = distkit("train", str(cfg), timeout=60, RANK="0", WORLD_SIZE="2")
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.splitlines() == [
+        f"distkit: error: {STALE}mpirun or srun variables), so no other rank will come: unset RANK WORLD_SIZE to run "
+        "here (--nprocs N starts N ranks), or start the ranks with torchrun/mpirun/srun (or export MASTER_ADDR and "
+        "MASTER_PORT when starting them by hand)"], res.stderr
+    assert not out.exists()
+
+
+def test_a_leftover_rank_in_the_own_loop_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for ``distkit.init`` (a ConfigError, before any engine starts), naming LOCAL_RANK too when set."""
+    import distkit as dk_api
+    from distkit.errors import ConfigError
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (init installs its own: restored after the test)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DISTKIT_SPAWN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match="unset RANK WORLD_SIZE LOCAL_RANK to run here"):
+        dk_api.init({"output_dir": str(tmp_path / "out")})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_malformed_fault_spec_is_one_line(tmp_path: Path) -> None:
+    """``DISTKIT_FAULT=garbage`` was a ValueError traceback at import (before main); now one line, exit 2."""
+    from distkit.health import faults
+
+    cfg, out = _write(tmp_path, "task = 'digits'\n")
+    res = distkit("train", str(cfg), timeout=60, DISTKIT_FAULT="garbage")
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.splitlines() == [
+        "distkit: error: DISTKIT_FAULT='garbage': 'garbage' is no fault RANK:STEP:KIND[:POINT] (KIND one of kill, raise, "
+        "hang, delay, stop, term or delay=S; POINT one of step, rank_file, checkpoint, manifest, swap, latest, init, "
+        "setup, close, left, exchange; several separated by commas): fix it, or unset DISTKIT_FAULT (it injects "
+        "failures for tests)"], res.stderr
+    assert not out.exists()
+    assert faults.parse("1:5:kill,0:3:delay=2.5:checkpoint, 2:0:stop:init") == [
+        (1, 5, "kill", "step"), (0, 3, "delay=2.5", "checkpoint"), (2, 0, "stop", "init")]
+    for bad in ("1:5", "1:5:explode", "1:5:kill:nowhere", "-1:5:kill", "1:5:delay=x", "1:5:kill=3", "1:x:kill"):
+        with pytest.raises(ValueError, match="is no fault RANK:STEP:KIND"):
+            faults.parse(bad)
+
+
+def test_a_busy_output_dir_is_in_use_not_an_earlier_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank under a launcher (which does not take the lock itself before the checkpoints are read) on an
+    output_dir whose lock a live run holds: "in use by another distkit run (pid ...)", not "holds checkpoints of an
+    earlier run"; once the lock is free, the earlier run's checkpoints are what the line names."""
+    import fcntl
+
+    cfg, out = _write(tmp_path, "task = 'digits'\n")
+    (out / "checkpoints" / "step-0000005").mkdir(parents=True)
+    holder = "pid 4242 on host node7, started 2024-01-01 00:00:00 UTC"
+    fd = os.open(out / ".distkit.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, holder.encode() + b"\n")
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (another open file description: conflicts with one of this process too)
+    for name, value in {"TORCHELASTIC_RUN_ID": "t1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        assert main(["train", str(cfg)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"distkit: error: output_dir '{out}' is in use by another distkit run ({holder}): wait for it to end, "
+            "stop it, or choose another output_dir"]
+    finally:
+        os.close(fd)
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "holds checkpoints of an earlier run (newest: step-0000005)" in err and "\n" not in err.strip(), err
+    assert sorted(p.name for p in out.rglob("*")) == [".distkit.lock", "checkpoints", "step-0000005"]
+
+
+def test_an_output_dir_refusal_under_a_launcher_is_one_line(tmp_path: Path) -> None:
+    """2 ranks of a launcher refused by the same output_dir check: one line, from local rank 0 (was one per rank);
+    the other rank ends quietly with the same status."""
+    cfg, out = _write(tmp_path, "task = 'digits'\n")
+    (out / "checkpoints" / "step-0000005").mkdir(parents=True)
+    res = run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "distkit",
+               "train", str(cfg)], timeout=120)
+    assert res.returncode != 0
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.startswith("distkit:")]
+    assert lines == [f"distkit: error: output_dir '{out}' holds checkpoints of an earlier run (newest: step-0000005): "
+                     "continue it with ++resume auto, start over with ++resume none (its checkpoints are then "
+                     "replaced), or choose another output_dir"], res.stderr[-3000:]
+    assert "exitcode  : 2" in res.stderr, res.stderr[-3000:]  # every rank's status (torchrun's report names one)
+
+
+def test_fsdp_units_naming_no_module_on_two_ranks_is_one_line(tmp_path: Path) -> None:
+    """Every rank finds the same in the same model: one line from rank 0 (was one per rank and the spawner's)."""
+    cfg, out = _write(tmp_path, "task = 'digits'\nprogress_bar = False\n")
+    res = distkit("train", str(cfg), "--nprocs", "2", "++distributed",
+                  "{'backend': 'fsdp', 'fsdp': {'units': ['NoSuchBlock']}}", timeout=120)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.splitlines() == [
+        "distkit: error: 'distributed.fsdp.units' ['NoSuchBlock'] names no module of the model: its classes are Linear, "
+        "ReLU, Sequential: name some of them, or leave units unset"], res.stderr
+    assert _written(out) == []
+
+
+def test_an_unreachable_mlflow_server_is_one_line_before_anything_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``loggers = ['mlflow']`` with an http MLFLOW_TRACKING_URI nobody serves: one line at once, nothing written (was:
+    MLflow's client retried for minutes, then one line after config.resolved.json and metrics.jsonl were written)."""
+    from distkit.launch.spawner import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"  # (a port just free: nobody listens there)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg, out = _write(tmp_path, "task = 'digits'\nloggers = ['mlflow']\n")
+    assert main(["train", str(cfg)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"distkit: error: MLFLOW_TRACKING_URI='{uri}' (loggers 'mlflow') is unreachable (Connection refused, within 5 s): "
+        "start the tracking server, fix MLFLOW_TRACKING_URI, or remove 'mlflow' from loggers"]
+    assert not out.exists()

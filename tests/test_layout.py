@@ -66,7 +66,7 @@ MAY_IMPORT: dict[str, set[str]] = {
                      "session"},
     "lightning": {"integrations"}, "hf": {"integrations"}, "speechbrain": {"integrations"},
     "commands": {"errors", "env", "config", "components", "launch", "health", "backends", "checkpoint", "portable",
-                 "ft", "tasks", "trainer"},
+                 "ft", "tasks", "trainer", "trackers"},
     "__main__": {"commands"},
 }
 

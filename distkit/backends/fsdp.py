@@ -364,8 +364,10 @@ def units(module: nn.Module, names: Optional[list[str]]) -> list[nn.Module]:
         found = [(p, m) for p, m in module.named_modules() if m is not module and type(m).__name__ in set(chosen)]
         if names and not found:
             classes = sorted({type(m).__name__ for m in module.modules()})
-            raise ConfigError(f"'distributed.fsdp.units' {list(names)} names no module of the model: its classes are "
-                              f"{', '.join(classes)}")
+            error = ConfigError(f"'distributed.fsdp.units' {list(names)} names no module of the model: its classes "
+                                f"are {', '.join(classes)}: name some of them, or leave units unset")
+            error.agreed = True  # every rank finds it in the same model, at the same point: reported once (rank 0)
+            raise error
     else:
         found = [(p, m) for p, m in _children(module) if any(True for _ in m.parameters())]
     where: dict[int, list[str]] = {}

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from distkit.sync.averager import ParamAverager
+from distkit.sync.compression import codec_of
 
 from .base import Strategy
 
@@ -77,5 +78,5 @@ def shard_averager(strategy: Strategy, module: nn.Module) -> ShardAverager:
     buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
     return ShardAverager(strategy, list(module.named_parameters()), buffers, sync_step=d.param_sync_step,
                          sync_time_diff=d.param_sync_time_diff, outer_optimizer=d.outer_optimizer,
-                         fragments=d.param_sync_fragments, compression=d.param_sync_compression,
+                         fragments=d.param_sync_fragments, compression=codec_of(d),
                          error_feedback=d.param_sync_error_feedback, overlap=d.param_sync_overlap)

@@ -12,6 +12,7 @@ from torch import nn
 from distkit.config import RunConfig
 from distkit.errors import DistkitError, UnusedParameters, UsageError
 from distkit.sync.averager import ParamAverager, Reducer
+from distkit.sync.compression import codec_of
 
 
 class EngineView(Reducer, Protocol):
@@ -180,5 +181,5 @@ def param_averager(strategy: EngineView, module: nn.Module) -> ParamAverager:
     d = strategy.cfg.distributed
     return ParamAverager(strategy, [t for _, t in named], d.param_sync_step, d.param_sync_time_diff,
                          d.outer_optimizer, names=[n for n, _ in named], fragments=d.param_sync_fragments,
-                         compression=d.param_sync_compression, error_feedback=d.param_sync_error_feedback,
+                         compression=codec_of(d), error_feedback=d.param_sync_error_feedback,
                          overlap=d.param_sync_overlap)

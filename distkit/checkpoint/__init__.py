@@ -51,8 +51,8 @@ from .manifest import (
     new_run_id, read_latest, read_manifest, read_rank_file, recorded_run_id, resolve, run_id_note, verify,
 )
 from .outputs import (
-    LOCK_ENV, LOCK_NAME, check_output_dir, holds_lock, lock_output_dir, open_own, preflight, unlock_output_dir,
-    write_json,
+    LOCK_ENV, LOCK_NAME, check_output_dir, holds_lock, lock_output_dir, open_own, preflight, refuse_if_in_use,
+    unlock_output_dir, write_json,
 )
 from .paths import KEEP, STEP_RE, sha256_file, step_name
 from .save import save_state
@@ -62,6 +62,6 @@ __all__ = [
     "KEEP", "LOCK_ENV", "LOCK_NAME", "STEP_RE", "TRUSTED_ENV", "PendingCheckpoint", "check_fits", "check_layout",
     "check_output_dir", "checkpoint_for", "exists", "file_entries", "find_resumable", "fitting_checkpoint", "holds_lock", "latest",
     "load_state", "lock_output_dir", "mark_latest", "model_shapes", "new_run_id", "preflight", "read_latest",
-    "read_manifest", "read_portable", "read_rank_file", "recorded_run_id", "resolve", "run_id_note", "save_state",
+    "read_manifest", "read_portable", "read_rank_file", "recorded_run_id", "refuse_if_in_use", "resolve", "run_id_note", "save_state",
     "sha256_file", "start", "step_name", "unlock_output_dir", "verify", "write", "write_json", "open_own",
 ]

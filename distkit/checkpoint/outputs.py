@@ -154,6 +154,38 @@ def unlock_output_dir(output_dir: str, refused: bool = False) -> None:
                 os.rmdir(target)
 
 
+def _in_use(output_dir: str, holder: str) -> ConfigError:
+    return ConfigError(f"output_dir '{output_dir}' is in use by another distkit run "
+                       f"({holder or 'its holder has not recorded itself yet'}): wait for it to end, stop it, or "
+                       "choose another output_dir")
+
+
+def refuse_if_in_use(output_dir: str) -> None:
+    """ConfigError naming the holder (pid, host, start) when a live run holds ``output_dir``'s lock and this process
+    does not: checked before an existing output_dir's checkpoints are read by a run that does not take the lock
+    itself there (a rank under torchrun/mpirun/srun), which said "holds checkpoints of an earlier run" instead.
+    Creates nothing; the probe holds a shared lock for a moment only."""
+    target = os.path.abspath(output_dir)
+    if target in _LOCKS or os.environ.get(LOCK_ENV) == target:
+        return
+    try:
+        fd = os.open(os.path.join(target, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # no lock file (no run there yet), or a link: lock_output_dir says so
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                try:
+                    holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+                except OSError:
+                    holder = ""
+                raise _in_use(output_dir, holder) from None
+    finally:
+        os.close(fd)  # (releases the shared lock, if taken)
+
+
 def lock_output_dir(output_dir: str) -> None:
     """Take the run's lock on ``output_dir`` (created if missing): an exclusive ``flock`` on
     ``output_dir/.distkit.lock``, held until this process ends (the kernel releases it when the process
@@ -207,9 +239,7 @@ def lock_output_dir(output_dir: str) -> None:
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise ConfigError(f"output_dir '{output_dir}' cannot be locked ({e.strerror or e}: '{path}'): choose an "
                               "output_dir on a filesystem that supports flock") from None
-        raise ConfigError(f"output_dir '{output_dir}' is in use by another distkit run "
-                          f"({holder or 'its holder has not recorded itself yet'}): wait for it to end, stop it, or "
-                          "choose another output_dir") from None
+        raise _in_use(output_dir, holder)
     # who holds it, for the message a second run prints (the lock itself is the flock, not this text)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     with contextlib.suppress(OSError):  # best effort (a full disk): the flock is held all the same
@@ -238,6 +268,8 @@ def preflight(cfg: "RunConfig", world_size: int,
     # check passed, so bad input leaves no directory behind.
     if lock and os.path.isdir(cfg.output_dir):
         lock_output_dir(cfg.output_dir)
+    elif not held:  # a rank under a launcher: a live run's output_dir is "in use", not "an earlier run's"
+        refuse_if_in_use(cfg.output_dir)
     try:
         path, _ = fitting_checkpoint(cfg, world_size, shapes)
     except BaseException:

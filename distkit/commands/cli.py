@@ -17,6 +17,7 @@ from distkit.backends import startup
 from distkit.config import LaunchFlags, RunConfig, load_config, split_overrides
 from distkit.errors import CollectiveTimeout, ConfigError, DistkitError, describe, report_agreed
 from distkit.launch.spawner import record_failure, settle_if_peer
+from distkit.health import faults
 from distkit.health.lost import lost_peer_error
 
 EPILOG = """\
@@ -176,6 +177,7 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
                         find_unused_parameters=args.find_unused_parameters, deepspeed=args.deepspeed,
                         deepspeed_config=args.deepspeed_config, nprocs=args.nprocs)
     cfg: RunConfig = load_config(args.configs, overrides, flags)
+    faults.check()  # a DISTKIT_FAULT that is no fault spec: one line, not a traceback at import
     from distkit.checkpoint import holds_lock, unlock_output_dir
 
     held = holds_lock(cfg.output_dir)  # a rank forked from the launching process: its lock, not this call's
@@ -186,9 +188,37 @@ def train(args: argparse.Namespace, overrides: list[tuple[str, Any]], argv: list
             unlock_output_dir(cfg.output_dir)
 
 
+def _local_rank_0_ended(timeout_s: float = 10.0) -> bool:
+    """Whether this node's local rank 0 (a process of the same launcher: a sibling of this one) ended within
+    ``timeout_s``: a rank that leaves the line of a finding every rank makes to it waits for that first, since a
+    launcher ends the job at its first failed rank and could stop local rank 0 before its line. False (then this
+    rank prints the line itself) when it is still running (it found nothing) or cannot be found."""
+    import time
+
+    from distkit.env import detect
+    from distkit.launch import procfs
+
+    peers = []
+    for pid in procfs.children(os.getppid()):
+        environ = procfs.environ(pid) if pid != os.getpid() else None
+        try:
+            if environ is not None and detect(environ).local_rank == 0:
+                peers.append(pid)
+        except DistkitError:  # (not a rank: its variables make no layout)
+            pass
+    if not peers:
+        return False
+    end = time.monotonic() + timeout_s
+    while peers and time.monotonic() < end:
+        peers = [p for p in peers if procfs.state(p) not in (None, "Z", "X")]
+        if peers:
+            time.sleep(0.05)
+    return not peers
+
+
 def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
     from distkit.backends import check_backend, strategy_class
-    from distkit.env import detect
+    from distkit.env import check_launched, detect
     from distkit.tasks import check_task
 
     from distkit.components import check_components
@@ -201,6 +231,7 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
     if args.local_rank is not None:  # old torch.distributed.launch passes it only as an argument
         environ.setdefault("LOCAL_RANK", str(args.local_rank))
     env = detect(environ)
+    check_launched(env, environ)  # a leftover RANK/WORLD_SIZE: one line now, not a wait for ranks that never come
     if env.launcher == "single" and cfg.nprocs > 1 and cfg.device != "cpu":
         import torch
 
@@ -210,15 +241,25 @@ def _train(args: argparse.Namespace, cfg: RunConfig, argv: list[str]) -> int:
         problem = ranks_per_gpu_problem(cfg.device, cfg.nprocs, torch.cuda.device_count())
         if problem is not None:
             raise ConfigError(problem)
+    from distkit import trackers
     from distkit.checkpoint import preflight
+
+    trackers.check_reachable(cfg.loggers)  # an unreachable MLflow server: one line now, not minutes later
 
     # an unwritable output_dir, or a resume that cannot work (damaged, other world size, other model):
     # one line and exit 2 here, before any rank starts and before anything is written
     # Started without a launcher, this process owns the whole run (it trains, or starts and outlives the
     # ranks): it takes output_dir's lock here, so a second run on the same output_dir stops with one line
     # before anything is written. Under torchrun/mpirun/srun rank 0 takes it in the Trainer.
-    verified = preflight(cfg, cfg.nprocs if env.launcher == "single" else env.world_size, lambda: _model_shapes(cfg),
-                         lock=env.launcher == "single")
+    try:
+        verified = preflight(cfg, cfg.nprocs if env.launcher == "single" else env.world_size, lambda: _model_shapes(cfg),
+                             lock=env.launcher == "single")
+    except DistkitError as e:
+        # under a launcher every rank checks the same output_dir and finds the same: one line per node, from its
+        # local rank 0 (was one per rank); the others end quietly with the same status
+        if env.launcher != "single" and env.local_rank != 0 and _local_rank_0_ended():
+            e.reported = True
+        raise
     if env.launcher == "single" and cfg.nprocs > 1:
         from distkit.checkpoint import LOCK_ENV, TRUSTED_ENV
         from distkit.launch.spawner import run_local
@@ -294,7 +335,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return importlib.import_module(COMMANDS[args.command]).run(args)  # type: ignore[no-any-return]
         return train(args, overrides, argv)
     except DistkitError as e:
-        print(f"distkit: error: {e}", file=sys.stderr, flush=True)
+        if not e.reported:  # (another rank of the job printed the same line)
+            print(f"distkit: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
 
 

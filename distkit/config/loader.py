@@ -105,6 +105,10 @@ def _load_python(path: str) -> dict[str, Any]:
         code = compile(source, path, "exec")
     except SyntaxError as e:
         raise ConfigError(f"{path}:{e.lineno}: syntax error in config: {e.msg}: fix the Python syntax") from None
+    if not ast.parse(source).body:
+        # 0 bytes (or only comments): trained every default into runs/default before, never what was meant
+        raise ConfigError(f"config file '{path}' is empty (no keys): write the keys in it (`distkit keys` lists "
+                          "them), or task = 'digits' for the defaults")
     namespace: dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__distkit_config__"}
     try:
         exec(code, namespace)  # noqa: S102 - a config file is code by design (RETURNN)

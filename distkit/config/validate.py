@@ -4,6 +4,7 @@ Split out of :mod:`distkit.config.resolve`, which calls :func:`_validate` once t
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from typing import Any, Callable, Optional
@@ -41,8 +42,23 @@ def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"'{name}' must be one of {', '.join(allowed)}; got {value!r}{hint}")
 
 
+def _bools(obj: Any, prefix: str = "") -> None:
+    """Every bool key of the dataclass ``obj`` (annotated ``bool``) must be True or False, or 1 or 0 as RETURNN
+    configs write them (made a bool here): a string such as "maybe" or "False" was taken as true unseen."""
+    for f in dataclasses.fields(obj):
+        if f.type not in ("bool", bool) or f.metadata.get("internal"):
+            continue
+        value = getattr(obj, f.name)
+        if not isinstance(value, bool) and not (isinstance(value, int) and value in (0, 1)):
+            raise ConfigError(f"'{prefix}{f.name}' must be True or False, got {value!r}: write True or False "
+                              "(unquoted in Python; true/false in YAML, JSON and ++ overrides)")
+        setattr(obj, f.name, bool(value))
+
+
 def _validate(cfg: RunConfig) -> None:
     d = cfg.distributed
+    _bools(cfg)
+    _bools(d, "distributed.")
     choice("distributed.backend", d.backend, KNOWN_BACKENDS)
     choice("distributed.reduce_type", d.reduce_type, REDUCE_TYPES)
     _int("distributed.param_sync_step", d.param_sync_step, 1)
@@ -81,8 +97,12 @@ def _validate(cfg: RunConfig) -> None:
     from distkit.sync.compression import CODECS
 
     choice("distributed.param_sync_compression", d.param_sync_compression, CODECS)
-    if not isinstance(d.param_sync_error_feedback, bool):
-        raise ConfigError(f"'distributed.param_sync_error_feedback' must be True or False, got {d.param_sync_error_feedback!r}")
+    density = d.param_sync_topk_density
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ConfigError(f"'distributed.param_sync_topk_density' must be a number in (0, 1], got {density!r}")
+    if d.param_sync_topk_bits not in (2, 4, 8) or isinstance(d.param_sync_topk_bits, bool):
+        raise ConfigError(f"'distributed.param_sync_topk_bits' must be 2, 4 or 8, got {d.param_sync_topk_bits!r}")
+    _int("distributed.param_sync_topk_chunk", d.param_sync_topk_chunk, 1, maximum=32768)
     _int("distributed.param_sync_overlap", d.param_sync_overlap, 0)
     # param mode's exchange (issue 26): the three keys apply to param mode only, and not yet with fault_tolerance
     # (torchft's Manager syncs the whole model at once, in fp32, blocking); each set -> how to unset it
@@ -108,9 +128,6 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"'distributed.param_sync_fragments' ({d.param_sync_fragments}) must be at most "
                           f"param_sync_step ({d.param_sync_step}): each fragment syncs every param_sync_step "
                           f"steps, at its own step in that period")
-    for flag in ("scale_lr", "avg_grad", "require_horovod"):
-        if not isinstance(getattr(d, flag), (bool, int)):
-            raise ConfigError(f"'distributed.{flag}' must be True or False, got {getattr(d, flag)!r}")
     if d.outer_optimizer is not None:
         oo = d.outer_optimizer
         if not isinstance(oo, dict) or oo.get("class") != "nesterov":
@@ -165,8 +182,6 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"'resume' must be 'auto', 'none' (start fresh) or an existing checkpoint directory, "
                           f"got {cfg.resume!r}")
     _int("keep_checkpoints", cfg.keep_checkpoints, 1)
-    if not isinstance(cfg.preemption, bool):
-        raise ConfigError(f"preemption must be True or False, got {cfg.preemption!r}")
     if cfg.fault_tolerance is not None:
         from distkit.ft import checks
         from distkit.ft.watch import probe_lighthouse
@@ -174,7 +189,7 @@ def _validate(cfg: RunConfig) -> None:
         if not isinstance(cfg.fault_tolerance, dict):
             raise ConfigError(f"fault_tolerance must be a dict like {{'lighthouse': 'http://HOST:29510', 'replica_id': 0, "
                               f"'num_replicas': 2}}, got {cfg.fault_tolerance!r}")
-        checks.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff)
+        checks.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff, d.timeout_s)
         checks.import_torchft()
         probe_lighthouse(cfg.fault_tolerance["lighthouse"])  # before anything is written
     if cfg.device == "cuda":

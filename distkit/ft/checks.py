@@ -15,8 +15,9 @@ from distkit.ft.lighthouse import INSTALL_HINT
 CONNECT_TIMEOUT_S = 30.0
 
 
-def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> None:
-    """Raise ConfigError (exit 2) for a ``fault_tolerance`` dict that cannot work. Not collective."""
+def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any, timeout_s: Any = None) -> None:
+    """Raise ConfigError (exit 2) for a ``fault_tolerance`` dict that cannot work (``timeout_s``: the run's
+    ``distributed.timeout_s``, which bounds ``connect_timeout_s``). Not collective."""
     known = {"lighthouse", "replica_id", "num_replicas", "min_replicas", "quorum_timeout_s", "connect_timeout_s"}
     unknown = sorted(set(ft) - known)
     if unknown:
@@ -27,9 +28,13 @@ def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> N
     if sync_time_diff is not None:
         raise ConfigError("fault_tolerance syncs by step (param_sync_step): remove param_sync_time_diff")
     lighthouse = ft.get("lighthouse")
-    if not isinstance(lighthouse, str) or not urllib.parse.urlparse(lighthouse).port:
-        raise ConfigError(f"fault_tolerance.lighthouse must be the lighthouse's URL, e.g. 'http://HOST:29510' "
-                          f"(`distkit lighthouse` prints it), got {lighthouse!r}")
+    try:  # (a port above 65535 is a ValueError of urlparse: a traceback before)
+        port = urllib.parse.urlparse(lighthouse).port if isinstance(lighthouse, str) else None
+    except ValueError:
+        port = None
+    if not port:
+        raise ConfigError(f"fault_tolerance.lighthouse must be the lighthouse's URL with a port from 1 to 65535, e.g. "
+                          f"'http://HOST:29510' (`distkit lighthouse` prints it), got {lighthouse!r}")
     for key, low in (("replica_id", 0), ("num_replicas", 1), ("min_replicas", 1)):
         value = ft.get(key, 1 if key == "min_replicas" else None)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -44,6 +49,12 @@ def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any) -> N
         timeout = ft.get(key, default)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ConfigError(f"fault_tolerance.{key} must be a positive number of seconds, got {timeout!r}")
+    connect = ft.get("connect_timeout_s")
+    if connect is not None and isinstance(timeout_s, (int, float)) and connect > timeout_s:
+        # (the wait was cut to timeout_s unseen: the groups' collectives are bounded by it)
+        raise ConfigError(f"fault_tolerance.connect_timeout_s ({connect:g}) is larger than distributed.timeout_s "
+                          f"({timeout_s:g}), which bounds every wait of the groups: set connect_timeout_s to at most "
+                          f"{timeout_s:g}, or raise distributed.timeout_s")
 
 
 def import_torchft() -> Any:

@@ -36,10 +36,39 @@ import os
 import signal
 import time
 
+_KINDS = ("kill", "raise", "hang", "delay", "stop", "term")
+_POINTS = ("step", "rank_file", "checkpoint", "manifest", "swap", "latest", "init", "setup", "close", "left", "exchange")
+
+
+def parse(spec: str) -> list[tuple[int, int, str, str]]:
+    """(rank, step, kind, point) of each fault of ``spec`` (the module's docstring); ValueError with the one line
+    naming the fix for a spec that is none (a traceback at import before: :func:`check` raises it as bad input)."""
+    faults = []
+    for one in spec.split(","):
+        if not one.strip():
+            continue
+        p = one.strip().split(":")
+        kind, _, seconds = p[2].partition("=") if len(p) > 2 else ("", "", "")
+        try:
+            ok = 3 <= len(p) <= 4 and int(p[0]) >= 0 and int(p[1]) >= 0 and kind in _KINDS and (
+                not seconds or (kind == "delay" and float(seconds) >= 0)) and (len(p) == 3 or p[3] in _POINTS)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"DISTKIT_FAULT={spec!r}: {one.strip()!r} is no fault RANK:STEP:KIND[:POINT] (KIND one of "
+                             f"{', '.join(_KINDS)} or delay=S; POINT one of {', '.join(_POINTS)}; several separated by "
+                             "commas): fix it, or unset DISTKIT_FAULT (it injects failures for tests)")
+        faults.append((int(p[0]), int(p[1]), p[2], p[3] if len(p) > 3 else "step"))
+    return faults
+
+
 _SPEC = os.environ.get("DISTKIT_FAULT", "")
-#: (rank, step, kind, point) of each fault: several are separated by commas
-_FAULTS = [(int(p[0]), int(p[1]), p[2], p[3] if len(p) > 3 else "step")
-           for p in (one.split(":") for one in _SPEC.split(",") if one)]
+try:
+    #: (rank, step, kind, point) of each fault: several are separated by commas
+    _FAULTS = parse(_SPEC)
+    _BAD = ""
+except ValueError as e:  # raised as bad input by check(), where the entry points call it
+    _FAULTS, _BAD = [], str(e)
 _STAMP = os.environ.get("DISTKIT_FAULT_STAMP", "")
 _UNTIL = os.environ.get("DISTKIT_FAULT_UNTIL", "")
 _STORE = os.environ.get("DISTKIT_FAULT_STORE", "")
@@ -47,8 +76,18 @@ _STORE = os.environ.get("DISTKIT_FAULT_STORE", "")
 DELAY_S = 5.0
 
 
+def check() -> None:
+    """ConfigError (bad input: one line, exit 2) if ``DISTKIT_FAULT`` is set to no fault spec."""
+    if _BAD:
+        from distkit.errors import ConfigError
+
+        raise ConfigError(_BAD)
+
+
 def maybe_fire(rank: int, step: int, point: str = "step") -> None:
-    """Fire each configured fault whose rank, step and point these are."""
+    """Fire each configured fault whose rank, step and point these are (a malformed spec: ConfigError)."""
+    if _BAD:
+        check()
     for f_rank, f_step, kind, f_point in _FAULTS:
         if rank == f_rank and step == f_step and point == f_point:
             _fire(kind, step)

@@ -48,3 +48,29 @@ def has_left(pid: int) -> bool:
             return f.read().strip() == LEFT_NAME
     except OSError:
         return False
+
+
+def children(ppid: int) -> list[int]:
+    """The pids of process ``ppid``'s children ([] where /proc cannot be read)."""
+    import os
+
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        fields = stat_fields(int(name)) if name.isdigit() else None
+        if fields and len(fields) > 1 and fields[1] == str(ppid):
+            found.append(int(name))
+    return found
+
+
+def environ(pid: int) -> Optional[dict[str, str]]:
+    """The environment process ``pid`` was started with (None when it cannot be read: gone, another user's)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return dict(kv.split("=", 1) for kv in data.decode("utf-8", "replace").split("\0") if "=" in kv)

@@ -65,6 +65,31 @@ def check(loggers: Any) -> list[Any]:
     return list(items)
 
 
+def check_reachable(loggers: list[Any], timeout_s: float = 5.0) -> None:
+    """ConfigError (exit 2) when "mlflow" is asked for with an http(s) ``MLFLOW_TRACKING_URI`` whose server accepts no
+    TCP connection within ``timeout_s``: checked before anything is written (MLflow's client retried for minutes,
+    then the run failed with its outputs written). Not collective: one connection, then closed."""
+    import os
+    import socket
+    import urllib.parse
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    url = urllib.parse.urlparse(uri)
+    if "mlflow" not in loggers or url.scheme not in ("http", "https"):
+        return
+    fix = "start the tracking server, fix MLFLOW_TRACKING_URI, or remove 'mlflow' from loggers"
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError as e:  # a port over 65535
+        raise ConfigError(f"MLFLOW_TRACKING_URI={uri!r} (loggers 'mlflow'): {e}: {fix}") from None
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout_s).close()
+    except OSError as e:
+        why = e.strerror or str(e) or type(e).__name__
+        raise ConfigError(f"MLFLOW_TRACKING_URI={uri!r} (loggers 'mlflow') is unreachable ({why}, within "
+                          f"{timeout_s:g} s): {fix}") from None
+
+
 def _is_logger_object(obj: Any) -> bool:
     return not isinstance(obj, (str, list, tuple, dict)) and obj is not None and (
         callable(getattr(obj, "log", None)) or callable(getattr(obj, "log_metrics", None)))

@@ -21,6 +21,7 @@ from torch import nn
 from distkit.launch import lazy_import
 from distkit.config import DistributedConfig, RunConfig
 from distkit.sync.averager import flat_mean
+from distkit.sync.compression import codec_of
 from distkit.errors import CollectiveTimeout, ConfigError, OutputError, UnsupportedCombination, UsageError
 from distkit.sync.replicas import ReplicaGroups
 
@@ -234,7 +235,7 @@ class DeepSpeedStrategy(_DeepSpeedState):
                                             None if groups is None else [(names[id(p)], p) for g in groups for p in g],
                                             sync_step=d.param_sync_step, sync_time_diff=d.param_sync_time_diff,
                                             outer_optimizer=d.outer_optimizer, fragments=d.param_sync_fragments,
-                                            fragment_sizes=sizes, compression=d.param_sync_compression,
+                                            fragment_sizes=sizes, compression=codec_of(d),
                                             error_feedback=d.param_sync_error_feedback, overlap=d.param_sync_overlap)
         # which trainable parameters got a gradient since the last boundary (see backward)
         self._trainable = [(n, p) for n, p in self.unwrap(engine).named_parameters() if p.requires_grad]

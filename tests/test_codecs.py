@@ -1,0 +1,199 @@
+"""param_sync_compression's low-bit and sparse codecs (issue 60 items 1-2): "int4" (symmetric, absmax / 7 per block
+of BLOCK4 elements, two values per byte) through the two-phase exchange, and "topk" (per chunk the k largest
+magnitudes, int16 indices and 2/4/8-bit values with one fp32 scale per chunk) through an all-gather of every
+member's encoding, summed in rank order on every rank. Closed forms of the encodings, their sizes, the error
+feedback's identity (what is kept = the pseudo-gradient - what was sent) and the mean on real gloo groups; then
+real 2-rank runs on ddp and mpi whose replicas end bit-identical, and a top-k run killed and resumed from a
+checkpoint (its per-rank error feedback and an exchange in flight) that ends as the uninterrupted one."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import distkit, final_params, ok, run_ranks, summary
+from distkit.sync.compression import (BLOCK, BLOCK4, TOPK_DEFAULT, codec_of, decode, encode, encoded_size,
+                                      is_sparse, roundtrip, topk_params)
+
+
+def _quantised(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """The closed form of symmetric quantisation of all of ``x`` with one scale absmax / levels."""
+    s = x.abs().max() / levels
+    return torch.round(x / s) * s
+
+
+def test_int4_round_trip_closed_form() -> None:
+    x = torch.zeros(3 * BLOCK4)
+    x[:8] = torch.tensor([7.0, -7.0, 3.5, 2.5, -0.5, 0.5, 1.49, -6.6])  # block 0: scale 7 / 7 = 1
+    x[BLOCK4:BLOCK4 + 5] = torch.tensor([14.0, -3.0, 5.0, 1.0, -1.0])  # block 1: scale 14 / 7 = 2
+    # block 2: all zeros (scale 1: any scale gives zeros)
+    data = encode(x, "int4")
+    assert data.dtype == torch.uint8 and data.numel() == encoded_size(x.numel(), "int4") == 3 * BLOCK4 // 2 + 3 * 4
+    # two values per byte, q + 8, element 2i in the low nibble
+    assert data[:4].tolist() == [(7 + 8) | ((-7 + 8) << 4), (4 + 8) | ((2 + 8) << 4), 8 | (8 << 4),
+                                 (1 + 8) | ((-7 + 8) << 4)]
+    assert data[-12:].clone().view(torch.float32).tolist() == [1.0, 2.0, 1.0]
+    want = torch.zeros(3 * BLOCK4)
+    want[:8] = torch.tensor([7.0, -7.0, 4.0, 2.0, 0.0, 0.0, 1.0, -7.0])  # round half to even, as torch.round
+    want[BLOCK4:BLOCK4 + 5] = torch.tensor([14.0, -4.0, 4.0, 0.0, 0.0])
+    assert torch.equal(decode(data, x.numel(), "int4"), want)
+    # any tensor: round(x / s) * s per block, s = absmax / 7 (the last block padded with zeros)
+    y = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    y[3] = 50.0  # an outlier costs precision in its own block only
+    padded = torch.nn.functional.pad(y, (0, -1000 % BLOCK4)).view(-1, BLOCK4)
+    assert torch.equal(roundtrip(y, "int4"), torch.cat([_quantised(b, 7) for b in padded])[:1000])
+    assert (roundtrip(y, "int4") - y)[BLOCK4:].abs().max() < 0.5
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_topk_round_trip_closed_form(bits: int) -> None:
+    codec = f"topk:0.25:{bits}:8"  # k = 2 of each chunk of 8
+    assert topk_params(codec) == (2, bits, 8) and is_sparse(codec)
+    x = torch.tensor([1.0, -8.0, 0.5, 3.0, 0.0, 0.0, 2.0, -1.0,
+                      0.0, 0.25, 0.0, 0.0, -0.5, 0.0, 0.0, 0.125])
+    data = encode(x, codec)
+    # per chunk: 2 int16 indices, 2 values in whole bytes, one fp32 scale
+    value_bytes = {2: 1, 4: 1, 8: 2}[bits]
+    assert data.numel() == encoded_size(16, codec) == 2 * (2 * 2 + value_bytes + 4)
+    assert data[:8].clone().view(torch.int16).tolist() == [1, 3, 1, 4]  # the kept indices within each chunk, ascending
+    levels = (1 << (bits - 1)) - 1
+    want = torch.zeros(16)
+    want[[1, 3]] = _quantised(torch.tensor([-8.0, 3.0]), levels)
+    want[[9, 12]] = _quantised(torch.tensor([0.25, -0.5]), levels)
+    assert torch.equal(decode(data, 16, codec), want)
+    # a length that is no multiple of the chunk: padded with zeros, cut again
+    assert torch.equal(roundtrip(x[:13], codec), want[:13])
+
+
+def test_topk_keys_make_one_codec_string() -> None:
+    from distkit.config.schema import DistributedConfig
+
+    assert codec_of(DistributedConfig(param_sync_compression="int4")) == "int4"
+    d = DistributedConfig(param_sync_compression="topk", param_sync_topk_density=0.01, param_sync_topk_bits=2,
+                          param_sync_topk_chunk=4096)
+    assert codec_of(d) == "topk:0.01:2:4096" and topk_params(codec_of(d)) == (41, 2, 4096)  # ceil(40.96)
+    assert codec_of(DistributedConfig(param_sync_compression="topk")) == TOPK_DEFAULT  # the keys' defaults
+    assert topk_params("topk") == topk_params(TOPK_DEFAULT) == (128, 4, 4096)
+
+
+def test_bytes_per_element() -> None:
+    """encoded_size over n, for the report and docs/running.md (fp32: 4)."""
+    n = 1 << 20
+    per = {c: encoded_size(n, c) / n for c in ("bf16", "int8", "int4", "topk:0.03125:2:4096",
+                                                "topk:0.03125:4:4096", "topk:0.03125:8:4096")}
+    assert per["bf16"] == 2 and per["int8"] == 1 + 4 / BLOCK and per["int4"] == 0.5 + 4 / BLOCK4 == 0.53125
+    for bits in (2, 4, 8):  # k = 128 of 4096: 256 bytes of indices, 128 * bits / 8 of values, 4 of scale
+        assert per[f"topk:0.03125:{bits}:4096"] == (256 + 16 * bits + 4) / 4096
+    assert math.isclose(per["topk:0.03125:2:4096"], 0.0712890625)
+
+
+CODECS = ("int4", "topk:0.1:2:64", "topk:0.25:4:100", "topk:0.05:8:4096")
+
+
+def _exchanges(rank: int, world: int) -> dict[str, dict[str, object]]:
+    from distkit.sync.compression import Exchange
+    from test_averaging import _strategy
+
+    s = _strategy(rank, world)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    out = {}
+    for codec in CODECS:
+        before = s.comm_bytes
+        e = Exchange(s, x, codec)
+        mean, sent = e.result(), e.sent
+        out[codec] = {"x": x, "mean": mean, "sent": sent, "bytes": s.comm_bytes - before}
+    return out
+
+
+def _error_feedback(rank: int, world: int, codec: str) -> list[dict[str, torch.Tensor]]:
+    """Plain averaging, one tensor, 3 syncs: each sync's pseudo-gradient (plus the error carried) and what was kept."""
+    from distkit.sync.averager import ParamAverager
+    from test_averaging import _strategy
+
+    s = _strategy(rank, world)
+    p = torch.nn.Parameter(torch.zeros(300))
+    avg = ParamAverager(s, [p], 1, compression=codec)
+    seen = []
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(3):
+        with torch.no_grad():
+            p += torch.randn(300, generator=g)
+        carried = avg._error[0] if avg._error is not None else torch.zeros(300)
+        delta = (avg._anchor[0] - p).detach().reshape(-1) + carried
+        avg.after_step()
+        seen.append({"delta": delta, "kept": avg._error[0].clone(), "p": p.detach().clone()})  # type: ignore[index]
+    return seen
+
+
+def test_exchanges_mean_bytes_and_error_feedback_on_2_ranks(tmp_path: Path) -> None:
+    got = run_ranks(_exchanges, 2, tmp_path)
+    for codec in CODECS:
+        r0, r1 = got[0][codec], got[1][codec]
+        for r in (r0, r1):
+            assert torch.equal(r["sent"], roundtrip(r["x"], codec))  # what the others read of it
+        assert torch.equal(r0["mean"], r1["mean"])  # every rank: the same bytes, decoded the same way
+        if is_sparse(codec):  # every member's encoding decoded and summed in rank order, then / p
+            assert torch.equal(r0["mean"], (r0["sent"] + r1["sent"]) / 2)
+            chunk = topk_params(codec)[2]
+            assert r0["bytes"] == encoded_size(-(-3000 // chunk) * chunk, codec)  # one all-gather of it
+        else:  # the owners' means of the decoded copies, encoded again (chunks of whole blocks)
+            assert torch.equal(r0["mean"], roundtrip((r0["sent"] + r1["sent"]) / 2, codec))
+            chunk = -(-3000 // (2 * BLOCK4)) * BLOCK4
+            assert r0["bytes"] == 3 * encoded_size(chunk, codec)  # the all-to-all's 2 chunks and the gathered one
+    # error feedback: what is kept = the pseudo-gradient (with the error carried in) - what was sent; for top-k,
+    # everything outside the kept indices exactly; every replica identical after each sync
+    for codec in ("int4", "topk:0.1:4:64"):
+        runs = run_ranks(_error_feedback, 2, tmp_path, codec)
+        for rank in (0, 1):
+            for sync in runs[rank]:
+                assert torch.equal(sync["kept"], sync["delta"] - roundtrip(sync["delta"], codec))
+                if is_sparse(codec):
+                    unsent = roundtrip(sync["delta"], codec) == 0
+                    assert torch.equal(sync["kept"][unsent], sync["delta"][unsent])
+                    assert int(unsent.sum()) >= 300 - 5 * 7  # at most k = 7 of each of the 5 chunks of 64 sent
+        assert all(torch.equal(a["p"], b["p"]) for a, b in zip(runs[0], runs[1]))
+
+
+# -- real runs -----------------------------------------------------------------------------------------------------
+TOPK = "'param_sync_compression': 'topk', 'param_sync_topk_density': 0.05, 'param_sync_topk_bits': 2, " \
+       "'param_sync_topk_chunk': 512"
+PARAM = {
+    "int4": "'reduce_type': 'param', 'param_sync_step': 4, 'param_sync_compression': 'int4'",
+    # with DiLoCo's outer optimizer and each exchange overlapped with the next 2 steps (the one started at step 8
+    # is in flight at the checkpoint)
+    "topk": "'reduce_type': 'param', 'param_sync_step': 4, 'outer_optimizer': {'class': 'nesterov', 'lr': 0.7, "
+            f"'momentum': 0.9}}, {TOPK}, 'param_sync_overlap': 2",
+}
+COMMON = ["++max_steps", "12", "++progress_bar", "False", "++log_every", "4", "++checkpoint_every", "8",
+          "++optimizer", "{'class': 'sgd', 'momentum': 0.9}"]
+
+
+def _args(out: Path, engine: str, variant: str) -> list[str]:
+    return ["train", "configs/returnn_ddp.py", "--nprocs", "2", "++output_dir", str(out), *COMMON,
+            "++distributed", "{'backend': '" + engine + "', " + PARAM[variant] + "}"]
+
+
+@pytest.mark.parametrize("engine,variant", [("ddp", "int4"), ("ddp", "topk"), ("mpi", "int4"), ("mpi", "topk")])
+def test_a_compressed_run_keeps_the_replicas_identical(engine: str, variant: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    ok(distkit(*_args(out, engine, variant), timeout=300))
+    s = summary(out)
+    assert s["ranks_in_sync"] is True and s["reduce_type"] == "param"
+    a, b = final_params(out, 0), final_params(out, 1)
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_topk_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    ref = tmp_path / "ref"
+    ok(distkit(*_args(ref, "ddp", "topk"), timeout=300))
+    out = tmp_path / "killed"
+    killed = distkit(*_args(out, "ddp", "topk"), DISTKIT_FAULT="1:10:kill", timeout=300)
+    said = f"exit {killed.returncode}\n{killed.stderr[-3000:]}"
+    assert killed.returncode != 0 and "rank 1 failed (killed by SIGKILL)" in killed.stderr, said
+    assert (out / "checkpoints" / "latest").read_text() == "step-0000008", said
+    ok(distkit(*_args(out, "ddp", "topk"), "++resume", "auto", timeout=300))
+    a, b = final_params(ref), final_params(out)
+    assert all(a[k].equal(b[k]) for k in a), {k: (a[k] - b[k]).abs().max().item() for k in a}
+    assert summary(out)["param_checksum"] == summary(ref)["param_checksum"]
