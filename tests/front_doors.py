@@ -2,8 +2,8 @@
 
 The own-loop suite (``tests/test_conformance.py``) runs one idioms script on every engine and mode. The front doors
 are the frameworks' own loops with distkit plugged in: Lightning's ``Trainer`` (``distkit.lightning.DistkitStrategy``),
-Lightning's ``Fabric`` (the same strategy), ``transformers.Trainer`` (``distkit.hf.DistkitTrainer``) and Accelerate
-loops (``distkit.hf.ParamSync``). Their comparisons already run in real processes in ``tests/test_lightning.py`` and
+Lightning's ``Fabric`` (the same strategy), ``transformers.Trainer`` (``distkit.hf.DistkitTrainer``), Accelerate
+loops (``distkit.hf.ParamSync``) and SpeechBrain recipes (``distkit.speechbrain.Brain``, ``tests/test_speechbrain.py``). Their comparisons already run in real processes in ``tests/test_lightning.py`` and
 ``tests/test_hf.py`` (a few jobs, each measuring many things in one start: the suite's time is spent); this module
 adds no process. It states, per front door, idiom, mode and engine, what those tests assert and which test
 asserts it:
@@ -42,7 +42,8 @@ LIGHTNING = "Lightning `Trainer` (`DistkitStrategy`)"
 FABRIC = "Lightning `Fabric` (`DistkitStrategy`)"
 TRAINER = "`transformers.Trainer` (`DistkitTrainer`)"
 PARAMSYNC = "Accelerate loop (`ParamSync`)"
-DOORS: tuple[str, ...] = (LIGHTNING, FABRIC, TRAINER, PARAMSYNC)
+SPEECHBRAIN = "SpeechBrain `Brain` (`import distkit.speechbrain as sb`)"
+DOORS: tuple[str, ...] = (LIGHTNING, FABRIC, TRAINER, PARAMSYNC, SPEECHBRAIN)
 
 
 def _pairs(engines: tuple[str, ...], modes: tuple[str, ...]) -> frozenset[tuple[str, str]]:
@@ -58,6 +59,7 @@ OFFERED: dict[str, frozenset[tuple[str, str]]] = {
     FABRIC: _pairs(("ddp", "mpi", "horovod"), MODES),
     TRAINER: _pairs(("ddp",), MODES),
     PARAMSYNC: _pairs(("ddp",), ("param",)),
+    SPEECHBRAIN: _pairs(ENGINES, MODES),
 }
 
 #: label -> pytest node id of a test that asserts the cells citing the label
@@ -78,6 +80,18 @@ TESTS: dict[str, str] = {
     "H7": "tests/test_hf.py::test_param_sync_is_local_sgd_bit_for_bit",
     "H8": "tests/test_hf.py::test_param_sync_extras_equal_distkits_own_loop",
     "H9": "tests/test_hf.py::test_save_state_mid_period_resumes_bit_for_bit",
+    "S1": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[ddp]",
+    "S2": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[mpi]",
+    "S3": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[horovod]",
+    "S4": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[fsdp]",
+    "S5": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[deepspeed]",
+    "S6": "tests/test_speechbrain.py::"
+          "test_param_mode_inside_a_brain_is_the_same_on_ddp_and_mpi_and_a_kill_mid_epoch_resumes_the_same_run",
+    "S7": "tests/test_speechbrain.py::"
+          "test_speaker_id_on_horovod_in_param_mode_with_diloco_keeps_speechbrains_helpers_on_one_rank",
+    "S8": "tests/test_speechbrain.py::test_what_a_brain_cannot_do_stops_before_training_in_one_line[flag0---data_parallel_backend]",
+    "S9": "tests/test_speechbrain.py::"
+          "test_what_a_brain_cannot_do_stops_before_training_in_one_line[flag1-grad_accumulation_factor 4 with 6 training batches]",
 }
 
 
@@ -144,6 +158,7 @@ STOCK = "the stock `transformers.Trainer` (its DDP)"
 OWN_ON_BATCHES = "distkit's own loop on the batches the Trainer drew"
 LOCALSGD = "Accelerate's `LocalSGD`"
 REFUSAL = "refused: the asserted text; runs: a test's run on it"
+SB_DDP = "SpeechBrain's own DDP (torchrun, gloo; SyncBatchNorm conversion off)"
 
 #: engine -> its refusal by ``DistkitStrategy(...)``: in its constructor, before the Trainer or Fabric it is given to
 _LIGHTNING_ENGINES = dict(deepspeed=refused(("DeepSpeedStrategy",), "L6"), fsdp=refused(("FSDPStrategy",), "L6"))
@@ -286,6 +301,24 @@ ROWS: list[Row] = [
     row(PARAMSYNC, "resume after a kill", "param", UNINTERRUPTED),
     row(PARAMSYNC, "engine choice (`config=`)", "param", REFUSAL, ddp=runs("H7"),
         mpi=refused(("distributed.backend must be 'ddp'",), "H7")),
+    # -- SpeechBrain Brain -------------------------------------------------------------------------------------------
+    row(SPEECHBRAIN, "SpeechBrain's ASR_CTC example (BatchNorm, LiGRU, dropout, InputNormalization, clipping at 5, "
+        "`grad_accumulation_factor` 2), `fit` + `evaluate`: the checkpoint files, `train_log.txt`, every rank's final "
+        "model", "grad", SB_DDP, ddp=identical("S1"), mpi=identical("S2"), horovod=identical("S3"),
+        fsdp=identical("S4")),
+    row(SPEECHBRAIN, "the same with SpeechBrain's clipping and accumulation off (ZeRO-2 clips and accumulates in its "
+        "partitions: 1.6e-2 and 9.2e-3 with them, docs/integrations.md)", "grad", SB_DDP, deepspeed=identical("S5")),
+    row(SPEECHBRAIN, "ASR_CTC in param mode (every 4th step averaged, intra-epoch checkpoints): every rank's final "
+        "model", "param", "the same recipe on the ddp engine", mpi=identical("S6")),
+    row(SPEECHBRAIN, "a rank killed mid-epoch, then the same command (`recover_if_possible`; dropout off: the LiGRU's "
+        "mask position is in no checkpoint)", "param", UNINTERRUPTED, ddp=identical("S6")),
+    row(SPEECHBRAIN, "speaker_id in DiLoCo from a `distributed:` block in the hparams YAML: ranks in sync, one writer",
+        "param", REFUSAL, horovod=runs("S7")),
+    row(SPEECHBRAIN, "engine choice (`++distributed.backend`, `++use_horovod True`, a `distributed:` block)", "grad",
+        REFUSAL, ddp=runs("S1"), mpi=runs("S2"), horovod=runs("S3"), deepspeed=runs("S5"), fsdp=runs("S4")),
+    row(SPEECHBRAIN, "`--data_parallel_backend`; an epoch's batch count not a multiple of "
+        "`grad_accumulation_factor`", "grad", REFUSAL,
+        ddp=refused(("--data_parallel_backend", "grad_accumulation_factor"), "S8", "S9")),
 ]
 
 

@@ -305,7 +305,8 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
 
 def test_an_edited_manifest_is_damage_on_every_reader(clean_run: Path, tmp_path: Path) -> None:
     """Issue 62 item 3 and issue 59's variants: a manifest whose files map was emptied (and a rank file deleted),
-    one naming a file outside the checkpoint, a rank file swapped for a symbolic link: ``inspect`` called the first
+    one naming a file outside the checkpoint, a rank file swapped for a symbolic link, a declared size of 2**60 bytes
+    (the file is read against it, never allocated by it): ``inspect`` called the first
     intact and a resume ended in a 34-line traceback. Now every reader finds the damage: verify names it, a resume
     is one line, exit 2."""
     from distkit import checkpoint
@@ -331,8 +332,12 @@ def test_an_edited_manifest_is_damage_on_every_reader(clean_run: Path, tmp_path:
         shutil.move(str(ckpt / "rank-00001.pt"), target)
         (ckpt / "rank-00001.pt").symlink_to(target)
 
+    def huge(ckpt: Path, manifest: dict[str, Any]) -> None:  # (a reader that trusted it would allocate an exabyte)
+        manifest["files"]["rank-00000.pt"]["size"] = 2**60
+
     cases = {"emptied": (emptied, "lists no rank-00000.pt"), "outside": (outside, "under the checkpoint"),
-             "linked": (linked, "rank-00001.pt is a symbolic link")}
+             "linked": (linked, "rank-00001.pt is a symbolic link"),
+             "huge": (huge, f"the manifest says {2**60}")}
     for name, (change, says) in cases.items():
         out = edited(name, change)
         problem = checkpoint.verify(str(_ckpt(out)))
