@@ -85,8 +85,8 @@ TESTS: dict[str, str] = {
     "S3": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[horovod]",
     "S4": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[fsdp]",
     "S5": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[deepspeed]",
-    "S6": "tests/test_speechbrain.py::"
-          "test_param_mode_inside_a_brain_is_the_same_on_ddp_and_mpi_and_a_kill_mid_epoch_resumes_the_same_run",
+    "S6": "tests/test_speechbrain.py::test_param_mode_inside_a_brain_is_the_same_on_ddp_and_mpi",
+    "S10": "tests/test_speechbrain.py::test_a_brain_killed_mid_epoch_in_param_mode_resumes_the_same_run",
     "S7": "tests/test_speechbrain.py::"
           "test_speaker_id_on_horovod_in_param_mode_with_diloco_keeps_speechbrains_helpers_on_one_rank",
     "S8": "tests/test_speechbrain.py::test_what_a_brain_cannot_do_stops_before_training_in_one_line[flag0---data_parallel_backend]",
@@ -311,7 +311,7 @@ ROWS: list[Row] = [
     row(SPEECHBRAIN, "ASR_CTC in param mode (every 4th step averaged, intra-epoch checkpoints): every rank's final "
         "model", "param", "the same recipe on the ddp engine", mpi=identical("S6")),
     row(SPEECHBRAIN, "a rank killed mid-epoch, then the same command (`recover_if_possible`; dropout off: the LiGRU's "
-        "mask position is in no checkpoint)", "param", UNINTERRUPTED, ddp=identical("S6")),
+        "mask position is in no checkpoint)", "param", UNINTERRUPTED, ddp=identical("S10")),
     row(SPEECHBRAIN, "speaker_id in DiLoCo from a `distributed:` block in the hparams YAML: ranks in sync, one writer",
         "param", REFUSAL, horovod=runs("S7")),
     row(SPEECHBRAIN, "engine choice (`++distributed.backend`, `++use_horovod True`, a `distributed:` block)", "grad",

@@ -150,3 +150,26 @@ def test_a_failing_mpi_rank_names_its_error_under_torch_distributed_s_excepthook
     assert "distkit: rank 1 failed: ValueError: boom on rank 1 (aborting all 2 MPI ranks)" in res.stderr, \
         res.stderr[-3000:]
     assert 'raise ValueError("boom on rank 1")' in res.stderr, res.stderr[-3000:]  # the traceback too
+
+
+def test_a_malformed_fault_spec_is_one_line(tmp_path: Path) -> None:
+    """(Issue 62 item 6; here, not in test_bad_input.py, since it sets DISTKIT_FAULT: the full tier.)
+    ``DISTKIT_FAULT=garbage`` was a ValueError traceback at import (before main); now one line, exit 2."""
+    from distkit.health import faults
+
+    out = tmp_path / "out"
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"output_dir = {str(out)!r}\ntask = 'digits'\n")
+    res = run([sys.executable, "-m", "distkit", "train", str(cfg)], timeout=60, DISTKIT_FAULT="garbage")
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.splitlines() == [
+        "distkit: error: DISTKIT_FAULT='garbage': 'garbage' is no fault RANK:STEP:KIND[:POINT] (KIND one of kill, raise, "
+        "hang, delay, stop, term or delay=S; POINT one of step, rank_file, checkpoint, manifest, swap, latest, init, "
+        "setup, close, left, exchange; several separated by commas): fix it, or unset DISTKIT_FAULT (it injects "
+        "failures for tests)"], res.stderr
+    assert not out.exists()
+    assert faults.parse("1:5:kill,0:3:delay=2.5:checkpoint, 2:0:stop:init") == [
+        (1, 5, "kill", "step"), (0, 3, "delay=2.5", "checkpoint"), (2, 0, "stop", "init")]
+    for bad in ("1:5", "1:5:explode", "1:5:kill:nowhere", "-1:5:kill", "1:5:delay=x", "1:5:kill=3", "1:x:kill"):
+        with pytest.raises(ValueError, match="is no fault RANK:STEP:KIND"):
+            faults.parse(bad)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, base_env, distkit, ok, summary
+from conftest import ROOT, base_env, distkit, ok, run, summary
 
 ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", "10", "++checkpoint_every", "5",
         "++log_every", "5", "++progress_bar", "False"]
@@ -152,3 +152,20 @@ def test_full_disk_while_writing_the_deepspeed_config_keeps_the_previous_one(tmp
         assert "Traceback" not in res.stderr, res.stderr[-3000:]
         assert (out / "deepspeed_config.resolved.json").read_bytes() == before
         assert not (out / ".deepspeed_config.resolved.json.tmp").exists()
+
+
+def test_an_output_dir_refusal_under_a_launcher_is_one_line(tmp_path: Path) -> None:
+    """(Issue 62 item 6.) 2 ranks of a launcher refused by the same output_dir check: one line, from local rank 0 (was one per rank);
+    the other rank ends quietly with the same status."""
+    out = tmp_path / "out"
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"output_dir = {str(out)!r}\ntask = 'digits'\n")
+    (out / "checkpoints" / "step-0000005").mkdir(parents=True)
+    res = run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "distkit",
+               "train", str(cfg)], timeout=120)
+    assert res.returncode != 0
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.startswith("distkit:")]
+    assert lines == [f"distkit: error: output_dir '{out}' holds checkpoints of an earlier run (newest: step-0000005): "
+                     "continue it with ++resume auto, start over with ++resume none (its checkpoints are then "
+                     "replaced), or choose another output_dir"], res.stderr[-3000:]
+    assert "exitcode  : 2" in res.stderr, res.stderr[-3000:]  # every rank's status (torchrun's report names one)

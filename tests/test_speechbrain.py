@@ -158,35 +158,48 @@ def test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends(engine: 
 PARAM = ("++distributed.reduce_type", "param", "++distributed.param_sync_step", "4", "--dropout", "0.0")
 
 
-def test_param_mode_inside_a_brain_is_the_same_on_ddp_and_mpi_and_a_kill_mid_epoch_resumes_the_same_run(
-        data: Path, tmp_path: Path) -> None:
+def param_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return recipe_args("asr_ctc", data, out, *extra, *PARAM, "--ckpt_interval_steps", "2")
+
+
+@pytest.fixture(scope="module")
+def param_ddp(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ASR_CTC in param mode on the ddp engine (``--nprocs 2``), with SpeechBrain's intra-epoch checkpoints."""
+    where = tmp_path_factory.mktemp("sb_param")
+    out = where / "ddp"
+    ok(run([sys.executable, RUN, str(converted("asr_ctc", where)), *param_args(data, out, "--nprocs", "2")],
+           timeout=240))
+    assert in_sync(out) == [True, True]
+    return out
+
+
+def test_param_mode_inside_a_brain_is_the_same_on_ddp_and_mpi(data: Path, param_ddp: Path, tmp_path: Path) -> None:
     """Param mode (local steps, every 4th averaged) in ASR_CTC: the ranks hold one model at the end (the final
-    sync), ddp (``--nprocs 2``) and mpi (under mpirun) end bit for bit alike; a rank killed with SIGKILL at step 9
-    (mid-epoch 2), after SpeechBrain's intra-epoch checkpoint at step 8 (``--ckpt_interval_steps 2``), and the same
-    command again (SpeechBrain's ``recover_if_possible``: each rank's replica, optimizer moments, averager and random
-    streams from the ``distkit`` recoverable) ends bit for bit where the run that was not stopped ends."""
-    recipe = str(converted("asr_ctc", tmp_path))
-    runs = {}
-    for name, launcher, extra in [("ddp", [sys.executable], ("--nprocs", "2")),
-                                  ("mpi", MPIRUN, ("++distributed.backend", "mpi"))]:
-        out = tmp_path / name
-        ok(run([*launcher, RUN, recipe, *recipe_args("asr_ctc", data, out, *extra, *PARAM, "--ckpt_interval_steps",
-                                                      "2")], timeout=240))
-        assert in_sync(out) == [True, True], name
-        runs[name] = out
-    assert max_diff(final(runs["ddp"], 0), final(runs["mpi"], 0)) == 0.0
-    assert max_diff(final(runs["ddp"], 0), final(runs["ddp"], 1)) == 0.0
-    assert max_diff(last_checkpoint(runs["ddp"]), last_checkpoint(runs["mpi"])) == 0.0
-    # killed mid-epoch, then the same command: the same run
+    sync), and ddp (``--nprocs 2``) and mpi (under mpirun) end bit for bit alike: every rank's final model and the
+    checkpoint SpeechBrain's Checkpointer wrote (its module files: the mean of the replicas)."""
+    out = tmp_path / "mpi"
+    ok(run([*MPIRUN, RUN, str(converted("asr_ctc", tmp_path)), *param_args(data, out, "++distributed.backend", "mpi")],
+           timeout=240))
+    assert in_sync(out) == [True, True]
+    assert max_diff(final(param_ddp, 0), final(out, 0)) == 0.0
+    assert max_diff(final(param_ddp, 0), final(param_ddp, 1)) == 0.0
+    assert max_diff(last_checkpoint(param_ddp), last_checkpoint(out)) == 0.0
+
+
+def test_a_brain_killed_mid_epoch_in_param_mode_resumes_the_same_run(data: Path, param_ddp: Path,
+                                                                     tmp_path: Path) -> None:
+    """A rank killed with SIGKILL at step 9 (mid-epoch 2), after SpeechBrain's intra-epoch checkpoint at step 8
+    (``--ckpt_interval_steps 2``), and the same command again (SpeechBrain's ``recover_if_possible``: each rank's
+    replica, optimizer moments, averager and random streams from the ``distkit`` recoverable) ends bit for bit where
+    the run that was not stopped ends."""
     out = tmp_path / "killed"
-    args = [sys.executable, RUN, recipe, *recipe_args("asr_ctc", data, out, "--nprocs", "2", *PARAM,
-                                                      "--ckpt_interval_steps", "2")]
+    args = [sys.executable, RUN, str(converted("asr_ctc", tmp_path)), *param_args(data, out, "--nprocs", "2")]
     killed = run(args, timeout=240, DISTKIT_FAULT="1:9:kill")
     assert killed.returncode != 0 and not (out / "final-0.pt").exists(), killed.stderr[-2000:]
     assert any((out / "save").glob("CKPT+*/distkit.ckpt")), "no checkpoint before the kill"
     ok(run(args, timeout=240))
-    assert max_diff(final(out, 0), final(runs["ddp"], 0)) == 0.0
-    assert max_diff(last_checkpoint(out), last_checkpoint(runs["ddp"])) == 0.0
+    assert max_diff(final(out, 0), final(param_ddp, 0)) == 0.0
+    assert max_diff(last_checkpoint(out), last_checkpoint(param_ddp)) == 0.0
     assert in_sync(out) == [True, True]
 
 
