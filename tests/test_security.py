@@ -282,23 +282,30 @@ def _listening(pids: set[int]) -> list[str]:
     return out
 
 
+def _listening_once(out: Path, args: list[str], ready: Callable[[], bool]) -> list[str]:
+    """The listening sockets of a ``distkit train configs/returnn_ddp.py --nprocs 2`` job (``args`` after those) and
+    its descendants, read once ``ready()`` says every server is up; the job is then killed."""
+    proc = subprocess.Popen([str(BIN / "python"), "-m", "distkit", "train", "configs/returnn_ddp.py", "--nprocs", "2",
+                             "++output_dir", str(out), "++max_steps", "100000", "++progress_bar", "False", *args],
+                            cwd=ROOT, env=base_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        while not ready():
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.2)
+        return _listening(_descendants(proc.pid))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
     """Every socket a 2-rank ddp job under distkit's spawner listens on (the rendezvous store, the heartbeat store,
     gloo's) is on loopback: before, torch's TCPStore servers listened on every interface (2 of the 4)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([str(BIN / "python"), "-m", "distkit", "train", "configs/returnn_ddp.py", "--nprocs", "2",
-                             "++output_dir", str(out), "++max_steps", "100000", "++progress_bar", "False",
-                             "++log_every", "1"], cwd=ROOT, env=base_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        metrics = out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training: every server is up
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.2)
-        listening = _listening(_descendants(proc.pid))
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    metrics = out / "metrics.jsonl"  # two lines: training, every server is up
+    listening = _listening_once(out, ["++log_every", "1"],
+                                lambda: metrics.exists() and metrics.read_text().count("\n") >= 2)
     assert len(listening) >= 3, listening  # the rendezvous store, the heartbeat store, gloo's
     assert all(a.startswith("127.") for a in listening), listening
 
@@ -551,19 +558,9 @@ def test_a_fault_tolerant_group_on_one_host_listens_on_loopback_only(lighthouse:
     groups are told, loopback when the lighthouse is on this host: every socket of the group is on loopback."""
     out = tmp_path / "ft"
     ft = f"{{'lighthouse': '{lighthouse}', 'replica_id': 0, 'num_replicas': 1}}"
-    proc = subprocess.Popen([str(BIN / "python"), "-m", "distkit", "train", "configs/returnn_ddp.py", "--nprocs", "2",
-                             "++output_dir", str(out), "++max_steps", "100000", "++progress_bar", "False",
-                             "++log_every", "5", "++distributed", "{'backend': 'ddp', 'reduce_type': 'param', "
-                             "'param_sync_step': 5}", "++fault_tolerance", ft], cwd=ROOT, env=base_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        metrics = out / "group-0" / "metrics.jsonl"
-        while not (metrics.exists() and '"sync"' in metrics.read_text()):  # a sync done: every server is up
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.2)
-        listening = _listening(_descendants(proc.pid))
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    metrics = out / "group-0" / "metrics.jsonl"  # a sync done: every server is up
+    listening = _listening_once(out, ["++log_every", "5", "++distributed", "{'backend': 'ddp', 'reduce_type': 'param', "
+                                      "'param_sync_step': 5}", "++fault_tolerance", ft],
+                                lambda: metrics.exists() and '"sync"' in metrics.read_text())
     assert len(listening) >= 7, listening  # the stores (rendezvous, heartbeat, group's), Manager, 2 heal, gloo's
     assert all(a.startswith("127.") for a in listening), listening

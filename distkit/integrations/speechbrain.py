@@ -156,11 +156,11 @@ class Brain(_sb.Brain):
         (key, optimizer), = optimizers.items()
         factor = int(self.grad_accumulation_factor)
         self.dk.set_accumulation(factor)
-        self._clip_groups = len(optimizer.param_groups)
+        groups = len(optimizer.param_groups)
         if self.max_grad_norm and not self.dk._strategy.grads_in_params:
-            if self._clip_groups > 1:
+            if groups > 1:
                 raise UnsupportedCombination(f"max_grad_norm on {self.dk._strategy.backend_impl()} with "
-                                             f"{self._clip_groups} param groups: SpeechBrain clips the first group "
+                                             f"{groups} param groups: SpeechBrain clips the first group "
                                              "only, which this engine (it clips inside its step) cannot: "
                                              "--max_grad_norm 0, or one param group")
             self.dk.cfg.gradient_clip = float(self.max_grad_norm)  # the engine clips the one group in its step
