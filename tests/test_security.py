@@ -20,6 +20,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -564,3 +565,102 @@ def test_a_fault_tolerant_group_on_one_host_listens_on_loopback_only(lighthouse:
                                 lambda: metrics.exists() and '"sync"' in metrics.read_text())
     assert len(listening) >= 7, listening  # the stores (rendezvous, heartbeat, group's), Manager, 2 heal, gloo's
     assert all(a.startswith("127.") for a in listening), listening
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # (torchft's tensors on the response's bytes)
+def test_a_heal_server_serves_only_requests_sealed_with_the_lighthouse_token() -> None:
+    """Issue 59 item 4: a heal server (every rank of a fault-tolerant group serves its training state while a group
+    heals) served the state to whoever asked. With the lighthouse's token it answers only requests sealed with it:
+    a stranger's request, and one sealed with another token, get 403 and no state; the group's own get it."""
+    import urllib.error
+    import urllib.request
+
+    from distkit.ft.torchft_parts import heal_transport
+
+    t = datetime.timedelta(seconds=20)
+    token = os.urandom(32)
+    serving, healing, stranger = (heal_transport(t, "127.0.0.1", k) for k in (token, token, os.urandom(32)))
+    state = {"user": {"default": {"model": {"w": torch.arange(4.0)}}}, "torchft": {"step": 3, "batches_committed": 3}}
+    try:
+        serving.send_checkpoint([1], 3, state, t)
+        got = healing.recv_checkpoint(0, serving.metadata(), 3, t)
+        assert torch.equal(got["user"]["default"]["model"]["w"], torch.arange(4.0)) and got["torchft"]["step"] == 3
+        with pytest.raises(urllib.error.HTTPError) as plain:
+            urllib.request.urlopen(serving.metadata() + "3/full", timeout=20)
+        assert plain.value.code == 403
+        with pytest.raises(urllib.error.HTTPError) as other:
+            stranger.recv_checkpoint(0, serving.metadata(), 3, t)
+        assert other.value.code == 403
+    finally:
+        for tr in (serving, healing, stranger):
+            tr.shutdown(wait=False)
+
+
+def test_the_lighthouse_lets_in_only_peers_that_prove_its_token(lighthouse: str, tmp_path: Path) -> None:
+    """Issue 62 item 4 and issue 59 item 4: one unauthenticated ``POST /replica/<id>/kill`` to the lighthouse ended a
+    replica group in 0.18 s, and its /status page named every group to anyone. Now ``distkit lighthouse`` serves its
+    address with a gate: a stranger's HTTP request gets no HTTP answer (the gate's greeting) and one line in the
+    lighthouse's log; a peer with another token is refused, and a group given it (or none) stops in one line,
+    exit 2, nothing written; the holder of the token sees the lighthouse. Its own port is on loopback."""
+    import http.client
+    import urllib.parse
+
+    from distkit.ft import gate, watch
+
+    port = urllib.parse.urlparse(lighthouse).port
+    for method, path in (("POST", "/replica/distkit_group_0/kill"), ("GET", "/status")):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        with pytest.raises(http.client.BadStatusLine, match="distkit-gate"):
+            conn.request(method, path)
+            conn.getresponse()
+        conn.close()
+    refused = "refused a connection from 127.0.0.1 port"
+    log = lighthouse.log  # type: ignore[attr-defined]
+    while log.read_text().count(refused) < 2:  # (the gate says it when it has read the request)
+        assert lighthouse.proc.poll() is None, log.read_text()  # type: ignore[attr-defined]
+        time.sleep(0.1)
+    assert "Current quorum_id" in watch.lighthouse_status(lighthouse, gate.read_token(None))[1]
+    why = watch.lighthouse_status(lighthouse, os.urandom(32))[0]
+    assert why is not None and "refused this group's token" in why
+    other = tmp_path / "other.token"
+    other.write_text(os.urandom(32).hex())
+    other.chmod(0o600)
+    for token_file, says in ((str(other), "refused this group's token: give the groups the token file"),
+                             (None, "lets only holders of its token in: give the groups its token file")):
+        out = tmp_path / f"out-{token_file is None}"
+        ft = {"lighthouse": lighthouse, "replica_id": 0, "num_replicas": 1, "token_file": token_file}
+        res = distkit("train", "configs/returnn_ddp.py", "++output_dir", str(out), "++distributed",
+                      "{'backend': 'ddp', 'reduce_type': 'param', 'param_sync_step': 5}", "++fault_tolerance", repr(ft),
+                      timeout=120)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(
+            "distkit: error: fault_tolerance.lighthouse: ") and says in lines[0], res.stderr[-3000:]
+        assert not out.exists()
+    lighthouse_sockets = _listening(_descendants(lighthouse.proc.pid) | {lighthouse.proc.pid})  # type: ignore[attr-defined]
+    assert len(lighthouse_sockets) == 2 and all(a.startswith("127.") for a in lighthouse_sockets), lighthouse_sockets
+
+
+def test_a_lighthouse_token_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    """A token file readable by others (a secret anyone can read is none), or one that holds no token: one line,
+    exit 2, nothing written; `distkit lighthouse` writes a new token file with mode 0600."""
+    loose = tmp_path / "loose.token"
+    loose.write_text(os.urandom(32).hex())
+    loose.chmod(0o644)
+    empty = tmp_path / "empty.token"
+    empty.write_text("not a token")
+    empty.chmod(0o600)
+    for path, says in ((loose, f"is readable by others (mode 644): chmod 600 {loose}"),
+                       (empty, "does not hold a token (64 hex digits)"),
+                       (tmp_path / "missing.token", "cannot be read (No such file or directory)")):
+        out = tmp_path / "out"
+        # something must answer at the lighthouse's address for the token to be looked for: this test's own socket
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(4)
+            ft = {"lighthouse": f"http://127.0.0.1:{server.getsockname()[1]}", "replica_id": 0, "num_replicas": 1,
+                  "token_file": str(path)}
+            res = distkit("train", "configs/returnn_ddp.py", "++output_dir", str(out), "++distributed",
+                          "{'reduce_type': 'param'}", "++fault_tolerance", repr(ft), timeout=120)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr[-3000:]
+        assert not out.exists()

@@ -191,7 +191,8 @@ def _validate(cfg: RunConfig) -> None:
                               f"'num_replicas': 2}}, got {cfg.fault_tolerance!r}")
         checks.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff, d.timeout_s)
         checks.import_torchft()
-        probe_lighthouse(cfg.fault_tolerance["lighthouse"])  # before anything is written
+        # does it answer, its token, the lighthouse through its gate: before anything is written
+        probe_lighthouse(cfg.fault_tolerance["lighthouse"], lambda: checks.token_of(cfg.fault_tolerance or {}))
     if cfg.device == "cuda":
         import torch
 
@@ -258,3 +259,13 @@ def _import(key: str, value: Any) -> Any:
             raise ConfigError(f"'{key}' = '{value}': module '{mod_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
     return obj
+
+
+def uses_muon(optimizer: Any) -> bool:
+    """Whether the ``optimizer`` key chooses Muon (``{"class": "muon"}``, any case, or torch.optim.Muon itself):
+    :class:`distkit.components.MuonWithAdamW`, which orthogonalises whole matrices, so an engine that flattens or
+    partitions the parameters (DeepSpeed ZeRO, its bf16/fp16 optimizers) refuses it before start."""
+    if not isinstance(optimizer, dict):
+        return False
+    name = optimizer.get("class")
+    return (isinstance(name, str) and name.lower() == "muon") or (isinstance(name, type) and name.__name__ == "Muon")

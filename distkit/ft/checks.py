@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from typing import Any
+from typing import Any, Optional
 
 from distkit.errors import BackendUnavailable, ConfigError
+from distkit.ft import gate
 from distkit.ft.lighthouse import INSTALL_HINT
 
 #: default ``fault_tolerance.connect_timeout_s``: how long the members of a new quorum wait for each other to
@@ -18,7 +19,8 @@ CONNECT_TIMEOUT_S = 30.0
 def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any, timeout_s: Any = None) -> None:
     """Raise ConfigError (exit 2) for a ``fault_tolerance`` dict that cannot work (``timeout_s``: the run's
     ``distributed.timeout_s``, which bounds ``connect_timeout_s``). Not collective."""
-    known = {"lighthouse", "replica_id", "num_replicas", "min_replicas", "quorum_timeout_s", "connect_timeout_s"}
+    known = {"lighthouse", "replica_id", "num_replicas", "min_replicas", "quorum_timeout_s", "connect_timeout_s",
+             "token_file"}
     unknown = sorted(set(ft) - known)
     if unknown:
         raise ConfigError(f"fault_tolerance: unknown key(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
@@ -35,6 +37,10 @@ def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any, time
     if not port:
         raise ConfigError(f"fault_tolerance.lighthouse must be the lighthouse's URL with a port from 1 to 65535, e.g. "
                           f"'http://HOST:29510' (`distkit lighthouse` prints it), got {lighthouse!r}")
+    if ft.get("token_file") is not None and not (isinstance(ft["token_file"], str) and ft["token_file"]):
+        raise ConfigError(f"fault_tolerance.token_file must be the path of the lighthouse's token file (`distkit "
+                          f"lighthouse` prints it), or None for a lighthouse without authentication, got "
+                          f"{ft['token_file']!r}")
     for key, low in (("replica_id", 0), ("num_replicas", 1), ("min_replicas", 1)):
         value = ft.get(key, 1 if key == "min_replicas" else None)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -55,6 +61,15 @@ def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any, time
         raise ConfigError(f"fault_tolerance.connect_timeout_s ({connect:g}) is larger than distributed.timeout_s "
                           f"({timeout_s:g}), which bounds every wait of the groups: set connect_timeout_s to at most "
                           f"{timeout_s:g}, or raise distributed.timeout_s")
+
+
+def token_of(ft: dict[str, Any]) -> Optional[bytes]:
+    """The lighthouse's token for the groups of ``ft`` (:func:`distkit.ft.gate.read_token` of ``token_file``, the
+    default file where the key is absent); None where ``token_file`` is None (a lighthouse without a gate: torchft's
+    own). ConfigError, one line, where the file cannot serve. Not collective: every rank reads it."""
+    if "token_file" in ft and ft["token_file"] is None:
+        return None
+    return gate.read_token(ft.get("token_file"))
 
 
 def import_torchft() -> Any:

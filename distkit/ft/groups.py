@@ -47,6 +47,7 @@ import torch
 from distkit.health import faults
 from distkit.sync.averager import unflatten_into
 from distkit.errors import LighthouseLost
+from distkit.ft import checks, gate
 from distkit.ft.checks import CONNECT_TIMEOUT_S
 from distkit.ft.state import load_training_state, training_state
 from distkit.ft.torchft_parts import (QuorumsSeen, TorchftLines, groups_of, heal_transport, manager_server_on,
@@ -85,6 +86,11 @@ class FaultTolerance:
         self._strategy = strategy
         url = urllib.parse.urlparse(ft["lighthouse"])
         here = reachable_address(url.hostname) or _my_address()
+        #: the lighthouse's token (its gate lets only holders in; it also seals the heal requests), None without
+        self._token = checks.token_of(ft)
+        # torchft's Manager cannot prove the token itself: it is given a loopback port of this process whose
+        # connections are carried to the gate after the proof (distkit.ft.gate)
+        self._tunnel = gate.Tunnel(url.hostname or "", url.port or 80, self._token) if self._token else None
         timeout = datetime.timedelta(seconds=float(timeout_s))
         # torchft's own logs (every quorum, every commit) go to its loggers; distkit reports the membership itself
         for name in ("torchft_quorums", "torchft_commits"):
@@ -129,14 +135,14 @@ class FaultTolerance:
             self.manager = Manager(
                 pg=self._pg, load_state_dict=load, state_dict=state_dict,
                 # a live group's state read weights-only, its server on the address the other groups are told
-                checkpoint_transport=heal_transport(timeout, bind),
+                checkpoint_transport=heal_transport(timeout, bind, self._token),
                 # async quorum: a healing group takes no part in the average of the sync it joins at (its tensors are
                 # zeroed and not counted), receives it, and gets the rest of a live group's state at should_commit
                 min_replica_size=int(ft.get("min_replicas", 1)), use_async_quorum=True, timeout=timeout,
                 quorum_timeout=datetime.timedelta(seconds=float(ft.get("quorum_timeout_s", 600))),
                 connect_timeout=datetime.timedelta(seconds=PROBE_TIMEOUT_S * 2),
                 rank=strategy.rank, world_size=strategy.world_size, store_addr=host, store_port=port,
-                lighthouse_addr=ft["lighthouse"], replica_id=f"distkit_group_{self.replica_id}", hostname=here,
+                lighthouse_addr=self._tunnel.url if self._tunnel else ft["lighthouse"], replica_id=f"distkit_group_{self.replica_id}", hostname=here,
                 # every group starts from the same model (the seed, and rank 0's broadcast inside the group): no heal
                 # at step 0, which would replace the other groups' first period by one group's
                 init_sync=False)
@@ -159,7 +165,7 @@ class FaultTolerance:
         if not tensors:
             return True
         t0, heals = time.perf_counter(), self.heals
-        why = lighthouse_answers(self.url)
+        why = lighthouse_answers(self.url, self._token)
         if why is not None:
             raise self._lost(why)
         before = {"step": self.manager.current_step(), "batches_committed": self.manager.batches_committed()}
@@ -247,7 +253,7 @@ class FaultTolerance:
         def watch() -> None:
             misses = 0
             while not done.wait(WATCH_INTERVAL_S):
-                why, status = lighthouse_status(self.url)
+                why, status = lighthouse_status(self.url, self._token)
                 misses = misses + 1 if why is not None else 0
                 if why is not None and misses >= 2 and not done.is_set():
                     print(f"distkit: error: {self._lost(why)}", file=sys.__stderr__ or sys.stderr, flush=True)
@@ -298,6 +304,8 @@ class FaultTolerance:
             self.manager.shutdown(wait=False)
         except Exception:  # noqa: BLE001 - best effort at the end of the run
             pass
+        if self._tunnel is not None:
+            self._tunnel.close()
         return None
 
 

@@ -1,12 +1,13 @@
 """torchft, adapted for :mod:`distkit.ft.groups`: its Manager's log lines as one distkit line each, the
-quorums it drops kept, its heal transport reading weights only and listening on one address, its heal server's
-access lines silenced, its reconfigurable gloo group with a connect bound apart from the exchange bound (and kept
+quorums it drops kept, its heal transport reading weights only, listening on one address and serving sealed
+requests only, its heal server's access lines silenced, its reconfigurable gloo group with a connect bound apart from the exchange bound (and kept
 alive when an exchange is given up), distkit's group numbers from torchft's replica ids."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import datetime
+import hmac
 import logging
 import pickle
 import re
@@ -14,12 +15,14 @@ import socket
 import socketserver
 import sys
 import threading
+import urllib.parse
 import urllib.request
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from distkit.errors import DistkitError
+from distkit.ft import gate
 
 
 class TorchftLines(logging.Filter):
@@ -69,23 +72,25 @@ class QuorumsSeen:
 _BUILDING = threading.Lock()
 
 
-def heal_transport(timeout: datetime.timedelta, bind: str) -> Any:
-    """torchft's HTTP checkpoint transport (how a healing group receives a live group's state), with two changes:
+def heal_transport(timeout: datetime.timedelta, bind: str, token: Optional[bytes] = None) -> Any:
+    """torchft's HTTP checkpoint transport (how a healing group receives a live group's state), with three changes:
 
     * what a peer sends is read by torch's weights-only unpickler (tensors, numbers, strings, containers), not
       torchft's ``weights_only=False``: a live group's state is plain data (:func:`distkit.ft.state.training_state`),
       and a server that sends anything else (a pickled object's ``__reduce__``) is refused with one line, before
       any of it runs;
     * its server listens on ``bind`` (the address the other groups are told, as the group's store; "" keeps
-      torchft's every interface) and names that address, not the host's name, to the groups that heal from it.
+      torchft's every interface) and names that address, not the host's name, to the groups that heal from it;
+    * with ``token`` (the lighthouse's, :mod:`distkit.ft.gate`) every request carries its seal (an HMAC of the
+      path under the token, header :data:`~distkit.ft.gate.HEAL_HEADER`) and the server serves only sealed ones:
+      a stranger who reaches the server gets 403 and no state (one line on the serving rank's stderr).
 
-    The transport still authenticates no one (torchft's protocol has no place for it): whoever reaches the server
-    can fetch the state it serves (docs/security.md)."""
+    The traffic is not encrypted (someone who watches the network sees the state served)."""
     from torchft.checkpointing import http_transport
     from torchft.checkpointing._serialization import _streaming_load
     from torchft.http import _IPv6HTTPServer
 
-    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    family = socket.AF_INET6 if ":" in bind or not bind else socket.AF_INET
 
     class Server(_IPv6HTTPServer):  # type: ignore[misc, valid-type]
         address_family = family
@@ -94,14 +99,25 @@ def heal_transport(timeout: datetime.timedelta, bind: str) -> Any:
             socketserver.TCPServer.server_bind(self)
             self.server_name, self.server_port = self.server_address[:2]
 
+    def sealed(handler: type) -> type:
+        if token is None:
+            return handler
+
+        class Sealed(handler):  # type: ignore[misc, valid-type]
+            def do_GET(self) -> None:
+                seal = self.headers.get(gate.HEAL_HEADER, "")
+                if not hmac.compare_digest(seal.encode(), gate.heal_seal(token, self.path).encode()):
+                    self.send_error(403, "not sealed with the lighthouse's token")  # (logged by quiet_heal_server)
+                    return
+                super().do_GET()
+
+        return Sealed
+
     class WeightsOnlyHTTPTransport(http_transport.HTTPTransport):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
-            if not bind:
-                super().__init__(timeout=timeout, num_chunks=0)
-                return
-            with _BUILDING:  # torchft builds its server on ("", 0): on bind here instead
+            with _BUILDING:  # torchft builds its server on ("", 0): on bind here instead, sealed where there is a token
                 original = http_transport._IPv6HTTPServer
-                http_transport._IPv6HTTPServer = lambda _address, handler: Server((bind, 0), handler)
+                http_transport._IPv6HTTPServer = lambda _address, handler: Server((bind, 0), sealed(handler))
                 try:
                     super().__init__(timeout=timeout, num_chunks=0)
                 finally:
@@ -115,7 +131,10 @@ def heal_transport(timeout: datetime.timedelta, bind: str) -> Any:
 
         @classmethod
         def _load_from_address(cls, address: str, timeout: datetime.timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            request = urllib.request.Request(address)
+            if token is not None:
+                request.add_header(gate.HEAL_HEADER, gate.heal_seal(token, urllib.parse.urlparse(address).path))
+            with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as f:
                 try:
                     return _streaming_load(f, weights_only=True)
                 except pickle.UnpicklingError as e:

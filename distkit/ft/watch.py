@@ -3,13 +3,17 @@ which groups does it count as gone) and its own clock (was this process stopped)
 threads that use it are :meth:`distkit.ft.groups.FaultTolerance._watching_lighthouse`'s."""
 from __future__ import annotations
 
+import http.client
 import re
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from typing import Optional
+from typing import Callable, Optional
 
 from distkit.errors import ConfigError
+from distkit.ft import gate
 
 #: seconds a rank waits for the lighthouse to answer at start before it says it is unreachable
 PROBE_TIMEOUT_S = 5.0
@@ -28,20 +32,58 @@ FROZEN_S = 2.0
 _HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*([^\s<]+): seen ([^\s<]+) ago')
 
 
-def lighthouse_answers(url: str) -> Optional[str]:
-    """None when the lighthouse at ``url`` answers, else why not."""
-    return lighthouse_status(url)[0]
+def lighthouse_answers(url: str, token: Optional[bytes] = None) -> Optional[str]:
+    """None when the lighthouse at ``url`` answers, else why not (``token``: see :func:`lighthouse_status`)."""
+    return lighthouse_status(url, token)[0]
 
 
-def lighthouse_status(url: str) -> tuple[Optional[str], str]:
-    """(None, the lighthouse's /status page) when the lighthouse at ``url`` answers, else (why not, "")."""
+class _GatedConnection(http.client.HTTPConnection):
+    """An HTTP connection through the lighthouse's gate (the token proved both ways first)."""
+
+    def __init__(self, host: str, port: int, token: bytes) -> None:
+        super().__init__(host, port, timeout=PROBE_TIMEOUT_S)
+        self._token = token
+
+    def connect(self) -> None:
+        self.sock = gate.open_gated(self.host, int(self.port), self._token, PROBE_TIMEOUT_S)
+        self.sock.settimeout(PROBE_TIMEOUT_S)
+
+
+def lighthouse_status(url: str, token: Optional[bytes] = None) -> tuple[Optional[str], str]:
+    """(None, the lighthouse's /status page) when the lighthouse at ``url`` answers, else (why not, "").
+    ``token``: the lighthouse's (its gate lets only its holders in, :mod:`distkit.ft.gate`); None: a lighthouse
+    without a gate. A gate that refuses the token (or a server that is none) is why not, in its own words."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=PROBE_TIMEOUT_S) as answer:
-            return None, answer.read().decode("utf-8", "replace")
+        return _status(url, token)
+    except gate.GateRefused as e:
+        return str(e), ""
+
+
+def _status(url: str, token: Optional[bytes]) -> tuple[Optional[str], str]:
+    """:func:`lighthouse_status`, raising GateRefused."""
+    try:
+        if token is None:
+            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=PROBE_TIMEOUT_S) as answer:
+                return None, answer.read().decode("utf-8", "replace")
+        parsed = urllib.parse.urlparse(url)
+        conn = _GatedConnection(parsed.hostname or "", parsed.port or 80, token)
+        try:
+            conn.request("GET", "/status")
+            answer = conn.getresponse()
+            return None, answer.read().decode("utf-8", "replace") if answer.status == 200 else ""
+        finally:
+            conn.close()
     except urllib.error.HTTPError:
         return None, ""  # something answered: the lighthouse (its pages may differ between versions)
-    except (OSError, ValueError) as e:
-        return str(getattr(e, "reason", e)), ""
+    except gate.GateRefused:
+        raise
+    except http.client.BadStatusLine as e:
+        if str(e).startswith(gate.GREETING.decode().strip()):
+            raise gate.GateRefused(f"the lighthouse at {url} lets only holders of its token in: give the groups its "
+                                   "token file (fault_tolerance.token_file), not None") from None
+        return str(e) or type(e).__name__, ""
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        return str(getattr(e, "reason", e)) or type(e).__name__, ""
 
 
 def stale_heartbeats(status: str) -> dict[str, str]:
@@ -50,9 +92,21 @@ def stale_heartbeats(status: str) -> dict[str, str]:
     return {m.group(2): m.group(3) for m in _HEARTBEAT.finditer(status) if m.group(1)}
 
 
-def probe_lighthouse(url: str) -> None:
-    """Raise ConfigError when nothing answers at the lighthouse's address."""
-    why = lighthouse_answers(url)
+def probe_lighthouse(url: str, token_of: Callable[[], Optional[bytes]] = lambda: None) -> None:
+    """Raise ConfigError, one line, when nothing answers at the lighthouse's address (before its token is looked
+    for: starting the lighthouse makes the default one), when the token cannot be read (``token_of``'s own
+    ConfigError), or when the lighthouse's gate and the token do not agree (which, and what to do)."""
+    parsed = urllib.parse.urlparse(url)
+    try:
+        socket.create_connection((parsed.hostname or "", parsed.port or 80), timeout=PROBE_TIMEOUT_S).close()
+        why = None
+    except OSError as e:
+        why = e.strerror or str(e) or type(e).__name__
+    if why is None:
+        try:
+            why = _status(url, token_of())[0]
+        except gate.GateRefused as e:
+            raise ConfigError(f"fault_tolerance.lighthouse: {e}") from None
     if why is not None:
         raise ConfigError(f"fault_tolerance.lighthouse {url} does not answer ({why}): start it first "
                           "(`distkit lighthouse --port PORT`), or give its address")
