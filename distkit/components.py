@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import re
 import sys
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -34,6 +35,9 @@ def optimizer_class(name: Any) -> type[torch.optim.Optimizer]:
         return name
     classes = _torch_classes(torch.optim, torch.optim.Optimizer, ("Optimizer",))
     found = classes.get(str(name).lower())
+    if found is None and str(name).lower() == "muon":
+        raise ConfigError(f"optimizer class 'muon' needs torch.optim.Muon, which torch {torch.__version__} lacks: "
+                          "install torch >= 2.9, or use 'adamw'")
     if found is None:
         raise ConfigError(f"optimizer class {name!r} is not a torch.optim optimizer: use one of "
                           f"{', '.join(sorted(c.__name__ for c in classes.values()))}, or give optimizer as a "
@@ -50,7 +54,8 @@ def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1,
     """The configured optimizer: ``optimizer = {"class": <torch.optim name>, **kwargs}`` with ``lr`` =
     ``learning_rate`` (times the world size with ``distributed.scale_lr``), or a factory (which sets its own
     learning rate): ``params -> Optimizer``, or one that asks for ``named_parameters`` (see
-    :func:`call_optimizer_factory`; ``named_parameters`` here gives the model's pairs for it)."""
+    :func:`call_optimizer_factory`; ``named_parameters`` here gives the model's pairs for it). ``"class": "muon"``
+    is :func:`build_muon` (Muon on the hidden matrices, AdamW on the rest; ``named_parameters`` names them)."""
     if callable(cfg.optimizer):
         opt = call_optimizer_factory(cfg.optimizer, params, named_parameters)
         if not isinstance(opt, torch.optim.Optimizer):
@@ -60,6 +65,10 @@ def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1,
     kwargs = {k: v for k, v in cfg.optimizer.items() if k != "class"}
     lr = cfg.learning_rate * (world_size if cfg.distributed.scale_lr else 1)
     cls = optimizer_class(cfg.optimizer["class"])
+    if cls is getattr(torch.optim, "Muon", None):
+        with _without_dynamo():
+            return build_muon(cfg.optimizer, params, lr, world_size if cfg.distributed.scale_lr else 1,
+                              named_parameters)
     if cls is torch.optim.LBFGS:
         # its step() needs a closure that re-runs forward and backward; the shared loop steps once per batch
         raise ConfigError("optimizer 'LBFGS' needs a closure, which distkit train's loop does not take: use it in "
@@ -71,6 +80,176 @@ def build_optimizer(cfg: RunConfig, params: Any, world_size: int = 1,
     except TypeError as e:  # a keyword the class does not take
         raise ConfigError(f"optimizer = {cfg.optimizer!r}: {cls.__name__} rejected its arguments ({e}): "
                           f"check the keys against torch.optim.{cls.__name__}") from None
+
+
+#: 2-D parameters whose name matches one of these (``re.search``) go to AdamW with the vectors: the embeddings and
+#: the output head, as Keller Jordan's Muon, Moonshot's Moonlight and MuLoCo do (Muon is for hidden matrices).
+#: ``optimizer = {"class": "muon", "adamw_names": [...]}`` replaces the list (``[]``: every 2-D parameter is Muon's).
+MUON_ADAMW_NAMES = (r"embed", r"(^|\.)(wte|wpe|tok|pos|head|lm_head|classifier|score)(\.|$)")
+#: distkit's default ``adjust_lr_fn`` for torch.optim.Muon (torch's own is "original"): Moonshot's RMS matching
+#: (update scaled by 0.2 * sqrt(max(rows, cols))), under which one learning_rate and weight_decay serve both parts
+MUON_ADJUST_LR = "match_rms_adamw"
+#: the keys of ``optimizer = {"class": "muon", ...}`` that are not torch.optim.Muon's
+MUON_OWN_KEYS = ("class", "adamw", "adamw_names")
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """One optimizer over the whole model: ``torch.optim.Muon`` steps the groups with ``use_muon=True`` (2-D
+    matrices only), ``torch.optim.AdamW`` the groups with ``use_muon=False`` (everything else).
+
+    It is a plain :class:`torch.optim.Optimizer` to everything around it: ``param_groups`` (each with its own
+    class's hyperparameters; an LR scheduler scales every group's ``lr``), ``state`` (Muon's ``momentum_buffer``,
+    AdamW's ``step``/``exp_avg``/``exp_avg_sq``, one dict), ``state_dict``/``load_state_dict`` (torch's own, so a
+    checkpoint resumes bit for bit and the portable format keys it by parameter name), ``zero_grad``. The two
+    inner optimizers hold no state of their own: before each step they are pointed at this object's groups (by
+    flag) and state, so a ``load_state_dict``, Horovod's ``DistributedOptimizer`` (a subclass built from
+    ``param_groups`` alone) or FSDP's re-pointing of the groups never leaves them stale.
+
+    Cross-rank contract: Muon orthogonalises each matrix whole. On DDP, mpi and Horovod every rank holds whole
+    matrices and the same reduced gradients, and each rank steps alone. On FSDP2 (DTensor shards) the step is
+    collective: each matrix's update is all-gathered, orthogonalised whole on every rank and sliced back
+    (:meth:`_step_whole_matrices`). DeepSpeed ZeRO 1-3 and its bf16/fp16 optimizers hand the optimizer flat 1-D
+    partitions: refused before start (:attr:`needs_whole_matrices`).
+    """
+
+    #: read by the engines that shard parameters or flatten them (they refuse it, naming the fix)
+    needs_whole_matrices = True
+
+    def __init__(self, params: Iterable[dict[str, Any]]) -> None:
+        self._parts: dict[bool, torch.optim.Optimizer] = {}
+        super().__init__(params, {})
+        for flag in (True, False):
+            self._part(flag)  # builds and checks each part now (torch.optim.Muon: 2-D parameters only)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, for a group that says which part steps it: ``use_muon`` True (Muon) or False (AdamW)."""
+        if not isinstance(param_group.get("use_muon"), bool):
+            raise ValueError("MuonWithAdamW: each parameter group needs 'use_muon': True (torch.optim.Muon, 2-D "
+                             "parameters) or False (torch.optim.AdamW)")
+        super().add_param_group(param_group)
+
+    def _part(self, use_muon: bool) -> Optional[torch.optim.Optimizer]:
+        """The inner optimizer of the groups flagged ``use_muon``, pointed at them and at this object's state."""
+        groups = [g for g in self.param_groups if g["use_muon"] is use_muon]
+        if not groups:
+            return None
+        part = self._parts.get(use_muon)
+        if part is None:  # torch's constructor checks the groups and fills in its defaults (the same dicts)
+            part = self._parts[use_muon] = (torch.optim.Muon if use_muon else torch.optim.AdamW)(groups)
+        part.param_groups, part.state = groups, self.state
+        return part
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One step of each part: Muon on the matrices, then AdamW on the rest (disjoint parameters)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for use_muon in (True, False):
+            part = self._part(use_muon)
+            if part is not None and use_muon and _sharded(part):
+                self._step_whole_matrices(part)
+            elif part is not None:
+                part.step()
+        return loss
+
+    def _step_whole_matrices(self, part: torch.optim.Optimizer) -> None:
+        """Collective (every rank of the mesh, the same parameters in the same order). torch.optim.Muon's step,
+        its arithmetic in its order, for sharded (FSDP2 DTensor) parameters: the momentum stays sharded (it is
+        elementwise); the update is all-gathered whole, orthogonalised whole on every rank (the same matrix, so the
+        same result, as DDP), and each rank keeps its own shard of it (sliced here, no communication)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        for group in part.param_groups:
+            lr, decay, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                whole = update.full_tensor() if isinstance(update, DTensor) else update
+                ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                if isinstance(p, DTensor):
+                    ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
+                p.mul_(1 - lr * decay)
+                p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def _sharded(part: torch.optim.Optimizer) -> bool:
+    """Whether ``part`` steps DTensor parameters (FSDP2's shards). No DTensor exists before its module is imported."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for g in part.param_groups for p in g["params"])
+
+
+def split_for_muon(params: Iterable[torch.Tensor], names: dict[int, str],
+                   adamw_names: Iterable[str] = MUON_ADAMW_NAMES) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``params`` as (Muon's, AdamW's), each in the given order: Muon gets the 2-D parameters whose name (``names``
+    by ``id``; "" where unknown) matches none of the regular expressions ``adamw_names``."""
+    patterns = [re.compile(p) for p in adamw_names]
+    muon: list[torch.Tensor] = []
+    adamw: list[torch.Tensor] = []
+    for p in params:
+        name = names.get(id(p), "")
+        (muon if p.ndim == 2 and not any(rx.search(name) for rx in patterns) else adamw).append(p)
+    return muon, adamw
+
+
+def build_muon(spec: dict[str, Any], params: Any, lr: float, lr_scale: float = 1.0,
+               named_parameters: Optional[NamedParameters] = None) -> MuonWithAdamW:
+    """``optimizer = {"class": "muon", **Muon's keys, "adamw": {**AdamW's keys}, "adamw_names": [regex, ...]}`` as
+    one :class:`MuonWithAdamW`. ``lr`` (learning_rate, already times ``lr_scale`` = the world size under
+    distributed.scale_lr) is Muon's; AdamW's ``lr`` and ``weight_decay`` default to Muon's (Moonshot's shared
+    setting, with adjust_lr_fn "match_rms_adamw", distkit's default); an ``adamw.lr`` is scaled by ``lr_scale``
+    too. ConfigError (one line, the fix) for a key or value torch's classes reject."""
+    adamw_spec = spec.get("adamw", {})
+    if not isinstance(adamw_spec, dict):
+        raise ConfigError(f"optimizer 'muon': 'adamw' must be a dict of torch.optim.AdamW's keywords for the non-matrix "
+                          f"parameters, e.g. {{'lr': 3e-4, 'betas': (0.9, 0.95)}}, got {adamw_spec!r}")
+    adamw_names = spec.get("adamw_names", MUON_ADAMW_NAMES)
+    if isinstance(adamw_names, str) or not all(isinstance(n, str) for n in adamw_names):
+        raise ConfigError(f"optimizer 'muon': 'adamw_names' must be a list of regular expressions (parameter names "
+                          f"that go to AdamW although 2-D, e.g. ['embed', 'lm_head']), got {adamw_names!r}")
+    for pattern in adamw_names:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"optimizer 'muon': 'adamw_names' entry {pattern!r} is not a regular expression ({e}): "
+                              "fix it or escape it with re.escape") from None
+    listed = list(params)
+    if any(isinstance(p, dict) for p in listed):
+        raise ConfigError("optimizer 'muon' makes its own parameter groups (the matrices for Muon, the rest for "
+                          "AdamW): give it the model's parameters, or build MuonWithAdamW with your own groups")
+    names = {id(p): n for n, p in named_parameters()} if named_parameters is not None else {}
+    muon_params, adamw_params = split_for_muon(listed, names, adamw_names)
+    if "lr" in spec:
+        raise ConfigError("optimizer 'muon': its learning rate is the 'learning_rate' key: remove 'lr' from the optimizer "
+                          "dict (AdamW's part takes 'adamw': {'lr': ...})")
+    muon_kwargs = {"adjust_lr_fn": MUON_ADJUST_LR, **{k: v for k, v in spec.items() if k not in MUON_OWN_KEYS}, "lr": lr}
+    muon_decay = inspect.signature(torch.optim.Muon.__init__).parameters["weight_decay"].default
+    adamw_kwargs = {"lr": lr, "weight_decay": muon_kwargs.get("weight_decay", muon_decay), **adamw_spec}
+    if isinstance(adamw_spec.get("lr"), (int, float)) and not isinstance(adamw_spec["lr"], bool):
+        adamw_kwargs["lr"] = adamw_spec["lr"] * lr_scale
+    groups: list[dict[str, Any]] = []
+    for use_muon, cls, chosen, kwargs in ((True, torch.optim.Muon, muon_params, muon_kwargs),
+                                          (False, torch.optim.AdamW, adamw_params, adamw_kwargs)):
+        probe = chosen or [torch.nn.Parameter(torch.zeros(2, 2))]  # an empty part: its keys are checked all the same
+        try:
+            made = cls(probe, **kwargs)
+        except (TypeError, ValueError) as e:
+            where = "the optimizer dict's" if use_muon else "'adamw'"
+            raise ConfigError(f"optimizer 'muon': torch.optim.{cls.__name__} rejected {where} keys ({e}): check them "
+                              f"against torch.optim.{cls.__name__}") from None
+        if chosen:
+            groups += [{**g, "use_muon": use_muon} for g in made.param_groups]
+    if not groups:
+        raise ConfigError("optimizer 'muon': the model has no parameters to optimise")
+    return MuonWithAdamW(groups)
 
 
 def call_optimizer_factory(factory: Callable[..., Any], params: Any,

@@ -157,7 +157,11 @@ class RunConfig:
     #: ``def optimizer(named_parameters): return torch.optim.AdamW([{"params": [p for n, p in named_parameters if
     #: "bias" not in n], "weight_decay": 0.01}, {"params": [p for n, p in named_parameters if "bias" in n],
     #: "weight_decay": 0.0}], lr=1e-3)``; ``def optimizer(params, named_parameters)`` gets both. LBFGS needs a
-    #: closure: use it in your own loop or ``distkit.compat.perceptrain``
+    #: closure: use it in your own loop or ``distkit.compat.perceptrain``. ``{"class": "muon", **torch.optim.Muon's
+    #: keys, "adamw": {**AdamW's keys}, "adamw_names": [regex, ...]}`` (MuLoCo's inner optimizer): Muon (lr =
+    #: learning_rate, adjust_lr_fn "match_rms_adamw") on the 2-D matrices, AdamW (lr and weight_decay Muon's unless
+    #: given) on the rest and on the 2-D parameters whose names match ``adamw_names`` (default: embeddings and the
+    #: output head); ddp, mpi, horovod, fsdp (whole matrices gathered), DeepSpeed ZeRO 0 in fp32 only
     optimizer: Any = field(default_factory=lambda: {"class": "sgd"})
     #: None, ``{"class": "constant"|"linear"|"cosine"|"step"|<torch.optim.lr_scheduler class>, "warmup_steps": N,
     #: ...}`` (``min_lr_ratio`` for cosine/linear; ``step_size``, ``gamma`` for step; a torch class gets the other
@@ -237,7 +241,9 @@ class RunConfig:
     #: the parameters are averaged every param_sync_step steps by the groups alive then (a quorum from the
     #: lighthouse: ``distkit lighthouse``); a (re)started group heals from a live one. ``quorum_timeout_s``
     #: (default 600) bounds the wait for a quorum, ``connect_timeout_s`` (default 30) the wait of a new quorum's
-    #: groups for each other to connect (at most distributed.timeout_s). None = no fault tolerance
+    #: groups for each other to connect (at most distributed.timeout_s), ``token_file`` (default
+    #: ~/.distkit/lighthouse.token, which ``distkit lighthouse`` writes) the lighthouse's token that every rank
+    #: proves at its gate (None: a lighthouse without a gate). None = no fault tolerance
     fault_tolerance: Optional[dict[str, Any]] = None
     #: a tqdm bar on rank 0
     progress_bar: bool = True

@@ -15,6 +15,7 @@ import os
 from typing import Any, Optional
 
 from distkit.config import RunConfig
+from distkit.config.validate import uses_muon
 from distkit.env import detect
 from distkit.errors import BackendUnavailable, ConfigError, UnsupportedCombination
 
@@ -42,6 +43,14 @@ def _pos_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"DeepSpeed config '{name}' must be an integer >= 1, got {value!r}")
     return value
+
+
+def muon_refusal(stage: int, precision: str) -> str:
+    """The one line refusing Muon (:class:`distkit.components.MuonWithAdamW`) under DeepSpeed ``stage``/``precision``:
+    ZeRO 1-3 and the bf16/fp16 optimizers hand the client optimizer flat 1-D partitions, not whole matrices."""
+    what = f"ZeRO stage {stage}" if stage >= 1 else f"precision {precision!r}"
+    return (f"optimizer 'muon' orthogonalises whole weight matrices, which DeepSpeed {what} flattens into partitions: "
+            "use backend 'ddp', 'mpi', 'horovod' or 'fsdp' for Muon, or DeepSpeed ZeRO stage 0 with precision '32'")
 
 
 def zero_section(ds: dict[str, Any]) -> dict[str, Any]:
@@ -166,6 +175,8 @@ class _DeepSpeedConfigured(DDPStrategy):
                                   f"{'enables ' + ('bf16' if block == 'bf16-mixed' else 'fp16') if block != '32' else 'disables ' + str(wanted)}) "
                                   "disagree: remove one of them or make them equal")
             ds[wanted] = {"enabled": True}  # precision selects the block DeepSpeed applies
+        if uses_muon(cfg.optimizer) and "optimizer" not in ds and (stage >= 1 or cfg.precision != "32"):
+            raise UnsupportedCombination(muon_refusal(stage, cfg.precision))
         if "scheduler" in ds and cfg.lr_scheduler is not None:
             raise ConfigError("'lr_scheduler' (distkit) and the 'scheduler' block of the DeepSpeed config both choose "
                               "the LR schedule: remove one of them")

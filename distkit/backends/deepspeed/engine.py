@@ -28,7 +28,7 @@ from distkit.sync.replicas import ReplicaGroups
 from .. import startup
 from ..parts import bare_module, persistent_buffers, same_parameters_on_every_rank, unused_parameters
 from ..buffers import DDPBufferRule
-from .config import RESOLVED_NAME, _explicit, zero_section
+from .config import RESOLVED_NAME, _explicit, muon_refusal, zero_section
 from .groups import _MasterAverager, _ReplicaGroups
 from .state import _DeepSpeedState
 
@@ -177,6 +177,8 @@ class DeepSpeedStrategy(_DeepSpeedState):
         if not client and optimizer is not None:
             raise ConfigError("the DeepSpeed config's 'optimizer' block and the optimizer passed to dk.setup both "
                               "choose the optimizer: pass None to dk.setup or remove the block")
+        if client and getattr(optimizer, "needs_whole_matrices", False) and (self.zero_stage or cfg.precision != "32"):
+            raise UnsupportedCombination(muon_refusal(self.zero_stage, cfg.precision))  # (Muon: distkit.components)
         # payload per step in grad mode: one gradient reduction (all-reduce or reduce-scatter) of every parameter
         self._grad_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
         startup_elements = sum(p.numel() for p in model.parameters())
