@@ -88,6 +88,20 @@ def test_failed_rank_stops_nprocs_run(tmp_path: Path, kind: str) -> None:
         assert f"distkit: rank {FAULT_RANK} failed: RuntimeError: injected fault" in res.stderr, text[-4000:]
 
 
+@pytest.mark.parametrize("engine", ["mpi", "horovod"])
+def test_a_killed_rank_under_nprocs_with_an_mpi_engine_is_named_by_distkit(tmp_path: Path, engine: str) -> None:
+    """Issue 62 item 1: ``--nprocs`` with the mpi or horovod engine starts ``mpirun``, which ends the job when rank
+    1 is SIGKILLed; the only name of the rank was Open MPI's own message ("prterun noticed that process rank 1 ...
+    exited on signal 9"), where docs/failures.md promises distkit's line, as under the spawner's other engines.
+    Now distkit watches mpirun's ranks and names the one that died first (distkit.launch.mpi_launch)."""
+    res, _, text, _ = _run_with_fault("nprocs", tmp_path, "kill", "++torch_distributed", "None",
+                                      "++distributed.backend", engine)
+    assert res.returncode == 128 + 9, text[-4000:]  # mpirun's status: its failed rank's
+    assert f"distkit: rank {FAULT_RANK} failed (killed by SIGKILL); mpirun ended the other ranks" in res.stderr, \
+        text[-4000:]
+    assert "distkit: rank 0 failed" not in res.stderr, text[-4000:]
+
+
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_failed_rank_stops_torchrun_run(tmp_path: Path, kind: str) -> None:
     res, _, text, _ = _run_with_fault("torchrun", tmp_path, kind)

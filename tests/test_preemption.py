@@ -158,3 +158,64 @@ def test_a_signal_on_one_rank_stops_every_rank_two_steps_later(engine: str, tmp_
     assert text.count("distkit: stopped by SIGTERM after step 12 of 30; checkpoint step-0000012 written") == 1, \
         text[-3000:]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-0000012"
+
+
+MPIRUN = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "distkit"]
+MPI = ["++torch_distributed", "None", "++distributed.backend", "mpi"]
+#: rank 0's line when mpirun ends the job on its own SIGTERM (distkit.health.preemption.MPIRUN_ENDS)
+MPIRUN_ENDS = "distkit: mpirun is ending the job (it was sent SIGTERM or SIGINT"
+
+
+def _no_checkpoint(out: Path) -> bool:
+    return not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step-*"))
+
+
+def test_sigterm_to_mpirun_ends_the_job_without_a_checkpoint_and_says_so(tmp_path: Path) -> None:
+    """Issue 62 item 7: SIGTERM to a user's mpirun. mpirun (prterun) ends the job itself: SIGCONT and SIGTERM to
+    every rank, SIGKILL 0.5 s later, exit status 1. Documented as writing no checkpoint, yet a run whose ranks took
+    that SIGTERM as a preemption wrote one when they were fast enough, and nothing said what happened. Now one
+    behaviour: no checkpoint, exit status 1, and rank 0's one line saying so (written into mpirun's own stderr)."""
+    out = tmp_path / "run"
+    p = start([*MPIRUN, *ARGS, "++output_dir", str(out), *MPI], out)
+    code, stdout, stderr = signal_when_paused(p, out, signal.SIGTERM, None)
+    text = stdout + stderr
+    assert code == 1, text[-3000:]
+    assert text.count(MPIRUN_ENDS) == 1, text[-3000:]
+    assert "stopped by" not in text, text[-3000:]
+    assert _no_checkpoint(out), sorted(os.listdir(out / "checkpoints"))
+
+
+def test_mpiruns_sigcont_and_sigterm_never_start_a_checkpoint(tmp_path: Path) -> None:
+    """What mpirun sends each rank when it ends the job (SIGCONT, then SIGTERM), sent here to the ranks themselves,
+    so that no SIGKILL follows: the ranks start no checkpoint (before: every rank stopped with one, exit 75, as for a
+    preemption, which mpirun's SIGKILL cut off or not, by chance); each ends by itself a few seconds later
+    (distkit.health.preemption.ENDS_WITHIN_S), and mpirun with it, non-zero. A SIGTERM alone to a rank is still a
+    preemption (test_a_signal_on_one_rank_stops_every_rank_two_steps_later)."""
+    from distkit.launch.procfs import children, environ
+
+    out = tmp_path / "run"
+    # (a run long enough to be still training when the ranks end themselves: 200 steps take under 3 s)
+    p = start([*MPIRUN, *ARGS, "++output_dir", str(out), *MPI, "++max_steps", "100000", "++num_epochs", "1000"], out)
+    deadline, stamp = time.time() + 120, out.parent / "paused"
+    while not stamp.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None and stamp.exists(), f"rank 0 never reached step {PAUSE_STEP}: {p.communicate()}"
+    rank0 = int(stamp.read_text().split()[0])
+    ranks = [pid for pid in children(p.pid) if "OMPI_COMM_WORLD_RANK" in (environ(pid) or {})]
+    assert rank0 in ranks and len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGTERM)
+    while catches(rank0, signal.SIGTERM) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    (out.parent / "release").touch()
+    try:
+        stdout, stderr = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        raise AssertionError(f"still running 120 s after the signals\n{stderr[-3000:]}")
+    text = stdout + stderr
+    assert p.returncode not in (0, 75), text[-3000:]
+    assert "stopped by" not in text, text[-3000:]
+    assert _no_checkpoint(out), sorted(os.listdir(out / "checkpoints"))

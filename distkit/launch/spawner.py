@@ -11,12 +11,12 @@ watches them: when one exits non-zero or is killed, it names that rank, stops th
 responding (:mod:`distkit.health.watchdog`: another rank recorded it) is named instead of the rank that
 noticed, and killed with SIGKILL at once, as is any rank found stopped (SIGSTOP): a stopped
 process never acts on SIGTERM. Engines that need an MPI launcher (mpi, horovod) are started under
-``mpirun`` instead (:func:`mpirun`), which does the same watching.
+``mpirun`` instead (:func:`distkit.launch.mpi_launch.mpirun`), which ends the job itself when a rank fails;
+distkit names the rank after it the same way.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -28,7 +28,10 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from distkit.launch import ompi_leftovers
+from distkit.launch.failures import (  # noqa: F401  (the ranks, the watchdog and tests import them from here)
+    FAILURE_DIR_VAR, SETTLE_S, _all_agreed, _culprit, _describe, _stalls, connection_lost, lost_a_peer, record_failure,
+    record_stall, settle_if_peer, verdict)
+from distkit.launch.mpi_launch import _threads, mpirun, mpirun_path  # noqa: F401  (mpirun_path: envreport's)
 from distkit.launch.procfs import is_stopped
 
 #: seconds between SIGTERM and SIGKILL when stopping the surviving ranks
@@ -36,152 +39,10 @@ GRACE_S = 5.0
 #: seconds the spawner waits for the ranks to stop after it passed a preemption signal on to them
 #: (schedulers kill a job some seconds after that signal: SLURM's KillWait is 30 s by default)
 PREEMPT_WAIT_S = 120.0
-#: seconds the spawner waits after the first failed rank for the others' failure records (see _culprit)
-SETTLE_S = 1.0
-#: where a spawned rank records why it failed (set by :func:`spawn`)
-FAILURE_DIR_VAR = "DISTKIT_FAILURE_DIR"
-#: words of errors a rank gets when its connection to another rank broke (that rank died or went away)
-_CLOSED_WORDS = ("closed by peer", "connection reset", "connection refused", "broken pipe")
-#: words of errors a rank gets because another rank failed (its connection broke, a collective timed out)
-_PEER_WORDS = (*_CLOSED_WORDS, "timed out", "timeout", "another rank")
-
-
-def record_failure(rank: int, exc: BaseException) -> None:
-    """Under distkit's spawner: note when and why this rank failed, so the spawner names the rank whose
-    error came first and was its own, not one that only lost its peer (no-op elsewhere)."""
-    directory = os.environ.get(FAILURE_DIR_VAR)
-    if not directory:
-        return
-    from distkit.errors import describe
-
-    text, peer = describe(exc), lost_a_peer(exc)
-    try:
-        with open(os.path.join(directory, f"rank-{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "time": time.time(), "peer": peer, "error": text[:300],
-                       "agreed": bool(getattr(exc, "agreed", False))}, f)
-    except OSError:
-        pass  # best effort: the spawner then names the first rank it saw fail
-
-
-def record_stall(rank: int, exc: BaseException) -> None:
-    """Under distkit's spawner: rank ``rank`` saw the ranks in ``exc.stalled_ranks`` stop responding
-    (:class:`~distkit.errors.RankStalled`); the spawner names them, since a stopped rank records
-    nothing itself (no-op elsewhere). A file of its own, so a failure recorded by the same rank at
-    the same moment cannot overwrite it."""
-    directory = os.environ.get(FAILURE_DIR_VAR)
-    if not directory:
-        return
-    try:
-        with open(os.path.join(directory, f"stalled-{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "time": time.time(), "stalled": list(getattr(exc, "stalled_ranks", [])),
-                       "error": f"{type(exc).__name__}: {exc}"[:300]}, f)
-    except OSError:
-        pass
-
-
-def lost_a_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is what a rank gets when *another* rank failed (its connection closed, a collective
-    timed out, it stopped responding), rather than an error of its own."""
-    text = f"{type(exc).__name__}: {exc}".lower()
-    return type(exc).__name__ in ("CollectiveTimeout", "RankStalled", "RankLost") or any(w in text for w in _PEER_WORDS)
-
-
-def connection_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` says this rank's connection to another rank broke (closed, reset, refused)."""
-    text = str(exc).lower()
-    return any(w in text for w in _CLOSED_WORDS)
-
-
-def settle_if_peer(exc: BaseException, world_size: int) -> None:
-    """A rank that failed only because a peer did waits :data:`SETTLE_S` before exiting, so that any
-    launcher (distkit's spawner, torchrun, whose "Root Cause" is the earliest failure in whole seconds
-    with ties going to the lowest rank) sees the rank that really failed exit first."""
-    if world_size > 1 and lost_a_peer(exc):
-        time.sleep(SETTLE_S)
-
-
-def _stalls(directory: str) -> list[dict[str, Any]]:
-    """The stall records (:func:`record_stall`) in ``directory``, earliest first."""
-    found = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if name.startswith("stalled-"):
-            try:
-                with open(os.path.join(directory, name)) as f:
-                    found.append(json.load(f))
-            except (OSError, ValueError):
-                continue
-    return sorted(found, key=lambda r: r["time"])
-
-
-def verdict(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int, str]:
-    """``(rank, exit status, what happened)`` for the spawner's line about the failed job: the rank
-    :func:`_culprit` names, "stopped responding" only when no error of its own was recorded for it and
-    another rank saw its heartbeat stop (a rank with an ordinary exception is also seen as lost by its
-    peers once it has exited: that must not turn its own error into "stopped responding")."""
-    rank, code = _culprit(directory, failed)
-    try:
-        with open(os.path.join(directory, f"rank-{rank}.json")) as f:
-            own = not json.load(f)["peer"]
-    except (OSError, ValueError, KeyError):
-        own = False
-    stalls = [s for s in _stalls(directory) if rank in s["stalled"]]
-    if stalls and not own:
-        return rank, code, f"stopped responding (no heartbeat for distributed.timeout_s; noticed by rank {stalls[0]['rank']})"
-    return rank, code, f"failed ({_describe(code)})"
-
-
-def _culprit(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int]:
-    """The failed rank to name: the earliest with an error of its own; else the first rank another one
-    saw stop responding (it may still run: stopped); else one that died without recording anything
-    (killed, crashed); else the earliest; else the first the spawner saw."""
-    records = []
-    for rank, code in failed:
-        try:
-            with open(os.path.join(directory, f"rank-{rank}.json")) as f:
-                records.append((json.load(f), code))
-        except (OSError, ValueError):
-            continue
-    own = sorted((r["time"], r["rank"], c) for r, c in records if not r["peer"])
-    if own:
-        return own[0][1], own[0][2]
-    for stall in _stalls(directory):
-        if stall["stalled"]:
-            return int(stall["stalled"][0]), dict(failed).get(int(stall["stalled"][0]), 1)
-    recorded = {r["rank"] for r, _ in records}
-    silent = [(r, c) for r, c in failed if r not in recorded]
-    if silent:
-        return silent[0]
-    if records:
-        first = min(records, key=lambda rc: rc[0]["time"])
-        return first[0]["rank"], first[1]
-    return failed[0]
-
-
-def _all_agreed(directory: str, nprocs: int) -> bool:
-    """Whether every rank recorded the same agreed error (:attr:`DistkitError.agreed`)."""
-    for rank in range(nprocs):
-        try:
-            with open(os.path.join(directory, f"rank-{rank}.json")) as f:
-                if not json.load(f).get("agreed"):
-                    return False
-        except (OSError, ValueError):
-            return False
-    return True
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 def _stop(procs: list[Any], kill: frozenset[int] = frozenset()) -> None:
@@ -282,11 +143,6 @@ def _as_main(run: Callable[[], Any], path: Optional[str]) -> int:
     return 0
 
 
-def _threads(nprocs: int) -> str:
-    """OMP_NUM_THREADS per rank, as torchrun: the cores shared out, no oversubscription."""
-    return str(max(1, (os.cpu_count() or 1) // nprocs))
-
-
 #: at most this many local ranks per CPU core (:func:`check_nprocs`)
 RANKS_PER_CPU = 64
 
@@ -316,52 +172,6 @@ def run_local(cmd: list[str], nprocs: int, launcher: str, target: Optional[Calla
     if launcher == "mpirun":
         return mpirun(cmd, nprocs, preemptible)
     return spawn(cmd, nprocs, target, preemptible, preimport)
-
-
-def mpirun_path() -> Optional[str]:
-    """The ``mpirun`` distkit starts: beside this Python first (the venv's Open MPI wheel), then on PATH."""
-    return shutil.which("mpirun", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
-
-
-def mpirun(cmd: list[str], nprocs: int, preemptible: bool = False) -> int:
-    """``mpirun -np N --bind-to none CMD``: Open MPI starts the ranks and ends the job when one fails.
-
-    ``--bind-to none``: Open MPI would pin every rank to one core of its own, or all to core 0 when
-    it miscounts; the ranks here share the machine's cores like torchrun's. ``--oversubscribe``: more
-    ranks than cores is what ``--nprocs`` asked for (as under the spawner); Open MPI refuses it otherwise.
-
-    Signals are passed on to mpirun, which passes them to the ranks. With ``preemptible`` (the ranks
-    stop with a checkpoint, :mod:`distkit.health.preemption`) the first SIGTERM goes on as SIGUSR1: mpirun
-    forwards SIGUSR1 and waits for the ranks, where on SIGTERM it also ends the job itself a moment
-    later (measured: the ranks' last line lost, its own exit status).
-    """
-    exe = mpirun_path()
-    if exe is None:
-        from distkit.errors import BackendUnavailable
-
-        raise BackendUnavailable("--nprocs with an MPI engine needs Open MPI's mpirun: pip install 'distkit[mpi]' "
-                                 "(or launch the ranks yourself with mpirun -np N)")
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", _threads(nprocs))
-    if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without both
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    ompi_leftovers.clear()  # a killed mpirun's session directory fails a new one given its pid
-    proc = subprocess.Popen([exe, "-np", str(nprocs), "--oversubscribe", "--bind-to", "none", *cmd], env=env)
-    translated: list[int] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if preemptible and signum == signal.SIGTERM and not translated:
-            translated.append(signum)
-            signum = signal.SIGUSR1
-        proc.send_signal(signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        return proc.wait()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def spawn(cmd: list[str], nprocs: int, target: Optional[Callable[[], int]] = None, preemptible: bool = False,
