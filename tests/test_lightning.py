@@ -78,6 +78,23 @@ def bn_fit(strategy):
     t.fit(model, loader(TRAIN, shuffle=True), loader(VAL))
     return float(t.callback_metrics["valid_loss"]), {k: v.detach().clone() for k, v in model.named_parameters()}
 
+def predict_fit(strategy):
+    """One epoch of fit, then ``trainer.predict`` on VAL: this rank's predictions (its share of the set, as the
+    DistributedSampler deals it)."""
+    pl.seed_everything(SEED)
+    model = BoringModel()
+    t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    t.fit(model, loader(TRAIN, shuffle=True))
+    return torch.cat(t.predict(model, loader(VAL)))
+
+def bn_and_predict(ref, source):
+    """The BatchNorm fit and predict_fit on DistkitStrategy(source) against ``ref`` (DDPStrategy's, same ranks)."""
+    bn_got, bn_params = bn_fit(DistkitStrategy(source))
+    pred = predict_fit(DistkitStrategy(source))
+    return dict(got=bn_got, ref=ref["bn"][0], max_diff=maxdiff(ref["bn"][1], bn_params),
+                predict_diff=float((pred - ref["predict"]).abs().max()), predicted=len(pred))
+
 TRAIN, VAL = RandomDataset(32, 64, 1), RandomDataset(32, 16, 2)
 SEED, EPOCHS, BATCH = 7, 2, 4
 
@@ -186,12 +203,11 @@ ref, ref_res = fit(DDPStrategy(), **KW)
 got, got_res = fit(strategy, out=os.path.join(args.out, "ckpt"), **KW)
 result.update(engine=strategy.dk.backend, mode=strategy.dk.cfg.distributed.reduce_type, max_diff=maxdiff(ref, got),
               ref=ref_res, got=got_res, world=strategy.world_size)
+# validation during fit whose step calls a submodule (issue 57 B): rank 0's BatchNorm statistics before the first
+# evaluation forward, as DDP broadcasts them in its wrapper's forward; the same logged value. And trainer.predict.
+REF = dict(bn=bn_fit(DDPStrategy()), predict=predict_fit(DDPStrategy()))
+result["bn"] = bn_and_predict(REF, args)
 if args.case == "horovod_too":
-    # validation during fit whose step calls a submodule (issue 57 B): rank 0's BatchNorm statistics before the first
-    # evaluation forward, as DDP broadcasts them in its wrapper's forward; the same logged value
-    bn_ref, bn_ref_params = bn_fit(DDPStrategy())
-    bn_got, bn_got_params = bn_fit(DistkitStrategy(args))
-    result["bn"] = dict(ref=bn_ref, got=bn_got, max_diff=maxdiff(bn_ref_params, bn_got_params))
     # Fabric on the same engine (a second Session of it), against Fabric's own "ddp" in the same ranks
     fabric_ref, fabric_dk = fabric_fit("ddp"), DistkitStrategy(args)
     result["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_fit(fabric_dk)), engine=fabric_dk.dk.backend)
@@ -203,6 +219,7 @@ if args.case == "horovod_too":
                              got=res, world=hvd.world_size)
     hvd_fabric = DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})
     result["horovod"]["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_fit(hvd_fabric)), engine=hvd_fabric.dk.backend)
+    result["horovod"]["bn"] = bn_and_predict(REF, {"distributed": {"backend": "horovod", "require_horovod": True}})
     # issue 57 C: a per-epoch StepLR resumed from DDPStrategy's checkpoint of the first epoch, by DDPStrategy and by
     # each engine: the rate every resumed step ran with, and the final weights
     ckpt = os.path.join(args.out, "sched")
@@ -311,6 +328,13 @@ def _check_logged(res: dict) -> None:
     assert abs(res["validate"] - res["closed_form"]) < 1e-6 and abs(res["test"] - res["closed_form"]) < 1e-6, res
 
 
+def _check_bn_and_predict(bn: dict) -> None:
+    """A BatchNorm model whose steps call a submodule logs DDPStrategy's validation loss and ends at its parameters;
+    trainer.predict gives DDPStrategy's outputs on each rank (its 8 of the 16 samples)."""
+    assert abs(bn["got"] - bn["ref"]) <= 1e-6 and bn["max_diff"] <= 1e-6, bn
+    assert bn["predict_diff"] <= 1e-6 and bn["predicted"] == 8, bn
+
+
 def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(tmp_path: Path) -> None:
     """Trainer(devices=2) starts the ranks (Lightning's own launcher); ddp grad mode equals DDPStrategy's run
     (measured: 0.0), validate/test equal their closed forms, fit(ckpt_path=epoch 0) ends where the run ended, and
@@ -331,6 +355,7 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
         cli = row["cli"]
         assert cli["name"] == ["DistkitStrategy", "ddp", 42] and cli["path"] == ["DistkitStrategy", "ddp", 123], cli
         assert cli["max_diff"] == 0.0 and cli["moved"] > 1e-3, cli
+        _check_bn_and_predict(row["bn"])
     assert rows[0]["got"] == rows[1]["got"] and rows[0]["validate_only"] == rows[1]["validate_only"]
 
 
@@ -351,8 +376,9 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
         for got, engine in ((row, "mpi"), (row["horovod"], "horovod")):  # Fabric on each, against Fabric's "ddp"
             assert got["fabric"]["engine"] == engine and got["fabric"]["max_diff"] <= 1e-6, got["fabric"]
         # BatchNorm, steps calling a submodule: the validation during fit logs DDPStrategy's value (before: each rank's
-        # own statistics, 0.00975563 against 0.00933252 in the issue's template)
-        assert abs(row["bn"]["got"] - row["bn"]["ref"]) <= 1e-6 and row["bn"]["max_diff"] <= 1e-6, row["bn"]
+        # own statistics, 0.00975563 against 0.00933252 in the issue's template); trainer.predict gives its outputs
+        _check_bn_and_predict(row["bn"])
+        _check_bn_and_predict(row["horovod"]["bn"])
         # issue 57 C: resumed by Horovod, the rate stayed 0.1 while the scheduler stepped (Lightning's load gave the
         # engine's optimizer new param groups; the scheduler kept setting those of configure_optimizers' optimizer)
         sched, want = row["sched"], [0.1 * 0.5 ** (i // 8) for i in range(24)]  # 8 steps an epoch, halved each epoch
@@ -617,23 +643,31 @@ class Model(LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
+def logged(strategy):
+    pl.seed_everything(0)
+    t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False)
+    t.fit(Model(), DataLoader(torch.randn(16, 4), batch_size=4))
+    return {"rank_mean": float(t.callback_metrics["rank_mean"]), "engine": strategy.dk.backend,
+            "torch_distributed": torch.distributed.is_initialized()}
+
 strategy = DistkitStrategy({"distributed": {"backend": "mpi"}, "nprocs": 2})  # --nprocs: mpirun starts the ranks
-pl.seed_everything(0)
-t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False)
-t.fit(Model(), DataLoader(torch.randn(16, 4), batch_size=4))
+rows = [logged(strategy)]
+os.environ.pop("DISTKIT_LAUNCH_ENGINE")  # (--nprocs recorded the engine it launched for: Horovod runs in the same ranks)
+rows.append(logged(DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})))
 with open(os.path.join(sys.argv[1], f"metric-{strategy.global_rank}.json"), "w") as f:
-    json.dump({"rank_mean": float(t.callback_metrics["rank_mean"]), "engine": strategy.dk.backend,
-               "torch_distributed": torch.distributed.is_initialized()}, f)
+    json.dump(rows, f)
 '''
 
 
-def test_a_torchmetrics_metric_logged_on_the_mpi_engine_is_ddps_value(tmp_path: Path) -> None:
+def test_a_torchmetrics_metric_logged_on_the_mpi_and_horovod_engines_is_ddps_value(tmp_path: Path) -> None:
     """Issue 57 A: a torchmetrics Metric syncs through torch.distributed, which the mpi and Horovod engines do not
     start: each rank logged its own value (0.0 and 1.0 where DDP logs 0.5). The strategy hands every Metric of the
-    module the engine's gather: 0.5 on both ranks, with no torch.distributed group in the job."""
+    module the engine's gather: 0.5 on both ranks, with no torch.distributed group in the job, on the mpi engine and
+    then on Horovod in the same ranks."""
     script = tmp_path / "metrics.py"
     script.write_text(METRICS)
     ok(run([sys.executable, str(script), str(tmp_path)], timeout=170))
     rows = [json.loads((tmp_path / f"metric-{r}.json").read_text()) for r in (0, 1)]
-    assert all(r == {"rank_mean": 0.5, "engine": "mpi", "torch_distributed": False} for r in rows), rows
+    assert all(r == [{"rank_mean": 0.5, "engine": engine, "torch_distributed": False} for engine in ("mpi", "horovod")]
+               for r in rows), rows
