@@ -1,13 +1,13 @@
 """distkit against its engine's hand-written loop in the same processes: blocks of steps, alternating (issue 37).
 
-    python benchmarks/interleaved.py --backend ddp|mpi|horovod|deepspeed [--path cli|byo] [--pairs 60] [--block 10]
-                                     [--aa] [--knob preemption] [--size small|medium] [--pin] [--threads-cpu]
-                                     [--out PATH]
+    python benchmarks/interleaved.py --backend ddp|mpi|horovod|deepspeed|fsdp [--path cli|byo] [--pairs 60]
+                                     [--block 10] [--aa] [--knob preemption] [--size small|medium] [--pin]
+                                     [--threads-cpu] [--out PATH]
 
-One job of ``--nprocs`` ranks under the engine's launcher (as ``overhead.py``: torchrun for ddp and deepspeed,
+One job of ``--nprocs`` ranks under the engine's launcher (as ``overhead.py``: torchrun for ddp, deepspeed and fsdp,
 mpirun for mpi and horovod). Each rank holds two copies of the ``charlm`` workload: side A, the hand-written loop
-of the engine (``raw_<engine>.py``'s ``build``: raw DDP, raw mpi4py, raw Horovod, raw DeepSpeed on the engine
-distkit started), and side B, distkit (``--path byo``: the own-loop API, ``dk.setup`` / ``dk.dataloader`` /
+of the engine (``raw_<engine>.py``'s ``build``: raw DDP, raw mpi4py, raw Horovod, raw DeepSpeed, raw FSDP2 on the
+engine distkit started), and side B, distkit (``--path byo``: the own-loop API, ``dk.setup`` / ``dk.dataloader`` /
 ``dk.backward`` / ``dk.step``; ``--path cli``: ``distkit train`` itself, run in-process, whose
 ``TrainingRun.train_step`` is wrapped so that the hand-written blocks run between its steps). The two sides
 alternate in blocks of ``--block`` steps, pair by pair, in ABBA order (A B, B A, A B, ...). A pair's ratio is
@@ -208,7 +208,7 @@ def build_raw(backend: str, args: argparse.Namespace, names: str = "") -> Any:
     import torch
 
     with torch.random.fork_rng(devices=[]):
-        if backend in ("ddp", "deepspeed"):
+        if backend in ("ddp", "deepspeed", "fsdp"):
             import torch.distributed as dist
 
             mod = __import__(f"raw_{backend}")

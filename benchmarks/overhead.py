@@ -124,6 +124,9 @@ BACKENDS: dict[str, Backend] = {
                          lambda a: {"backend": "deepspeed", "reduce_type": "grad", "pg_backend": "gloo",
                                     "deepspeed_config": {"zero_optimization": {"stage": a.zero_stage}}},
                          baseline_args=lambda a: ["--zero-stage", str(a.zero_stage)]),
+    # FSDP2 (fully_shard) over gloo; raw_fsdp.py shards the same units distkit's engine picks
+    "fsdp": Backend("fsdp", "raw_fsdp.py", _torchrun,
+                    lambda a: {"backend": "fsdp", "reduce_type": "grad", "pg_backend": "gloo"}),
 }
 
 #: --knob: one distkit feature off (side A) against on, as shipped (side B), the rest the same

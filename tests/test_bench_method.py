@@ -57,3 +57,87 @@ def test_bench_check_fails_only_an_interval_above_the_bound_and_says_when_it_cou
     assert verdict == "FAIL" and "more --pairs" in why[0]
     assert bench_check.check(_result(0.99, 1.01, same=False), 1.03) == (
         "FAIL", ["the two sides ended with different parameters"])
+
+
+def _row(engine: str, path: str, wall: tuple[float, float, float], cpu: tuple[float, float, float],
+         verdict: str = "pass") -> bench_check.Row:
+    cell = {m: {"median": v[1], "ci95": [v[0], v[2]], "n": 100} for m, v in (("wall", wall), ("cpu", cpu))}
+    return (engine, path, verdict, "", {"pair_ratio": cell, "same_work": True})
+
+
+def test_the_verdict_line_names_the_interval_nearest_to_failing_and_counts_those_above_the_target() -> None:
+    """The last line of ``make bench-check`` (issue 61 item 5): pass or FAIL, the worst interval (highest lower
+    end, then highest median) over every case and metric, and how many intervals end above ``--target``."""
+    rows = [_row("ddp", "cli", (0.996, 1.0012, 1.0131), (1.0012, 1.0085, 1.0170)),
+            _row("horovod", "byo", (1.0053, 1.0122, 1.0160), (1.0061, 1.0112, 1.0171)),
+            _row("mpi", "byo", (0.9808, 0.9877, 0.9948), (0.9595, 0.9654, 0.9698))]
+    assert bench_check.verdict_line(rows, 1.01) == (
+        "bench-check: pass (worst: horovod byo cpu 1.0112 (1.0061-1.0171); 4 of 6 intervals end above 1.01)")
+    rows.append(_row("fsdp", "cli", (1.031, 1.04, 1.05), (0.99, 1.0, 1.01), verdict="FAIL"))
+    rows.append(("deepspeed", "byo", "ERROR", "interleaved.py exited 1", None))
+    line = bench_check.verdict_line(rows, 1.01)
+    assert line.startswith("bench-check: FAIL (fsdp cli: FAIL; deepspeed byo: ERROR (interleaved.py exited 1); "
+                           "worst: fsdp cli wall 1.0400 (1.0310-1.0500); ")
+    assert bench_check.verdict_line([("ddp", "cli", "ERROR", "x", None)], 1.01) == (
+        "bench-check: FAIL (ddp cli: ERROR (x); nothing measured)")
+
+
+def test_pairs_per_engine_quick_and_explicit() -> None:
+    """``--pairs`` wins; else ``--quick``'s count; else the engine's own (fsdp's blocks are about twice as long)."""
+    assert bench_check.pairs_for("ddp", None, False) == 120
+    assert bench_check.pairs_for("fsdp", None, False) == bench_check.PAIRS["fsdp"] < 120
+    assert bench_check.pairs_for("fsdp", None, True) == bench_check.QUICK_PAIRS
+    assert bench_check.pairs_for("fsdp", 20, True) == 20
+    assert set(bench_check.PAIRS) == set(bench_check.ENGINES)
+    # every engine has its hand-written baseline and launcher in overhead.py (interleaved.py's --backend choices)
+    import overhead
+
+    assert set(bench_check.ENGINES) <= set(overhead.BACKENDS)
+    assert bench_check.QUICK_PAIRS > 4 + 4 and bench_check.QUICK_PAIRS - 4 >= bench_check.MIN_PAIRS
+
+
+def test_raw_fsdp_shards_the_units_distkit_picks() -> None:
+    """``raw_fsdp.py``'s hand-written unit list is distkit's fsdp engine's for charlm at every size (the same
+    submodules, in the same innermost-first order), and the same rule on a model with a ModuleList."""
+    import torch
+    from torch import nn
+
+    from distkit.backends.fsdp import units
+    from distkit.tasks.charlm import SIZES, CharTransformer
+
+    raw_fsdp = __import__("raw_fsdp")
+
+    for size, (width, layers, heads) in SIZES.items():
+        model = CharTransformer(20, 16, width, layers, heads)
+        path = {id(m): n for n, m in model.named_modules()}
+        assert raw_fsdp.unit_paths(model) == [path[id(u)] for u in units(model, None)], size
+    assert raw_fsdp.unit_paths(CharTransformer(20, 16, 8, 1, 2)) == ["head", "norm", "blocks", "pos", "tok"]
+
+    class Listed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(4, 4)
+            self.layers = nn.ModuleList([nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)])
+            self.out = nn.Linear(4, 2)
+
+    torch.manual_seed(0)
+    m = Listed()
+    path = {id(x): n for n, x in m.named_modules()}
+    assert raw_fsdp.unit_paths(m) == [path[id(u)] for u in units(m, None)] == ["out", "layers.2", "layers.0", "emb"]
+
+
+def test_the_bridges_refuse_blocks_that_would_hold_different_numbers_of_syncs() -> None:
+    """``interleaved_bridges.py --bridge paramsync``: every block must hold the same number of LocalSGD / ParamSync
+    averages on both sides (``--block`` a multiple of ``--local-sgd-steps``), else the ratio would compare syncs,
+    not the bridges; refused before any process starts."""
+    import pytest
+
+    import interleaved_bridges
+
+    with pytest.raises(SystemExit) as e:
+        interleaved_bridges.main(["--bridge", "paramsync", "--block", "10", "--local-sgd-steps", "3"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        interleaved_bridges.main(["--bridge", "fabric", "--pairs", "8"])  # fewer than warm-up + 5
+    assert e.value.code == 2
+    assert set(interleaved_bridges.BRIDGES) == {"fabric", "paramsync"}
