@@ -178,8 +178,8 @@ def test_a_malformed_fault_spec_is_one_line(tmp_path: Path) -> None:
     assert res.returncode == 2 and res.stdout == "", res.stderr
     assert res.stderr.splitlines() == [
         "distkit: error: DISTKIT_FAULT='garbage': 'garbage' is no fault RANK:STEP:KIND[:POINT] (KIND one of kill, raise, "
-        "hang, delay, stop, term or delay=S; POINT one of step, rank_file, checkpoint, manifest, swap, latest, init, "
-        "setup, close, left, exchange; several separated by commas): fix it, or unset DISTKIT_FAULT (it injects "
+        "hang, delay, stop, term or delay=S; POINT one of step, rank_file, checkpoint, manifest, swap, latest, start, "
+        "init, store, setup, close, left, exchange; several separated by commas): fix it, or unset DISTKIT_FAULT (it injects "
         "failures for tests)"], res.stderr
     assert not out.exists()
     assert faults.parse("1:5:kill,0:3:delay=2.5:checkpoint, 2:0:stop:init") == [

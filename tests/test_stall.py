@@ -688,3 +688,88 @@ def test_a_slow_start_is_not_a_stall(tmp_path: Path, case: tuple[str, list[str],
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
     resolved = json.loads((out / "config.resolved.json").read_text())["distributed"]
     assert (resolved["backend"], resolved["timeout_s"]) == (name.split("-")[0], T), resolved
+
+
+MPIRUN_X = [str(BIN / "mpirun"), "-np", "2", "--oversubscribe", "--bind-to", "none", "-x", "DISTKIT_FAULT", "-x",
+            "DISTKIT_FAULT_STAMP", "-x", "DISTKIT_FAULT_UNTIL", sys.executable, "-m", "distkit"]
+HOROVOD = ["++torch_distributed", "None", "++use_horovod", "1", "++horovod_require", "True"]
+MPI_ENGINE = ["++torch_distributed", "None", "++distributed.backend", "mpi"]
+EARLY_CASES = [  # (id, command prefix, engine flags, fault point where rank 1 stops, what rank 0 waits in)
+    ("mpi-mpirun", MPIRUN_X, MPI_ENGINE, "start", "MPI start-up"),
+    ("horovod-mpirun", MPIRUN_X, HOROVOD, "start", "horovod's init"),
+    ("horovod-horovodrun", [str(BIN / "horovodrun"), "-np", "2", "--gloo", sys.executable, "-m", "distkit"], HOROVOD,
+     "start", "horovod's init"),
+    ("horovod-nprocs", [sys.executable, "-m", "distkit"], [*HOROVOD, "--nprocs", "2"], "start", "horovod's init"),
+    # stopped after hvd.init, before the heartbeat store was set up: such a job waited forever (Horovod's stall
+    # check waits in MPI for the stopped rank too)
+    ("horovod-mpirun-store", MPIRUN_X, HOROVOD, "store", "heartbeat store"),
+]
+
+
+def _waiting_guard(until: Path, what: str) -> bool:
+    """Whether rank 0's start-up guard for ``what`` runs (a process of distkit.launch.startup_watch whose environment
+    carries this test's ``DISTKIT_FAULT_UNTIL`` path and rank 0)."""
+    from distkit.launch.procfs import environ
+
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "startup_watch.py" not in cmd or what not in cmd:
+            continue
+        env = environ(int(name)) or {}
+        if env.get("DISTKIT_FAULT_UNTIL") == str(until) and "0" in (env.get("OMPI_COMM_WORLD_RANK"),
+                                                                     env.get("HOROVOD_RANK")):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("case", EARLY_CASES, ids=[c[0] for c in EARLY_CASES])
+def test_a_rank_stopped_before_its_mpi_start_up_is_named_by_the_waiting_rank(
+        tmp_path: Path, case: tuple[str, list[str], list[str], str, str]) -> None:
+    """Issue 62: rank 1 stops (SIGSTOP) before its own start-up guard runs (as a rank still importing torch would),
+    while rank 0 already waits for it in the engine's start-up (MPI_Init, hvd.init) or in the set-up of the
+    heartbeat store after it. Before, rank 0's guard named only rank 0 ("rank 0: MPI start-up ... did not complete
+    ... ending this rank"), under mpi-mpirun and the three Horovod launchers (4 of 4; horovodrun --gloo then took
+    17.9 s after the stop at startup_timeout_s = 4, waiting 5 s for the stopped rank's SIGTERM), and a Horovod job
+    under mpirun stopped at the store waited forever. Now rank 0's guard sees rank 1 stopped (its process on this
+    host, known by the launcher's job variables), names it, SIGKILLs it and then its own rank: the launching command
+    exits non-zero within startup_timeout_s + 5 s of the stop; under --nprocs distkit's own line names rank 1 too.
+    Rank 1 stops only once rank 0's guard runs (the test sees it), so the stop is timed from rank 0's wait."""
+    name, prefix, flags, point, what = case
+    out, stamp, until = tmp_path / "out", tmp_path / "stopped", tmp_path / "rank0-waits"
+    t_start = 6.0  # (distributed.startup_timeout_s: rank 1 must stop within it of rank 0's wait)
+    cmd = [*prefix, "train", "configs/returnn_ddp.py", *flags, "++output_dir", str(out), "++max_steps", "6",
+           "++progress_bar", "False", "++distributed.timeout_s", str(T), "++distributed.startup_timeout_s",
+           str(t_start)]
+    env = base_env(DISTKIT_FAULT=f"1:0:delay=120:{point},1:0:stop:{point}", DISTKIT_FAULT_STAMP=str(stamp),
+                   DISTKIT_FAULT_UNTIL=str(until))
+    job = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while job.poll() is None and not _waiting_guard(until, what) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        until.touch()  # rank 1's delay ends: it stops
+        text, _ = job.communicate(timeout=STARTUP_S + 30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    ended = time.time()
+    assert job.returncode != 0, text[-3000:]
+    assert stamp.exists(), text[-3000:]
+    after = ended - float(stamp.read_text().split()[1])
+    assert ("distkit: rank 1 stopped responding during start-up: stopped (SIGSTOP, a debugger) while rank 0 waited "
+            "for it in ") in text, text[-3000:]
+    assert "distkit: rank 0:" not in text, text[-3000:]  # rank 0 is not blamed, nor says it only waited
+    assert after < t_start + 5, f"{name}: the job ended {after:.1f} s after rank 1 stopped:\n{text[-3000:]}"
+    if name.endswith("nprocs"):
+        assert ("distkit: rank 1 stopped responding (during start-up: stopped (SIGSTOP, a debugger) while rank 0 "
+                "waited for it in") in text and "mpirun ended the other ranks" in text, text[-3000:]
+    assert not (out / "summary.json").exists()
+    print(f"{name}: rank 1 stopped at {point}; the job ended {after:.1f} s later (startup_timeout_s = {t_start:g})")

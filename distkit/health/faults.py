@@ -11,8 +11,10 @@ optimizer step, the default) or a point inside the checkpoint save of that step
 complete, not renamed), ``checkpoint`` (this rank's file in place, before the manifest),
 ``manifest`` (rank 0: the manifest written, the directory still under its temporary name),
 ``swap`` (rank 0, re-saving an existing step: the old directory moved aside, the new one not yet
-in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced), or ``init``
-(with STEP 0: the mpi engine's start-up, before ``MPI_Init``), or ``setup`` (with STEP 0: the trainer's set-up, the
+in place), ``latest`` (rank 0: the checkpoint complete, ``latest`` not yet replaced), or ``start`` (with STEP 0: the mpi and
+horovod engines, before their start-up guard runs: a rank stopped there is one stopped before its start-up, as one
+still importing torch; :func:`distkit.backends.startup.startup_guard`), or ``init``
+(with STEP 0: the mpi engine's start-up, before ``MPI_Init``, inside the guard), or ``setup`` (with STEP 0: the trainer's set-up, the
 engine joined and the model set up, before rank 0 picks the checkpoint), or ``close`` (the end of the run:
 ``Session.close`` after its last barrier; STEP = the steps taken), or ``left`` (later in ``Session.close``: the
 rank has marked itself as leaving, the engine torn down, its exit next), or ``exchange`` (fault tolerance: inside the
@@ -37,7 +39,8 @@ import signal
 import time
 
 _KINDS = ("kill", "raise", "hang", "delay", "stop", "term")
-_POINTS = ("step", "rank_file", "checkpoint", "manifest", "swap", "latest", "init", "setup", "close", "left", "exchange")
+_POINTS = ("step", "rank_file", "checkpoint", "manifest", "swap", "latest", "start", "init", "store", "setup", "close",
+           "left", "exchange")
 
 
 def parse(spec: str) -> list[tuple[int, int, str, str]]:

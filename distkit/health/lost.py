@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from distkit.errors import RankLost, RankStalled
-from distkit.health.watchdog import active, ranks_text
+from distkit.health.watchdog import active, explain_stall, ranks_text
 from distkit.launch.guard import end_launcher_after
 from distkit.launch.netif import host_identity
 
@@ -33,6 +33,8 @@ def lost_peer_error(exc: BaseException) -> Optional[RankLost]:
     from distkit.launch.spawner import connection_lost
 
     watchdog = active()
+    if watchdog is None:  # (before the watchdog ran: a stopped rank of this host is the cause; named, no return)
+        explain_stall()
     if _LOOKED or isinstance(exc, RankStalled) or not connection_lost(exc):
         return _LOST
     if watchdog is not None:

@@ -56,6 +56,8 @@ from distkit.health.records import name_thread
 from distkit.health.local_peers import LocalPeers
 from distkit.health.store import connect_store
 from distkit.launch.guard import end_launcher_after
+from distkit.launch.procfs import job_rank
+from distkit.launch.startup_watch import end_for_stopped_peers
 from distkit.launch.netif import host_identity
 
 if TYPE_CHECKING:
@@ -320,9 +322,18 @@ def explain_stall() -> None:
     if some rank's heartbeat is late and will reach ``timeout_s`` within two intervals and 1 s, wait
     until the judge names it (at most that, plus two intervals and 0.5 s); the judge then ends the job
     and this never returns. Returns at once otherwise: every heartbeat fresh (the peer is alive: hung
-    in Python, or failed on its own, which its launcher reports), or no watchdog runs. Not collective."""
+    in Python, or failed on its own, which its launcher reports). Not collective.
+
+    Without a watchdog (before it started: the collectives that set up its store), a rank of this job on this host
+    that is stopped is the cause under an MPI launcher: it is named and ended, and this rank with it
+    (:func:`distkit.launch.startup_watch.end_for_stopped_peers`; no return then), as the start-up guard, which
+    bounds the same wait, would. Returns at once where none is (or no MPI launcher started this rank)."""
     if _ACTIVE is not None:
         _ACTIVE.explain()
+        return
+    mine = job_rank(dict(os.environ))
+    if mine is not None:
+        end_for_stopped_peers(mine[1], "a collective before the heartbeat watchdog ran", "its bound on that wait")
 
 
 def end_local_peers() -> None:

@@ -42,18 +42,20 @@ def record_failure(rank: int, exc: BaseException) -> None:
         pass  # best effort: the spawner then names the first rank it saw fail
 
 
-def record_stall(rank: int, exc: BaseException) -> None:
+def record_stall(rank: int, exc: BaseException, how: str = "") -> None:
     """Under distkit's spawner: rank ``rank`` saw the ranks in ``exc.stalled_ranks`` stop responding
     (:class:`~distkit.errors.RankStalled`); the spawner names them, since a stopped rank records
     nothing itself (no-op elsewhere). A file of its own, so a failure recorded by the same rank at
-    the same moment cannot overwrite it."""
+    the same moment cannot overwrite it. ``how``: what the spawner's line says they did (default: no heartbeat for
+    ``distributed.timeout_s``; the start-up guard's "during start-up: stopped ...",
+    :mod:`distkit.launch.startup_watch`)."""
     directory = os.environ.get(FAILURE_DIR_VAR)
     if not directory:
         return
     try:
         with open(os.path.join(directory, f"stalled-{rank}.json"), "w") as f:
             json.dump({"rank": rank, "time": time.time(), "stalled": list(getattr(exc, "stalled_ranks", [])),
-                       "error": f"{type(exc).__name__}: {exc}"[:300]}, f)
+                       "error": f"{type(exc).__name__}: {exc}"[:300], "how": how[:300]}, f)
     except OSError:
         pass
 
@@ -105,7 +107,8 @@ def verdict(directory: str, failed: list[tuple[int, int]]) -> tuple[int, int, st
         own = False
     stalls = [s for s in _stalls(directory) if rank in s["stalled"]]
     if stalls and not own:
-        return rank, code, f"stopped responding (no heartbeat for distributed.timeout_s; noticed by rank {stalls[0]['rank']})"
+        how = stalls[0].get("how") or "no heartbeat for distributed.timeout_s"
+        return rank, code, f"stopped responding ({how}; noticed by rank {stalls[0]['rank']})"
     return rank, code, f"failed ({_describe(code)})"
 
 

@@ -74,3 +74,50 @@ def environ(pid: int) -> Optional[dict[str, str]]:
     except OSError:
         return None
     return dict(kv.split("=", 1) for kv in data.decode("utf-8", "replace").split("\0") if "=" in kv)
+
+
+#: how one job's ranks on a host are told from every other process there, launcher by launcher (the MPI launchers,
+#: whose start-up distkit cannot watch through a store of its own: :mod:`distkit.launch.startup_watch`): the
+#: variables whose values together name the job (the same in each of its ranks, another job's differ), and the one
+#: that holds the rank. Open MPI (``mpirun``/``prterun``, ``horovodrun`` on MPI) gives every job a PMIx namespace of
+#: its own; ``horovodrun --gloo`` one rendezvous server (address and port) per job.
+JOB_VARS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("PMIX_NAMESPACE",), "OMPI_COMM_WORLD_RANK"),
+    (("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT"), "HOROVOD_RANK"),
+)
+
+
+def job_rank(env: dict[str, str]) -> Optional[tuple[str, int]]:
+    """(the job's name, the rank) that the environment ``env`` of a process gives it under an MPI launcher
+    (:data:`JOB_VARS`), or None where none of them started it."""
+    for names, rank_var in JOB_VARS:
+        rank = env.get(rank_var, "")
+        if rank.isdigit() and all(env.get(n) for n in names):
+            return rank_var + "|" + "|".join(env[n] for n in names), int(rank)
+    return None
+
+
+def local_ranks(env: dict[str, str]) -> dict[int, int]:
+    """rank -> pid of every rank on this host of the job that ``env`` (a rank's environment) belongs to, this rank's
+    own included ({} outside an MPI launcher, or without /proc). A rank's process is the topmost one that carries
+    its rank: the processes it starts (the start-up guard, data loader workers) inherit the environment, its
+    launcher's shell does not hold it (``horovodrun --gloo`` passes the variables through ``env``). Reads the
+    environment of each process of this user, so it is meant for the rare moment a start-up failed."""
+    import os
+
+    mine = job_rank(env)
+    if mine is None:
+        return {}
+    found: dict[int, tuple[int, int]] = {}  # pid -> (rank, parent pid)
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        theirs = job_rank(environ(int(name)) or {})
+        fields = stat_fields(int(name))
+        if theirs is not None and theirs[0] == mine[0] and fields is not None and fields[0] not in ("Z", "X"):
+            found[int(name)] = (theirs[1], int(fields[1]))
+    return {rank: pid for pid, (rank, parent) in found.items() if found.get(parent, (-1, 0))[0] != rank}
