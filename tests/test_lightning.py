@@ -657,6 +657,15 @@ os.environ.pop("DISTKIT_LAUNCH_ENGINE")  # (--nprocs recorded the engine it laun
 rows.append(logged(DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})))
 with open(os.path.join(sys.argv[1], f"metric-{strategy.global_rank}.json"), "w") as f:
     json.dump(rows, f)
+
+class Kill(pl.Callback):  # issue 62 item 1: rank 1 killed during fit; distkit's spawner names it after mpirun's line
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 2 and trainer.global_rank == 1:
+            os.kill(os.getpid(), 9)
+
+Trainer(strategy=DistkitStrategy({"distributed": {"backend": "mpi"}}), accelerator="cpu", devices=2, max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Kill()]).fit(Model(), DataLoader(torch.randn(16, 4), batch_size=4))
 '''
 
 
@@ -664,10 +673,15 @@ def test_a_torchmetrics_metric_logged_on_the_mpi_and_horovod_engines_is_ddps_val
     """Issue 57 A: a torchmetrics Metric syncs through torch.distributed, which the mpi and Horovod engines do not
     start: each rank logged its own value (0.0 and 1.0 where DDP logs 0.5). The strategy hands every Metric of the
     module the engine's gather: 0.5 on both ranks, with no torch.distributed group in the job, on the mpi engine and
-    then on Horovod in the same ranks."""
+    then on Horovod in the same ranks. Then rank 1 is killed during a third fit (mpi engine, ranks started by
+    ``nprocs``): the job ends 137 with distkit's line naming rank 1 after Open MPI's (issue 62 item 1)."""
     script = tmp_path / "metrics.py"
     script.write_text(METRICS)
-    ok(run([sys.executable, str(script), str(tmp_path)], timeout=170))
+    res = run([sys.executable, str(script), str(tmp_path)], timeout=170)
+    # then rank 1 killed during a fit on the mpi engine: distkit names it after mpirun's own line (issue 62 item 1)
+    assert res.returncode == 137, res.stderr[-3000:]
+    named = [ln for ln in res.stderr.splitlines() if ln.startswith("distkit: rank")]
+    assert named == ["distkit: rank 1 failed (killed by SIGKILL); mpirun ended the other ranks"], res.stderr[-3000:]
     rows = [json.loads((tmp_path / f"metric-{r}.json").read_text()) for r in (0, 1)]
     assert all(r == [{"rank_mean": 0.5, "engine": engine, "torch_distributed": False} for engine in ("mpi", "horovod")]
                for r in rows), rows
