@@ -4,7 +4,9 @@ magnitudes, int16 indices and 2/4/8-bit values with one fp32 scale per chunk) th
 member's encoding, summed in rank order on every rank. Closed forms of the encodings, their sizes, the error
 feedback's identity (what is kept = the pseudo-gradient - what was sent) and the mean on real gloo groups; then
 real 2-rank runs on ddp and mpi whose replicas end bit-identical, and a top-k run killed and resumed from a
-checkpoint (its per-rank error feedback and an exchange in flight) that ends as the uninterrupted one."""
+checkpoint (its per-rank error feedback and an exchange in flight) that ends as the uninterrupted one. Bytes per sync
+(the averager's ``sync_bytes``, what ``metrics.jsonl`` and ``distkit plot`` show): each codec's closed form on 2
+gloo ranks, blocking and overlapped."""
 from __future__ import annotations
 
 import math
@@ -197,3 +199,58 @@ def test_a_topk_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_path: P
     a, b = final_params(ref), final_params(out)
     assert all(a[k].equal(b[k]) for k in a), {k: (a[k] - b[k]).abs().max().item() for k in a}
     assert summary(out)["param_checksum"] == summary(ref)["param_checksum"]
+
+
+# -- bytes per sync (issue 60 item 6: metrics) ---------------------------------------------------------------------
+#: codec, param_sync_overlap -> bytes rank 0 hands to the collectives per sync of one fp32 tensor of N_BYTES elements
+#: on 2 ranks (the engine's comm_bytes: what it is given, its own chunk of the all-to-all included), by hand:
+N_BYTES = 3000
+BYTES_PER_SYNC = {
+    ("none", 0): 4 * 3000,  # the fp32 all-reduce of the parameters
+    ("bf16", 0): 3 * 2 * 1500,  # chunks of 1500: the all-to-all's 2 rows and the gathered one, 2 bytes each
+    ("int8", 0): 3 * (2048 + 4 * 2),  # chunks of 2 blocks of 1024 (3000 padded to 4096): 1 byte + a scale per block
+    ("int4", 0): 3 * (1536 // 2 + 4 * 12),  # chunks of 12 blocks of 128 (3000 padded to 3072): half a byte + scales
+    ("int4", 2): 3 * (1536 // 2 + 4 * 12),  # in the background: the same bytes, the second phase a step later
+    # 12 chunks of 256 (3072), k = ceil(256 / 32) = 8 per chunk: 8 int16 indices, 8 2-bit values (2 bytes), a scale
+    ("topk:0.03125:2:256", 0): 12 * (2 * 8 + 2 + 4),
+    ("topk:0.03125:2:256", 2): 12 * (2 * 8 + 2 + 4),
+}
+
+
+def _sync_bytes(rank: int, world: int, codec: str, overlap: int) -> tuple[list[int], int, float]:
+    """9 steps of a ParamAverager (a sync every 3) and its final sync: ``sync_bytes`` after each step, the sync
+    events counted, ``bytes_per_sync``."""
+    from distkit.sync.averager import ParamAverager
+    from test_averaging import _strategy
+
+    s = _strategy(rank, world)
+    p = torch.nn.Parameter(torch.zeros(N_BYTES))
+    avg = ParamAverager(s, [p], 3, compression=codec, overlap=overlap)
+    seen = []
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(9):
+        with torch.no_grad():
+            p += torch.randn(N_BYTES, generator=g)
+        avg.after_step()
+        seen.append(avg.sync_bytes)
+    avg.final_sync()  # (the exchange in flight applied: no new bytes; none with steps since the last sync)
+    seen.append(avg.sync_bytes)
+    return seen, avg.process_syncs, avg.bytes_per_sync
+
+
+@pytest.mark.parametrize("codec,overlap", list(BYTES_PER_SYNC))
+def test_bytes_per_sync_is_the_codecs_encoded_size(codec: str, overlap: int, tmp_path: Path) -> None:
+    per = BYTES_PER_SYNC[codec, overlap]
+    if is_sparse(codec):  # the same numbers from the codec's own size function: one all-gather of the encoding
+        unit = topk_params(codec)[2]
+        assert per == encoded_size(-(-N_BYTES // unit) * unit, codec)
+    elif codec != "none":  # p + 1 chunks of ceil(n / (p * unit)) units (p = 2)
+        unit = {"int4": BLOCK4, "int8": BLOCK}.get(codec, 1)
+        assert per == 3 * encoded_size(-(-N_BYTES // (2 * unit)) * unit, codec)
+    for seen, syncs, mean in run_ranks(_sync_bytes, 2, tmp_path, codec, overlap):
+        assert syncs == 3 and mean == per and seen[-1] == 3 * per
+        if overlap == 0 or is_sparse(codec):  # each sync's bytes at its step (3, 6, 9)
+            assert seen == [0, 0, per, per, per, 2 * per, 2 * per, 2 * per, 3 * per, 3 * per]
+        else:  # the all-to-all at the sync's step, the all-gather tau // 2 = 1 step later; the last by final_sync
+            a2a = per * 2 // 3
+            assert seen == [0, 0, a2a, per, per, per + a2a, 2 * per, 2 * per, 2 * per + a2a, 3 * per]

@@ -1,5 +1,7 @@
 """``distkit plot`` (issue 27 item 3): the curves it draws are the numbers in each run's metrics.jsonl, each run
-labelled with its engine and mode; the PNG is written where asked; bad input is one line, exit 2, nothing written."""
+labelled with its engine and mode; the PNG is written where asked; bad input is one line, exit 2, nothing written.
+Issue 60 item 6: param mode's bytes per sync over each log window, and the groups each fault-tolerant sync averaged
+(the syncs that went ahead without a group marked), from records written by hand."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHORT, distkit, ok
-from distkit.commands.plot import figure, load_run, windowed_rates
+from distkit.commands.plot import figure, load_run, sync_groups, windowed_bytes_per_sync, windowed_rates
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def _records(run: Path) -> list[dict[str, float]]:
 
 def test_the_figure_draws_each_runs_logged_numbers_with_its_engine_and_mode(ddp_short_ref: Path, param_run: Path) -> None:
     fig = figure([load_run(str(ddp_short_ref)), load_run(str(param_run))])
-    loss, lr, speed, comm = fig.axes
+    loss, lr, speed, comm, sync_bytes, groups = fig.axes
     train = [r for r in _records(param_run) if "loss" in r]
     evals = [r for r in _records(param_run) if "eval_loss" in r]
     assert [r["step"] for r in train] == [5, 10, 15, 20] and [r["step"] for r in evals] == [10, 20]
@@ -45,6 +47,10 @@ def test_the_figure_draws_each_runs_logged_numbers_with_its_engine_and_mode(ddp_
              "time_s": 3.0}, {"step": 15, "samples": 240, "time_s": 0.5}, {"step": 20, "samples": 320, "time_s": 1.5}])] \
         == [40.0, 80.0, 80.0]  # a resumed process's clock starts again at 0: no window across it
     assert all(r["comm_wait_s"] >= 0 and r["time_s"] > 0 for r in train)
+    # the records' bytes per sync where the run logged them; no fault-tolerant groups: that panel is empty
+    drawn = [list(zip(line.get_xdata(), line.get_ydata())) for line in sync_bytes.get_lines()]
+    assert drawn == ([windowed_bytes_per_sync(train)] if windowed_bytes_per_sync(train) else [])
+    assert groups.get_lines() == [] and [t.get_text() for t in groups.texts] == ["no fault-tolerant groups"]
     timed = figure([load_run(str(param_run))], x="time")
     assert list(timed.axes[0].get_lines()[0].get_xdata()) == [r["time_s"] for r in train]
 
@@ -67,3 +73,46 @@ def test_bad_input_is_one_line_and_writes_nothing(param_run: Path, tmp_path: Pat
     res = distkit("plot", *filled)
     assert res.returncode == 2 and res.stderr.strip().startswith("distkit: error: ") and needle in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_bytes_per_sync_and_the_syncs_without_a_group(tmp_path: Path) -> None:
+    """A param-mode run of fault-tolerant groups (3 replicas), resumed once, its records written by hand: the bytes
+    panel is each log window's bytes over its syncs (the resumed process's counters start at 0); the groups panel
+    steps through each recorded sync's groups, marks the one that went ahead with 2 of 3 groups and the failed one."""
+    run = tmp_path / "ft"
+    run.mkdir()
+    (run / "config.resolved.json").write_text(json.dumps({"world_size": 1, "fault_tolerance": {"num_replicas": 3},
+                                                          "distributed": {"backend": "ddp", "reduce_type": "param"}}))
+    def train(step: int, time_s: float, sync_bytes: int, syncs: int) -> dict[str, float]:
+        return {"step": step, "samples": 16 * step, "loss": 2.0, "lr": 0.1, "time_s": time_s, "comm_wait_s": 0.1,
+                "sync_bytes": sync_bytes, "syncs": syncs}
+
+    def event(step: int, groups: int, committed: bool = True, healed: bool = False) -> dict[str, object]:
+        return {"event": "sync", "step": step, "groups": groups, "members": list(range(groups)),
+                "committed": committed, "healed": healed}
+
+    records = [train(4, 1.0, 2000, 2), event(4, 3), event(6, 2), train(8, 2.0, 5000, 4), train(10, 2.5, 5000, 4),
+               event(12, 2, committed=False),
+               train(12, 0.5, 900, 1),  # a resume from step 8: the process's clock and counters start again
+               event(14, 3, healed=True), train(16, 1.5, 2900, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    loaded = load_run(str(run))
+    assert loaded["num_replicas"] == 3 and len(loaded["events"]) == 4 and len(loaded["train"]) == 5
+    # (2000 / 2), (3000 / 2), no sync in (8, 10], 900 / 1 from the resumed process's start, 2000 / 2
+    assert windowed_bytes_per_sync(loaded["train"]) == [(4, 1000.0), (8, 1500.0), (12, 900.0), (16, 1000.0)]
+    assert sync_groups(loaded["events"], 3) == {"groups": [(4, 3), (6, 2), (12, 2), (14, 3)], "without": [(6, 2)],
+                                                "failed": [(12, 2)]}
+    assert sync_groups(loaded["events"], None)["without"] == []  # (not fault-tolerant: no count to fall short of)
+    fig = figure([loaded])
+    sync_bytes, groups = fig.axes[4], fig.axes[5]
+    (line,) = sync_bytes.get_lines()
+    assert list(zip(line.get_xdata(), line.get_ydata())) == [(4, 1000.0), (8, 1500.0), (12, 900.0), (16, 1000.0)]
+    assert sync_bytes.get_yscale() == "log"
+    steps, without, failed = groups.get_lines()
+    assert list(steps.get_xdata()) == [4, 6, 12, 14] and list(steps.get_ydata()) == [3, 2, 2, 3]
+    assert steps.get_drawstyle() == "steps-post"
+    assert (list(without.get_xdata()), without.get_marker()) == ([6], "o") and "without a group" in without.get_label()
+    assert (list(failed.get_xdata()), failed.get_marker()) == ([12], "x")
+    timed = figure([loaded], x="time")  # the bytes at rank 0's clock; the sync events stay on steps
+    assert list(timed.axes[4].get_lines()[0].get_xdata()) == [1.0, 2.0, 0.5, 1.5]
+    assert timed.axes[5].get_xlabel() == "step"

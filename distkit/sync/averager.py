@@ -18,8 +18,9 @@ Here: the schedule (when to sync) and the plain sync. Its parts: :mod:`.fragment
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -134,6 +135,16 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         self.steps_since_sync = 0
         self.num_syncs = 0
         self.wait_s = 0.0  #: seconds spent in the averaging exchange (blocked on communication)
+        #: bytes this rank handed to the syncs' collectives since this process started (the engine's ``comm_bytes``
+        #: counted inside each sync: the codec's true encoded size, the floating buffers' fp32 and, with replica
+        #: groups, every exchange a sync makes; not the time rule's 8-byte clock all-reduce), and the sync events
+        #: (fragments due at one step: one event) since this process started: :attr:`bytes_per_sync`. Per rank,
+        #: not saved in checkpoints (a resumed process counts from 0)
+        self.sync_bytes = 0
+        self.process_syncs = 0
+        #: whose ``comm_bytes`` counts them: the strategy given here (an engine's averager that then stands in for its
+        #: strategy, as DeepSpeed's does, still sends through the engine's collectives, which count there)
+        self._bytes_counter: Any = strategy
         self._last_sync = time.monotonic()
         self.fragments = fragments
         #: optimizer steps counted since the start (the fragment schedule's clock; saved in checkpoints)
@@ -178,21 +189,46 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         self.steps += 1
         if self.overlap > 0:
             self.fragment_since = [n + 1 for n in self.fragment_since]
-            self._progress()
+            with self._counting():
+                self._progress()
             due = self._due_fragments() if self.fragments > 1 else [0] if self._due() else []
             if due:
-                self._start(due if self.fragments > 1 else None)
+                with self._counting():
+                    self._start(due if self.fragments > 1 else None)
             return bool(due)
         if self.fragments == 1:
             if not self._due():
                 return False
-            self.sync()
+            with self._counting():
+                self.sync()
             return True
         self.fragment_since = [n + 1 for n in self.fragment_since]
         due = self._due_fragments()
         if due:
-            self.sync(due)
+            with self._counting():
+                self.sync(due)
         return bool(due)
+
+    @property
+    def bytes_per_sync(self) -> float:
+        """Mean bytes this rank handed to the collectives per sync event since this process started (0.0 before
+        the first). With overlap an exchange's second phase counts at the step it starts, after its sync event."""
+        return self.sync_bytes / self.process_syncs if self.process_syncs else 0.0
+
+    def metrics(self) -> dict[str, int]:
+        """For a metrics record (distkit's Trainer, ``distkit plot``): ``sync_bytes`` and ``syncs``, this rank's
+        counts since this process started (:attr:`sync_bytes`, :attr:`process_syncs`). Not collective."""
+        return {"sync_bytes": self.sync_bytes, "syncs": self.process_syncs}
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Add the bytes the engine counts (its strategy's ``comm_bytes``, where it keeps one) inside the block to
+        :attr:`sync_bytes`."""
+        before = int(getattr(self._bytes_counter, "comm_bytes", 0))
+        try:
+            yield
+        finally:
+            self.sync_bytes += int(getattr(self._bytes_counter, "comm_bytes", 0)) - before
 
     def fragment_offsets(self) -> list[int]:
         """Step rule: fragment i first syncs at step ``i*H//F``, then every H steps."""
@@ -285,6 +321,7 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
             self._next_fragment = (max(fragments) + 1) % self.fragments
         self.steps_since_sync = 0
         self.num_syncs += 1
+        self.process_syncs += 1
         self._last_sync = time.monotonic()
 
     def _updated(self) -> None:
@@ -295,6 +332,10 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         """Collective: sync unless the last step already did, so every rank ends with the same model (with
         fragments: every fragment with steps since its last sync, in one exchange; with overlap, the exchanges
         in flight are applied first, then every fragment with local progress is synced without overlap)."""
+        with self._counting():
+            self._final_sync()
+
+    def _final_sync(self) -> None:
         if self.overlap > 0:
             for f in self._in_flight:
                 self._apply(f)

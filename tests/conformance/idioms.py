@@ -9,9 +9,10 @@ phases without distkit at all (one process: the reference for a one-process run)
 
 The model: Linear-BatchNorm-LayerNorm-Linear, a frozen Linear (requires_grad False), and with ``--unused`` a
 Linear that forward never uses. AdamW with two param groups chosen by name (weight decay 0.1 for
-matrices, 0 for biases and the norm: Hugging Face's grouping) and a StepLR schedule (a scheduler
-object, or a factory with ``--scheduler factory``). Every rank draws its own batches from a seed of
-(phase, step, micro-step, rank), so every engine sees the same data.
+matrices, 0 for biases and the norm: Hugging Face's grouping), or with ``--optimizer muon`` what ``optimizer =
+{"class": "muon"}`` builds (:func:`distkit.components.build_muon`: torch's Muon on the 2-D matrices, AdamW on the
+rest), and a StepLR schedule (a scheduler object, or a factory with ``--scheduler factory``). Every rank draws its
+own batches from a seed of (phase, step, micro-step, rank), so every engine sees the same data.
 
 A phase that raises a DistkitError (an idiom an engine refuses with a message) is recorded with
 that message; the step in progress is completed, and the next phases run on (their states then no
@@ -84,7 +85,8 @@ class Runner:
         torch.manual_seed(1234)  # the same initial model with and without distkit (init seeds with its own seed)
         model: nn.Module = Net(unused=args.unused)
         self.named_names = [n for n, _ in model.named_parameters()]
-        optimizer = torch.optim.AdamW(param_groups(model.named_parameters()), lr=0.02)
+        optimizer = (_muon(model) if args.optimizer == "muon"
+                     else torch.optim.AdamW(param_groups(model.named_parameters()), lr=0.02))
         if args.compile:
             model = torch.compile(model, backend="eager")  # type: ignore[assignment]
         factory = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # noqa: E731
@@ -96,6 +98,10 @@ class Runner:
             self.model, self.optimizer, self.scheduler = self.dk.setup(model, optimizer, factory(optimizer))
         self.ema: Any = None
         self.extra: dict[str, Any] = {}  # what a phase records besides the state
+        #: the next state() gathers ZeRO-3's partitioned parameters (set by a phase after which every rank holds every
+        #: parameter partitioned: ``synced``, after dk.finish; elsewhere a rank may hold one whole that another does
+        #: not, e.g. a module only some ranks ran, and a gather on one rank only would wait forever)
+        self.gather_zero3 = False
         self.phase = 0
         self.pending = False  # a backward ran since the last step
 
@@ -141,15 +147,25 @@ class Runner:
     def state(self) -> dict[str, Any]:
         bare = self.bare()
         # (a sharded parameter, FSDP2's DTensor, gathered whole: a collective every rank runs in the same order)
-        out: dict[str, Any] = {"params": {n: _whole(p.detach()).cpu().clone().float() for n, p in bare.named_parameters()},
+        zero3, self.gather_zero3 = self.gather_zero3, False
+        out: dict[str, Any] = {"params": {n: _whole(p, zero3).cpu().clone().float() for n, p in bare.named_parameters()},
                                "lrs": [g["lr"] for g in self.optimizer.param_groups],
                                # each rank's own: DDP leaves the statistics of a rank's last forward on it
                                "buffers": {n: b.detach().cpu().clone().double() for n, b in bare.named_buffers()}}
         if self.ema is not None:
-            out["ema"] = {n: _whole(p.detach()).cpu().clone() for n, p in self.ema.module.named_parameters()}
+            out["ema"] = {n: _whole(p).cpu().clone() for n, p in self.ema.module.named_parameters()}
         out.update(self.extra)
         self.extra = {}
         return out
+
+
+def _muon(model: nn.Module) -> torch.optim.Optimizer:
+    """MuLoCo's inner optimizer for ``model``'s trainable parameters, as ``optimizer = {"class": "muon"}`` builds it
+    (learning rate 0.02: Muon's, and AdamW's by default)."""
+    from distkit.components import build_muon
+
+    trainable = lambda: [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # noqa: E731
+    return build_muon({}, [p for _, p in trainable()], lr=0.02, named_parameters=trainable)
 
 
 class _null:
@@ -166,6 +182,20 @@ def plain(r: Runner) -> None:
     for s in range(STEPS):
         r.micro_steps(s)
         r.step()
+
+
+def synced(r: Runner) -> None:
+    """The loop as written, then ``dk.finish()`` (param mode: the final sync, after which every replica holds the
+    same model, bit for bit: ``ranks_in_sync``); the parameters recorded are the synced ones, with the bytes per sync
+    this rank handed to the engine's collectives since the start (param mode's averager: what distkit's Trainer
+    logs as ``sync_bytes`` / ``syncs``)."""
+    plain(r)
+    if r.dk is not None:
+        r.dk.finish()
+        r.extra["ranks_in_sync"] = r.dk.summary()["ranks_in_sync"]
+        averager = r.dk._strategy.averager  # (the engine's own: instrumentation, not an idiom)
+        r.extra["bytes_per_sync"] = averager.bytes_per_sync if averager is not None else None
+        r.gather_zero3 = True  # (ZeRO-3: dk.finish left every parameter partitioned, on every rank)
 
 
 def accumulate_without_no_sync(r: Runner) -> None:
@@ -323,8 +353,8 @@ def distributed_sampler(r: Runner) -> None:
 
 
 PHASES: dict[str, Callable[[Runner], None]] = {f.__name__: f for f in (
-    plain, accumulate_without_no_sync, double_backward, zero_grad_set_to_none, raw_clip, save_load, ema, some_ranks,
-    eval_between_steps, eval_gather, module_attribute, print_flush, drop_last, distributed_sampler)}
+    plain, synced, accumulate_without_no_sync, double_backward, zero_grad_set_to_none, raw_clip, save_load, ema,
+    some_ranks, eval_between_steps, eval_gather, module_attribute, print_flush, drop_last, distributed_sampler)}
 #: phases whose exception is left to distkit's exception hook (the process ends there)
 UNCAUGHT = {"distributed_sampler"}
 
@@ -336,6 +366,8 @@ def main() -> None:
     parser.add_argument("--unused", action="store_true", help="add a parameter forward never uses")
     parser.add_argument("--compile", action="store_true", help="torch.compile(model, backend='eager') before setup")
     parser.add_argument("--scheduler", choices=["object", "factory"], default="object")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                        help="muon: what optimizer = {'class': 'muon'} builds (Muon: the matrices; AdamW: the rest)")
     parser.add_argument("--accum-api", type=int, default=0, help="dk.set_accumulation(N) after init")
     parser.add_argument("--plain", action="store_true", help="no distkit: plain PyTorch, one process")
     parser.add_argument("--rank-offset", type=int, default=0,
@@ -390,9 +422,21 @@ def main() -> None:
     sys.stdout.flush()
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (the fsdp engine's parameters) gathered whole; a plain tensor as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
+def _whole(t: torch.Tensor, zero3: bool = False) -> torch.Tensor:
+    """A parameter detached and whole: a DTensor (the fsdp engine's) gathered; with ``zero3``, a ZeRO-3 parameter
+    that is partitioned now (after ``dk.finish()``; this small model's are held whole between steps) gathered for the
+    copy and partitioned again (collective: the caller makes sure that every rank holds it in the same state, and
+    records the parameters in the same order); a plain tensor as it is."""
+    if hasattr(t, "full_tensor"):
+        return t.detach().full_tensor()  # type: ignore[no-any-return]
+    if zero3 and hasattr(t, "ds_id"):
+        import deepspeed  # type: ignore[import-untyped]
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # type: ignore[import-untyped]
+
+        if t.ds_status == ZeroParamStatus.NOT_AVAILABLE:  # (gathering an available one would partition it after)
+            with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                return t.detach().clone()
+    return t.detach()
 
 
 def _save(record: dict[str, Any], path: str) -> None:
