@@ -30,7 +30,11 @@ runs): ``--quality-steps`` steps of each mode with the same seed, data and globa
 the end (equal number of samples), on charlm's ``--corpus`` (``stdlib`` for runs long enough to pass
 more than once over ``pydoc``'s 6,540 windows). DiLoCo is swept over ``--outer`` (outer lr : momentum).
 ``--seed`` other than 42 runs the same as repeats with another seed (kept apart, under ``repeats``),
-which show how much eval loss moves from seed to seed. Each run
+which show how much eval loss moves from seed to seed. A mode may carry a codec
+(``diloco100-int8``, ``-int4``, ``-tk<percent>b<bits>`` for top-k, e.g. ``diloco100-tk1b2``: 1 % of each chunk of
+4096, 2-bit values); each quality record holds the bytes one rank sends per sync, from the codec's encoded sizes
+(``bytes_per_sync_per_rank``: :func:`link_bytes_per_sync`, the floating buffers in fp32 included), and distkit's
+own count of rank 0's collective bytes (``comm_bytes_rank0``). Each run
 checkpoints and resumes in ``--work``, and ``--out`` is rewritten after each run: a study cut short
 goes on where it stopped when the same command runs again.
 
@@ -79,19 +83,65 @@ WORKLOAD = ["train", os.path.join(ROOT, "configs", "charlm.json"), "++charlm_siz
             "++progress_bar", "False", "++resume", "none", "++seed", str(SEED)]
 
 
-#: bytes per element on the link of each ``param_sync_compression`` codec (int8's block scales left out)
-CODEC_BYTES = {"none": 4, "bf16": 2, "fp16": 2, "int8": 1}
+#: bytes per element on the link of each dense ``param_sync_compression`` codec (int8's block scales left out;
+#: int4's included: 64 bytes of values and 4 of scale per 128 elements). Top-k: :func:`codec_bytes`
+CODEC_BYTES = {"none": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.53125}
+#: a top-k suffix's chunk (distkit's default param_sync_topk_chunk)
+TOPK_CHUNK = 4096
+
+
+def topk_option(o: str) -> Optional[str]:
+    """A ``tk<percent>b<bits>`` suffix (e.g. ``tk3b2``: density 0.03, 2-bit values; ``tk3.125b4``) as distkit's
+    codec string ``"topk:<density>:<bits>:<chunk>"`` (distkit.sync.compression.codec_of); None otherwise."""
+    if not o.startswith("tk") or "b" not in o:
+        return None
+    pct, _, bits = o[2:].partition("b")
+    try:
+        density = float(pct) / 100
+    except ValueError:
+        return None
+    if not (0 < density <= 1) or bits not in ("2", "4", "8"):
+        return None
+    return f"topk:{density!r}:{bits}:{TOPK_CHUNK}"
+
+
+def codec_bytes(codec: str) -> float:
+    """Bytes per element of ``codec``'s encoding (top-k: distkit's ``encoded_size`` of one chunk, indices,
+    values and scale; the dense codecs: :data:`CODEC_BYTES`)."""
+    if codec.startswith("topk:"):
+        from distkit.sync.compression import encoded_size
+        return encoded_size(TOPK_CHUNK, codec) / TOPK_CHUNK
+    return CODEC_BYTES[codec]
+
+
+def link_bytes_per_sync(n: int, codec: str, p: int) -> int:
+    """Bytes one rank sends per sync of ``n`` averaged fp32 elements among ``p`` ranks: plain fp32 (``"none"``) a
+    ring all-reduce's ``2 (p-1)/p * 4n``; a dense codec the two phases' ``2 (p-1)`` encoded chunks of
+    ``ceil(n / (p * unit)) * unit`` elements (an all-to-all, then an all-gather of the owner's mean); top-k the
+    all-gather of the whole encoding (``n`` padded to whole chunks) to the ``p - 1`` others
+    (distkit/sync/compression.py's Exchange)."""
+    from distkit.sync.compression import _unit, encoded_size
+    if codec == "none":
+        return round(2 * (p - 1) / p * 4 * n)
+    unit = _unit(codec)
+    if codec.startswith("topk:"):
+        return (p - 1) * encoded_size(-(-n // unit) * unit, codec)
+    chunk = -(-n // (p * unit)) * unit
+    return 2 * (p - 1) * encoded_size(chunk, codec)
 
 
 def mode_options(mode: str) -> tuple[str, int, str, int]:
-    """``param<H>`` / ``diloco<H>`` with optional ``-f<F>`` (param_sync_fragments), ``-bf16``/``-fp16``/``-int8``
-    (param_sync_compression) and ``-o<tau>`` (param_sync_overlap) suffixes, e.g. ``diloco100-f4-int8-o5``:
-    (base, F, codec, tau); ValueError otherwise."""
+    """``param<H>`` / ``diloco<H>`` with optional ``-f<F>`` (param_sync_fragments), ``-bf16``/``-fp16``/``-int8``/
+    ``-int4``/``-tk<percent>b<bits>`` (param_sync_compression; ``tk`` = "topk" at that density and value bits, chunk
+    4096) and ``-o<tau>`` (param_sync_overlap) suffixes, e.g. ``diloco100-f4-int8-o5``, ``diloco100-tk1b2``:
+    (base, F, codec, tau), codec a top-k codec string for ``tk``; ValueError otherwise."""
     base, *options = mode.split("-")
     fragments, codec, overlap = 1, "none", 0
     for o in options:
         if o in CODEC_BYTES and o != "none" and codec == "none":
             codec = o
+        elif topk_option(o) and codec == "none":
+            codec = topk_option(o)  # type: ignore[assignment]
         elif o.startswith("f") and o[1:].isdigit() and int(o[1:]) >= 1 and fragments == 1:
             fragments = int(o[1:])
         elif o.startswith("o") and o[1:].isdigit() and int(o[1:]) >= 1 and overlap == 0:
@@ -115,7 +165,11 @@ def mode_args(mode: str, outer: Optional[tuple[float, float]] = None) -> dict[st
         d["outer_optimizer"] = {"class": "nesterov", "lr": lr, "momentum": momentum}
     if fragments > 1:
         d["param_sync_fragments"] = fragments
-    if codec != "none":
+    if codec.startswith("topk:"):
+        _, density, bits, chunk = codec.split(":")
+        d.update(param_sync_compression="topk", param_sync_topk_density=float(density),
+                 param_sync_topk_bits=int(bits), param_sync_topk_chunk=int(chunk))
+    elif codec != "none":
         d["param_sync_compression"] = codec
     if overlap:
         d["param_sync_overlap"] = overlap
@@ -214,8 +268,36 @@ def quality_run(mode: str, steps: int, out: str, outer: Optional[tuple[float, fl
         raise RuntimeError(f"exit {res.returncode}: {' '.join(cmd)}\n{res.stderr[-3000:]}")
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
-    return {"eval_loss": s["eval_loss"], "steps": s["steps"], "samples": s["samples"],
-            "syncs": steps // sync_period(mode), "corpus": corpus, "workers": workers}
+    q = {"eval_loss": s["eval_loss"], "steps": s["steps"], "samples": s["samples"],
+         "syncs": steps // sync_period(mode), "corpus": corpus, "workers": workers,
+         "comm_bytes_rank0": s["comm_bytes"]}  # distkit's count of the bytes rank 0 handed to collectives
+    return {**q, **sync_bytes(mode, corpus, workers)}
+
+
+def averaged_elements(corpus: str) -> tuple[int, int]:
+    """(parameters, floating-buffer elements) of charlm medium on ``corpus`` (the vocabulary is the corpus'), at the
+    default sequence length: what param mode averages. The buffers (the causal mask) go uncompressed in every codec."""
+    from distkit.config.schema import RunConfig
+    from distkit.tasks.charlm import SIZES, CharTransformer, datasets
+    seq_len = RunConfig.__dataclass_fields__["charlm_seq_len"].default
+    vocab = datasets(seq_len, corpus)[2]
+    m = CharTransformer(vocab, seq_len, *SIZES["medium"])
+    return (sum(t.numel() for t in m.parameters()),
+            sum(b.numel() for b in m.buffers() if b.is_floating_point()))
+
+
+def sync_bytes(mode: str, corpus: str, workers: int) -> dict[str, Any]:
+    """Bytes one rank sends per sync (grad mode: per step, DDP's ring all-reduce of the gradients) from the codec's
+    sizes (:func:`link_bytes_per_sync`): the parameters' pseudo-gradient encoded, the floating buffers in fp32."""
+    n, buffers = averaged_elements(corpus)
+    if mode == "grad":
+        return {"codec": "none", "params": n, "bytes_per_sync_per_rank": link_bytes_per_sync(n, "none", workers)}
+    codec = mode_options(mode)[2]
+    params = link_bytes_per_sync(n, codec, workers)
+    buf = link_bytes_per_sync(buffers, "none", workers)
+    return {"codec": codec, "params": n, "buffer_elements": buffers, "codec_bytes_per_element": codec_bytes(codec),
+            "param_bytes_per_sync_per_rank": params, "buffer_bytes_per_sync_per_rank": buf,
+            "bytes_per_sync_per_rank": params + buf}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -249,7 +331,7 @@ def model(results: dict[str, Any]) -> None:
             # link time beyond tau steps of compute (the unshaped step) is what the steps wait for
             _, fragments, codec, tau = mode_options(mode)
             h = sync_period(mode)
-            event = exchange / fragments * CODEC_BYTES[codec] / 4
+            event = exchange / fragments * codec_bytes(codec) / 4  # 2 ranks: every codec sends its encoding once
             for rate, r in by_rate.items():
                 if rate == "0":
                     continue
@@ -317,13 +399,17 @@ def plot_quality(results: dict[str, Any], path: str) -> None:
     its ratio to grad mode's and its number of syncs."""
     import matplotlib.pyplot as plt
 
-    # a DiLoCo record carries its outer settings; its sync period is steps per sync
-    diloco = lambda v: f"DiLoCo H={v['steps'] // v['syncs']}\nlr {v['outer_lr']:g} m {v['outer_momentum']:g}"  # noqa: E731
+    # a DiLoCo record carries its outer settings; its sync period is steps per sync; its label's mode, the suffixes
+    # (fragments, codec, overlap: e.g. "diloco100-tk1b2 lr 1 m 0.1" -> "tk1b2")
+    def diloco(k: str, v: dict[str, Any]) -> str:
+        suffix = k.split(" ")[0].partition("-")[2]
+        return (f"DiLoCo H={v['steps'] // v['syncs']}{' ' + suffix if suffix else ''}\n"
+                f"lr {v['outer_lr']:g} m {v['outer_momentum']:g}")
     runs = {m: q for m, q in results["quality"].items() if not m.startswith("diloco")}
-    runs.update({diloco(v): v for v in results.get("diloco_sweep", {}).values()})
+    runs.update({diloco(k, v): v for k, v in results.get("diloco_sweep", {}).items()})
     # a repeat with another seed: its own bar, its ratio against grad mode of the same seed
     for k, v in results.get("repeats", {}).items():
-        name = diloco(v) if "outer_lr" in v else k.split(" seed ")[0]
+        name = diloco(k, v) if "outer_lr" in v else k.split(" seed ")[0]
         runs[f"{name}\nseed {v['seed']}"] = {**v, "ratio": results.get("repeats_vs_grad", {}).get(k)}
     grad = results["quality"].get("grad", {}).get("eval_loss")
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(runs)), 4.2))
@@ -462,7 +548,7 @@ def main() -> int:
             bad.append(m)
     if bad:
         print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>, optionally with -f<F>, "
-              f"-bf16/-fp16/-int8 and -o<tau> (e.g. diloco100-f4-int8-o5)", file=sys.stderr)
+              f"-bf16/-fp16/-int8/-int4/-tk<percent>b<bits> and -o<tau> (e.g. diloco100-f4-int8-o5, diloco100-tk1b2)", file=sys.stderr)
         return 2
     try:
         if any(float(r) < 0 for r in rates):
