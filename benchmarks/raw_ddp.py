@@ -29,17 +29,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
+from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
     """The hand-written DDP step on the default process group (already initialized): the model seeded with
     ``args.seed``, wrapped in ``DDP(bucket_cap_mb=...)``, plain SGD, the ``shard`` data order."""
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = DDP(CharTransformer(vocab, args.seq_len, width, layers, heads), bucket_cap_mb=args.bucket_cap_mb)
+    train, bare = seeded_charlm(args)
+    model = DDP(bare, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)
 

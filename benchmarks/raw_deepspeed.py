@@ -31,18 +31,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
+from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
     """The textbook DeepSpeed step (``deepspeed.init_distributed`` already called): the model seeded with
     ``args.seed``, plain SGD, ``deepspeed.initialize`` with ZeRO stage ``args.zero_stage`` and DeepSpeed's
     default buckets, ``engine.backward``/``engine.step``, the ``shard`` data order."""
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    train, model = seeded_charlm(args)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     config = {"zero_optimization": {"stage": args.zero_stage}, "train_micro_batch_size_per_gpu": args.batch_size,
               "gradient_accumulation_steps": 1, "train_batch_size": args.batch_size * world,

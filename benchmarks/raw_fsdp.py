@@ -38,8 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
+from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, seeded_charlm, shard_batches
 
 
 def unit_paths(model: nn.Module) -> list[str]:
@@ -75,10 +74,7 @@ def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    train, model = seeded_charlm(args)
     mesh = init_device_mesh("cpu", (world,))
     for path in unit_paths(model):
         fully_shard(model.get_submodule(path), mesh=mesh)

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, parse_baseline_args, run_timed, shard_batches
+from workload import RawLoop, parse_baseline_args, run_timed, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, names: str = "") -> RawLoop:
@@ -36,10 +35,7 @@ def build(args: argparse.Namespace, names: str = "") -> RawLoop:
     ``shard`` data order. ``names`` prefixes Horovod's tensor names (a second model in the same job, as in
     ``interleaved.py``, must not reuse the first one's)."""
     rank, world = hvd.rank(), hvd.size()
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    train, model = seeded_charlm(args)
     hvd.broadcast_parameters({names + k: v for k, v in model.state_dict().items()}, root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
                                    named_parameters=[(names + k, p) for k, p in model.named_parameters()],

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, parse_baseline_args, run_timed, shard_batches
+from workload import RawLoop, parse_baseline_args, run_timed, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, comm: "MPI.Comm") -> RawLoop:
@@ -36,10 +35,7 @@ def build(args: argparse.Namespace, comm: "MPI.Comm") -> RawLoop:
     parameters from rank 0 (one ``Bcast`` per tensor), a blocking in-place ``Allreduce`` per gradient then the
     division by the world size, plain SGD, the ``shard`` data order."""
     rank, world = comm.Get_rank(), comm.Get_size()
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    train, model = seeded_charlm(args)
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             comm.Bcast(t.detach().reshape(-1).numpy(), root=0)

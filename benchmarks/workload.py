@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +50,20 @@ def add_workload_arguments(ap: argparse.ArgumentParser, seed: bool = True) -> ar
         ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--times", required=True, help="JSON file rank 0 writes the step timestamps to")
     return ap
+
+
+def seeded_charlm(args: argparse.Namespace) -> tuple[Any, "torch.nn.Module"]:
+    """charlm's training set and model as every side of a comparison builds them: ``torch.manual_seed(args.seed)``,
+    then the datasets of ``args.seq_len``, then the ``args.size`` model, in that order (so the model's initial
+    weights are the seed's, the same on every side and rank). Returns (the training TensorDataset, the model)."""
+    import torch
+
+    from distkit.tasks.charlm import CharTransformer, datasets
+
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    return train, CharTransformer(vocab, args.seq_len, width, layers, heads)
 
 
 def shard_batches(xs: "torch.Tensor", ys: "torch.Tensor", seed: int, batch_size: int, rank: int,
