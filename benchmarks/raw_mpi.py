@@ -20,14 +20,13 @@ Rank 0 records ``perf_counter`` / ``process_time`` before fetching each step's b
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
 from distkit.evaluation import param_checksum
-from workload import RawLoop, parse_baseline_args, run_timed, seeded_charlm, shard_batches
+from workload import RawLoop, parse_baseline_args, run_and_record, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, comm: "MPI.Comm") -> RawLoop:
@@ -63,13 +62,7 @@ def main() -> None:
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    raw = build(args, comm)
-    rec, loss = run_timed(raw, args.steps)
-    checksum = raw.checksum()
-    if rank == 0:
-        with open(args.times, "w") as f:
-            json.dump({"impl": "raw_mpi", "rank": rank, "world_size": world, **rec, "final_loss": loss.item(),
-                       "param_checksum": checksum, "torch_threads": torch.get_num_threads()}, f)
+    run_and_record(build(args, comm), args, "raw_mpi", rank, world)
 
 
 if __name__ == "__main__":

@@ -120,9 +120,25 @@ def run_timed(raw: RawLoop, steps: int) -> tuple[dict[str, list[float]], "torch.
     return rec, loss
 
 
+def run_and_record(raw: RawLoop, args: argparse.Namespace, impl: str, rank: int, world: int, **extra: Any) -> None:
+    """A hand-written baseline's run: :func:`run_timed` for ``args.steps`` steps, then its checksum (collective where
+    the engine's is: every rank calls this), and rank 0 writes ``{"impl", **extra, "rank", "world_size", the step
+    times, "final_loss", "param_checksum", "torch_threads"}`` to ``args.times``."""
+    import json
+
+    import torch
+
+    rec, loss = run_timed(raw, args.steps)
+    checksum = raw.checksum()
+    if rank == 0:
+        with open(args.times, "w") as f:
+            json.dump({"impl": impl, **extra, "rank": rank, "world_size": world, **rec, "final_loss": loss.item(),
+                       "param_checksum": checksum, "torch_threads": torch.get_num_threads()}, f)
+
+
 def parse_baseline_args(description: str) -> argparse.Namespace:
     """The command line of a hand-written baseline whose engine has no bucket setting (``raw_mpi.py``,
-    ``raw_horovod.py``): the workload's flags plus ``--bucket-cap-mb`` (overhead.py passes it to every baseline),
+    ``raw_horovod.py``, ``raw_fsdp.py``): the workload's flags plus ``--bucket-cap-mb`` (overhead.py passes it to every baseline),
     parsed; then this rank pinned (``--pin``) before torch starts its threads."""
     ap = argparse.ArgumentParser(description=description)
     add_workload_arguments(ap)
