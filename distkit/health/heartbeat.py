@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from distkit.health.records import Seal, mark, marked_start, parse_count, parse_who, process_token
 from distkit.launch.netif import host_identity
-from distkit.launch.procfs import same_process, signal_process
+from distkit.launch.procfs import same_process, signal_process, state
 
 #: seconds between heartbeats at most (also the judge's period)
 MAX_INTERVAL_S = 1.0
@@ -164,7 +164,9 @@ class Heartbeat:
                 continue
             host, pid = place
             start = marked_start(pid, mark(self._token, r, pid)) if host == here else None
-            if host == here and start is None and report:
+            # a pid that is gone (or a zombie) is a rank that died: its launcher and the spawner name it; only a
+            # live process without the mark is a record that is not the rank's
+            if host == here and start is None and report and state(pid) not in (None, "Z", "X"):
                 print(f"distkit: rank {self.rank}: {keys[r]} in the heartbeat store names pid {pid} on this host, "
                       f"but no process here carries rank {r}'s mark: that pid is never signalled (a forged or stale "
                       "record, or a rank in another pid namespace; docs/security.md)",
