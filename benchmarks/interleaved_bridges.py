@@ -45,7 +45,7 @@ sys.path.insert(0, HERE)
 
 import interleaved  # noqa: E402  (the schedule, the per-pair ratios, the statistics, the threads' CPU)
 import overhead  # noqa: E402  (the launcher, the environment, the runner, the load record)
-from workload import launcher_rank, pin_rank, shard_batches  # noqa: E402
+from workload import launcher_rank, pin_rank, seeded_charlm, shard_batches  # noqa: E402
 
 WORKER = "--worker"
 BRIDGES = ("fabric", "paramsync")
@@ -62,15 +62,11 @@ def fabric_side(strategy: Any, args: argparse.Namespace, rank: int, world: int) 
     from lightning.fabric import Fabric
 
     from distkit.evaluation import param_checksum
-    from distkit.tasks.charlm import SIZES, CharTransformer, datasets
 
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world, precision="32-true")
     fabric.launch()  # (under torchrun: no processes started; the process group joined once)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        train, _, vocab = datasets(args.seq_len)
-        width, layers, heads = SIZES[args.size]
-        bare = CharTransformer(vocab, args.seq_len, width, layers, heads)
+        train, bare = seeded_charlm(args)
         model, optimizer = fabric.setup(bare, torch.optim.SGD(bare.parameters(), lr=args.lr))
     batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)
 
@@ -106,13 +102,9 @@ def accelerate_side(accelerator: Any, sync_class: Any, args: argparse.Namespace,
     import torch.nn.functional as F
 
     from distkit.evaluation import param_checksum
-    from distkit.tasks.charlm import SIZES, CharTransformer, datasets
 
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        train, _, vocab = datasets(args.seq_len)
-        width, layers, heads = SIZES[args.size]
-        bare = CharTransformer(vocab, args.seq_len, width, layers, heads)
+        train, bare = seeded_charlm(args)
         model, optimizer = accelerator.prepare(bare, torch.optim.SGD(bare.parameters(), lr=args.lr))
     sync = sync_class(accelerator, model, local_sgd_steps=args.local_sgd_steps)
     batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 
 import torch
@@ -29,17 +28,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
+from workload import RawLoop, add_workload_arguments, pin_rank, run_and_record, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
     """The hand-written DDP step on the default process group (already initialized): the model seeded with
     ``args.seed``, wrapped in ``DDP(bucket_cap_mb=...)``, plain SGD, the ``shard`` data order."""
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = DDP(CharTransformer(vocab, args.seq_len, width, layers, heads), bucket_cap_mb=args.bucket_cap_mb)
+    train, bare = seeded_charlm(args)
+    model = DDP(bare, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)
 
@@ -64,13 +60,7 @@ def main() -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    raw = build(args, rank, world)
-    rec, loss = run_timed(raw, args.steps)
-    checksum = raw.checksum()
-    if rank == 0:
-        with open(args.times, "w") as f:
-            json.dump({"impl": "raw_ddp", "rank": rank, "world_size": world, **rec, "final_loss": loss.item(),
-                       "param_checksum": checksum, "torch_threads": torch.get_num_threads()}, f)
+    run_and_record(build(args, rank, world), args, "raw_ddp", rank, world)
     dist.destroy_process_group()
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
@@ -31,18 +30,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
+from workload import RawLoop, add_workload_arguments, pin_rank, run_and_record, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
     """The textbook DeepSpeed step (``deepspeed.init_distributed`` already called): the model seeded with
     ``args.seed``, plain SGD, ``deepspeed.initialize`` with ZeRO stage ``args.zero_stage`` and DeepSpeed's
     default buckets, ``engine.backward``/``engine.step``, the ``shard`` data order."""
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    train, model = seeded_charlm(args)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     config = {"zero_optimization": {"stage": args.zero_stage}, "train_micro_batch_size_per_gpu": args.batch_size,
               "gradient_accumulation_steps": 1, "train_batch_size": args.batch_size * world,
@@ -81,14 +76,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    raw = build(args, rank, world)
-    rec, loss = run_timed(raw, args.steps)
-    checksum = raw.checksum()
-    if rank == 0:
-        with open(args.times, "w") as f:
-            json.dump({"impl": "raw_deepspeed", "zero_stage": args.zero_stage, "rank": rank, "world_size": world,
-                       **rec, "final_loss": loss.item(), "param_checksum": checksum,
-                       "torch_threads": torch.get_num_threads()}, f)
+    run_and_record(build(args, rank, world), args, "raw_deepspeed", rank, world, zero_stage=args.zero_stage)
     dist.destroy_process_group()
 
 

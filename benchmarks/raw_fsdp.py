@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 
 import torch
@@ -38,8 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, add_workload_arguments, pin_rank, run_timed, shard_batches
+from workload import RawLoop, parse_baseline_args, run_and_record, seeded_charlm, shard_batches
 
 
 def unit_paths(model: nn.Module) -> list[str]:
@@ -75,10 +73,7 @@ def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    train, model = seeded_charlm(args)
     mesh = init_device_mesh("cpu", (world,))
     for path in unit_paths(model):
         fully_shard(model.get_submodule(path), mesh=mesh)
@@ -99,22 +94,10 @@ def build(args: argparse.Namespace, rank: int, world: int) -> RawLoop:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_arguments(ap)
-    ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                    help="accepted for overhead.py's common command line; FSDP2 has no buckets (one unit each)")
-    args = ap.parse_args()
-    pin_rank()
-
+    args = parse_baseline_args(__doc__.splitlines()[0])  # (FSDP2 has no buckets: one unit each)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    raw = build(args, rank, world)
-    rec, loss = run_timed(raw, args.steps)
-    checksum = raw.checksum()
-    if rank == 0:
-        with open(args.times, "w") as f:
-            json.dump({"impl": "raw_fsdp", "rank": rank, "world_size": world, **rec, "final_loss": loss.item(),
-                       "param_checksum": checksum, "torch_threads": torch.get_num_threads()}, f)
+    run_and_record(build(args, rank, world), args, "raw_fsdp", rank, world)
     dist.destroy_process_group()
 
 

@@ -19,15 +19,13 @@ Rank 0 records ``perf_counter`` / ``process_time`` before fetching each step's b
 from __future__ import annotations
 
 import argparse
-import json
 
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, parse_baseline_args, run_timed, shard_batches
+from workload import RawLoop, parse_baseline_args, run_and_record, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, names: str = "") -> RawLoop:
@@ -36,10 +34,7 @@ def build(args: argparse.Namespace, names: str = "") -> RawLoop:
     ``shard`` data order. ``names`` prefixes Horovod's tensor names (a second model in the same job, as in
     ``interleaved.py``, must not reuse the first one's)."""
     rank, world = hvd.rank(), hvd.size()
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    train, model = seeded_charlm(args)
     hvd.broadcast_parameters({names + k: v for k, v in model.state_dict().items()}, root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
                                    named_parameters=[(names + k, p) for k, p in model.named_parameters()],
@@ -62,14 +57,7 @@ def main() -> None:
     args = parse_baseline_args(__doc__.splitlines()[0])
 
     hvd.init()
-    raw = build(args)
-    rec, loss = run_timed(raw, args.steps)
-    checksum = raw.checksum()
-    if hvd.rank() == 0:
-        with open(args.times, "w") as f:
-            json.dump({"impl": "raw_horovod", "rank": hvd.rank(), "world_size": hvd.size(), **rec,
-                       "final_loss": loss.item(), "param_checksum": checksum,
-                       "torch_threads": torch.get_num_threads()}, f)
+    run_and_record(build(args), args, "raw_horovod", hvd.rank(), hvd.size())
     hvd.shutdown()
 
 

@@ -20,15 +20,13 @@ Rank 0 records ``perf_counter`` / ``process_time`` before fetching each step's b
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
 from distkit.evaluation import param_checksum
-from distkit.tasks.charlm import SIZES, CharTransformer, datasets
-from workload import RawLoop, parse_baseline_args, run_timed, shard_batches
+from workload import RawLoop, parse_baseline_args, run_and_record, seeded_charlm, shard_batches
 
 
 def build(args: argparse.Namespace, comm: "MPI.Comm") -> RawLoop:
@@ -36,10 +34,7 @@ def build(args: argparse.Namespace, comm: "MPI.Comm") -> RawLoop:
     parameters from rank 0 (one ``Bcast`` per tensor), a blocking in-place ``Allreduce`` per gradient then the
     division by the world size, plain SGD, the ``shard`` data order."""
     rank, world = comm.Get_rank(), comm.Get_size()
-    torch.manual_seed(args.seed)
-    train, _, vocab = datasets(args.seq_len)
-    width, layers, heads = SIZES[args.size]
-    model = CharTransformer(vocab, args.seq_len, width, layers, heads)
+    train, model = seeded_charlm(args)
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             comm.Bcast(t.detach().reshape(-1).numpy(), root=0)
@@ -67,13 +62,7 @@ def main() -> None:
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    raw = build(args, comm)
-    rec, loss = run_timed(raw, args.steps)
-    checksum = raw.checksum()
-    if rank == 0:
-        with open(args.times, "w") as f:
-            json.dump({"impl": "raw_mpi", "rank": rank, "world_size": world, **rec, "final_loss": loss.item(),
-                       "param_checksum": checksum, "torch_threads": torch.get_num_threads()}, f)
+    run_and_record(build(args, comm), args, "raw_mpi", rank, world)
 
 
 if __name__ == "__main__":

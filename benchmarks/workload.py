@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +50,20 @@ def add_workload_arguments(ap: argparse.ArgumentParser, seed: bool = True) -> ar
         ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--times", required=True, help="JSON file rank 0 writes the step timestamps to")
     return ap
+
+
+def seeded_charlm(args: argparse.Namespace) -> tuple[Any, "torch.nn.Module"]:
+    """charlm's training set and model as every side of a comparison builds them: ``torch.manual_seed(args.seed)``,
+    then the datasets of ``args.seq_len``, then the ``args.size`` model, in that order (so the model's initial
+    weights are the seed's, the same on every side and rank). Returns (the training TensorDataset, the model)."""
+    import torch
+
+    from distkit.tasks.charlm import CharTransformer, datasets
+
+    torch.manual_seed(args.seed)
+    train, _, vocab = datasets(args.seq_len)
+    width, layers, heads = SIZES[args.size]
+    return train, CharTransformer(vocab, args.seq_len, width, layers, heads)
 
 
 def shard_batches(xs: "torch.Tensor", ys: "torch.Tensor", seed: int, batch_size: int, rank: int,
@@ -106,9 +120,25 @@ def run_timed(raw: RawLoop, steps: int) -> tuple[dict[str, list[float]], "torch.
     return rec, loss
 
 
+def run_and_record(raw: RawLoop, args: argparse.Namespace, impl: str, rank: int, world: int, **extra: Any) -> None:
+    """A hand-written baseline's run: :func:`run_timed` for ``args.steps`` steps, then its checksum (collective where
+    the engine's is: every rank calls this), and rank 0 writes ``{"impl", **extra, "rank", "world_size", the step
+    times, "final_loss", "param_checksum", "torch_threads"}`` to ``args.times``."""
+    import json
+
+    import torch
+
+    rec, loss = run_timed(raw, args.steps)
+    checksum = raw.checksum()
+    if rank == 0:
+        with open(args.times, "w") as f:
+            json.dump({"impl": impl, **extra, "rank": rank, "world_size": world, **rec, "final_loss": loss.item(),
+                       "param_checksum": checksum, "torch_threads": torch.get_num_threads()}, f)
+
+
 def parse_baseline_args(description: str) -> argparse.Namespace:
     """The command line of a hand-written baseline whose engine has no bucket setting (``raw_mpi.py``,
-    ``raw_horovod.py``): the workload's flags plus ``--bucket-cap-mb`` (overhead.py passes it to every baseline),
+    ``raw_horovod.py``, ``raw_fsdp.py``): the workload's flags plus ``--bucket-cap-mb`` (overhead.py passes it to every baseline),
     parsed; then this rank pinned (``--pin``) before torch starts its threads."""
     ap = argparse.ArgumentParser(description=description)
     add_workload_arguments(ap)

@@ -251,12 +251,11 @@ class Gate:
 class Tunnel:
     """A loopback port of this process (:attr:`url`) whose every connection is carried to the gate at ``host``:
     ``port`` after the token was proved both ways: the lighthouse's address for torchft's Manager, whose client
-    cannot prove anything itself. A connection whose proof fails is closed, and the reason kept in
-    :attr:`refused` (the rank's own probes name it)."""
+    cannot prove anything itself. A connection whose proof fails (or that reaches nothing) is closed: the rank's
+    own probes, which open gated connections directly (:func:`distkit.ft.watch.lighthouse_status`), say why."""
 
     def __init__(self, host: str, port: int, token: bytes) -> None:
         self._host, self._port, self._token = host, port, token
-        self.refused: Optional[str] = None
         self.sock = _listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         _serve(self.sock, self._handle, "distkit-lighthouse-tunnel")
@@ -264,11 +263,7 @@ class Tunnel:
     def _handle(self, conn: socket.socket, _addr: tuple[str, int]) -> None:
         try:
             remote = open_gated(self._host, self._port, self._token)
-        except GateRefused as e:
-            self.refused = str(e)
-            conn.close()
-            return
-        except OSError:
+        except OSError:  # (GateRefused too)
             conn.close()
             return
         _relay(conn, remote)

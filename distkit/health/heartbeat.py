@@ -22,10 +22,9 @@ import threading
 import time
 from typing import Any, Optional
 
-from distkit.health.records import (Seal, mark, marked_start, parse_count, parse_who, process_token, same_process,
-                                    signal_process)
+from distkit.health.records import Seal, mark, marked_start, parse_count, parse_who, process_token
 from distkit.launch.netif import host_identity
-from distkit.launch.procfs import state
+from distkit.launch.procfs import same_process, signal_process, state
 
 #: seconds between heartbeats at most (also the judge's period)
 MAX_INTERVAL_S = 1.0
@@ -80,7 +79,7 @@ class Heartbeat:
         #: rank -> (host identity, pid), once every rank beat; the pid is 0 unless the rank runs on this host and its
         #: process carries the rank's mark (a host of "" where the record was not this job's)
         self._where: dict[int, tuple[str, int]] = {}
-        #: rank -> the start time its process had when its mark was seen (this host's ranks; see records.same_process)
+        #: rank -> the start time its process had when its mark was seen (this host's ranks; see procfs.same_process)
         self._start: dict[int, str] = {}
         self._stop = threading.Event()
         self._beater = threading.Thread(target=self._beat_loop, name="distkit-heartbeat", daemon=True)

@@ -25,7 +25,6 @@ import hmac
 import os
 import re
 import secrets
-import signal
 import threading
 from typing import Optional
 
@@ -148,36 +147,3 @@ def marked_start(pid: int, name: str) -> Optional[str]:
         fields = stat_fields(pid)
         return fields[19] if fields is not None and len(fields) > 19 else None
     return None
-
-
-def same_process(pid: int, start: Optional[str]) -> bool:
-    """Whether process ``pid`` is still the one that had start time ``start`` (False for a pid that is gone or was
-    handed to another process since, and for ``start`` None)."""
-    if pid <= 0 or start is None:
-        return False
-    fields = stat_fields(pid)
-    return fields is not None and len(fields) > 19 and fields[19] == start
-
-
-def signal_process(pid: int, start: Optional[str], sig: int = signal.SIGKILL) -> bool:
-    """Send ``sig`` to process ``pid`` if it is still the one that had start time ``start``; returns whether it was
-    sent. Through a pidfd where Linux has them (5.3): the check and the signal then concern one process, even if
-    ``pid`` is handed to another one in between."""
-    fd: Optional[int] = None
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        fd = None
-    try:
-        if not same_process(pid, start):
-            return False
-        if fd is not None:
-            signal.pidfd_send_signal(fd, sig)
-        else:
-            os.kill(pid, sig)
-        return True
-    except OSError:
-        return False
-    finally:
-        if fd is not None:
-            os.close(fd)

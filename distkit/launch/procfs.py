@@ -2,6 +2,8 @@
 start time (which tells a recycled pid apart). One parser for the spawner, the watchdog and the launcher guard."""
 from __future__ import annotations
 
+import os
+import signal
 from typing import Optional
 
 
@@ -52,7 +54,6 @@ def has_left(pid: int) -> bool:
 
 def children(ppid: int) -> list[int]:
     """The pids of process ``ppid``'s children ([] where /proc cannot be read)."""
-    import os
 
     try:
         names = os.listdir("/proc")
@@ -74,6 +75,39 @@ def environ(pid: int) -> Optional[dict[str, str]]:
     except OSError:
         return None
     return dict(kv.split("=", 1) for kv in data.decode("utf-8", "replace").split("\0") if "=" in kv)
+
+
+def same_process(pid: int, start: Optional[str]) -> bool:
+    """Whether process ``pid`` is still the one that had start time ``start`` (False for a pid that is gone or was
+    handed to another process since, and for ``start`` None)."""
+    if pid <= 0 or start is None:
+        return False
+    fields = stat_fields(pid)
+    return fields is not None and len(fields) > 19 and fields[19] == start
+
+
+def signal_process(pid: int, start: Optional[str], sig: int = signal.SIGKILL) -> bool:
+    """Send ``sig`` to process ``pid`` if it is still the one that had start time ``start``; returns whether it was
+    sent. Through a pidfd where Linux has them (5.3): the check and the signal then concern one process, even if
+    ``pid`` is handed to another one in between."""
+    fd: Optional[int] = None
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        if not same_process(pid, start):
+            return False
+        if fd is not None:
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(pid, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 #: how one job's ranks on a host are told from every other process there, launcher by launcher (the MPI launchers,
@@ -103,7 +137,6 @@ def local_ranks(env: dict[str, str]) -> dict[int, int]:
     its rank: the processes it starts (the start-up guard, data loader workers) inherit the environment, its
     launcher's shell does not hold it (``horovodrun --gloo`` passes the variables through ``env``). Reads the
     environment of each process of this user, so it is meant for the rare moment a start-up failed."""
-    import os
 
     mine = job_rank(env)
     if mine is None:

@@ -119,28 +119,6 @@ def stopped_peers(rank: int) -> dict[int, tuple[int, str]]:
     return found
 
 
-def _kill(pid: int, start: str) -> None:
-    """SIGKILL ``pid`` if it is still the process that had start time ``start`` (through a pidfd: the check and the
-    signal concern one process, even if the pid is handed to another in between)."""
-    procfs, _ = _launch()
-    fd = None
-    with contextlib.suppress(AttributeError, OSError):
-        fd = os.pidfd_open(pid)
-    try:
-        fields = procfs.stat_fields(pid)
-        if fields is None or len(fields) <= 19 or fields[19] != start:
-            return
-        if fd is not None:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
 def end_for_stopped_peers(rank: int, what: str, bound: str, pid: int = 0) -> None:
     """If another rank of this job on this host is stopped (:func:`stopped_peers`), name it in one line (``distkit:
     rank 1 stopped responding during start-up: stopped (SIGSTOP, a debugger) while rank 0 waited for it in WHAT
@@ -162,7 +140,7 @@ def end_for_stopped_peers(rank: int, what: str, bound: str, pid: int = 0) -> Non
         if not pid:
             _NAMING.release()
         return
-    _, failures = _launch()
+    procfs, failures = _launch()
     names = sorted(peers)
     who = f"rank {names[0]}" if len(names) == 1 else "ranks " + ", ".join(map(str, names))
     how = f"during start-up: stopped (SIGSTOP, a debugger) while rank {rank} waited for it in {what}"
@@ -175,10 +153,10 @@ def end_for_stopped_peers(rank: int, what: str, bound: str, pid: int = 0) -> Non
     sys.stderr.write(f"distkit: {who} stopped responding {how} (noticed by rank {rank}; {bound}); "
                      "ending it and this rank\n")
     sys.stderr.flush()
-    for pid, start in peers.values():
-        _kill(pid, start)
+    for peer, start in peers.values():  # (checked against its start time, through a pidfd)
+        procfs.signal_process(peer, start)
     end = time.monotonic() + PEER_GONE_S
-    while time.monotonic() < end and any(_state(pid) not in ("", "Z", "X") for pid, _ in peers.values()):
+    while time.monotonic() < end and any(_state(peer) not in ("", "Z", "X") for peer, _ in peers.values()):
         time.sleep(0.05)
     time.sleep(SETTLE_S)
     with contextlib.suppress(OSError):
