@@ -39,7 +39,11 @@ PATHS = ("cli", "byo")
 #: pairs per engine and path by default (warm-up pairs included); 120 pairs of 10-step blocks take about 2.5-3
 #: minutes on the 2-core machine for ddp, mpi, horovod and ZeRO-2; fsdp's block takes about twice as long (three
 #: gloo collectives per unit and step), so 80 of its pairs take about as long as 120 of the others
-PAIRS: dict[str, int] = {"ddp": 120, "mpi": 120, "horovod": 120, "deepspeed": 120, "fsdp": 80}
+PAIRS: dict[str, int] = {"ddp": 120, "mpi": 120, "horovod": 120, "deepspeed": 120, "fsdp": 80,
+                         # the bridges (interleaved_bridges.py): a framework's loop per side, ~1.2-1.5 s a pair
+                         "fabric": 60, "lightning": 60, "paramsync": 60, "trainer": 60}
+#: the bridges against their framework's own way (interleaved_bridges.py --bridge)
+BRIDGES = ("fabric", "lightning", "paramsync", "trainer")
 #: ``--quick``: pairs per engine and path (36 measured after the 4 warm-up pairs: about ±2 % on this machine)
 QUICK_PAIRS = 40
 
@@ -100,6 +104,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--bridges", default=",".join(BRIDGES), help="bridges against their framework's own way "
+                    "(interleaved_bridges.py; '' for none)")
     ap.add_argument("--pairs", type=int, default=None, help="pairs per engine and path (interleaved.py --pairs; "
                     "default: the engine's own, PAIRS: 120, fsdp 80, about 3 minutes each for the small model here)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_PAIRS} pairs per engine and path (unless --pairs): "
@@ -109,42 +115,47 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--size", default="small", choices=["small", "medium"])
     ap.add_argument("--out", default=None, help="directory for the JSON results (default: a fresh temp directory)")
     args = ap.parse_args(argv)
-    engines, paths = args.engines.split(","), args.paths.split(",")
-    bad = [e for e in engines if e not in ENGINES] + [p for p in paths if p not in PATHS]
+    engines, paths = [e for e in args.engines.split(",") if e], [p for p in args.paths.split(",") if p]
+    bridges = [b for b in args.bridges.split(",") if b]
+    bad = ([e for e in engines if e not in ENGINES] + [p for p in paths if p not in PATHS] +
+           [b for b in bridges if b not in BRIDGES])
     if bad:
-        print(f"bench_check: unknown engine or path {', '.join(bad)}: engines {', '.join(ENGINES)}; paths "
-              f"{', '.join(PATHS)}", file=sys.stderr)
+        print(f"bench_check: unknown engine, path or bridge {', '.join(bad)}: engines {', '.join(ENGINES)}; paths "
+              f"{', '.join(PATHS)}; bridges {', '.join(BRIDGES)}", file=sys.stderr)
         return 2
     out = args.out or tempfile.mkdtemp(prefix="distkit-bench-check-")
     os.makedirs(out, exist_ok=True)
     rows: list[Row] = []
     failed = False
-    for engine in engines:
-        for path in paths:
-            dest = os.path.join(out, f"{engine}_{path}.json")
-            cmd = [sys.executable, os.path.join(HERE, "interleaved.py"), "--backend", engine, "--path", path, "--pin",
-                   "--pairs", str(pairs_for(engine, args.pairs, args.quick)), "--size", args.size, "--out", dest]
-            print(f"bench_check: {engine} {path}: {' '.join(cmd[1:])}", flush=True)
-            res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if res.returncode != 0:
-                print(res.stdout[-3000:], file=sys.stderr)
-                rows.append((engine, path, "ERROR", f"interleaved.py exited {res.returncode}", None))
-                failed = True
-                continue
-            with open(dest) as f:
-                result = json.load(f)
-            verdict, which = check(result, args.bound)
-            failed = failed or verdict == "FAIL"
-            rows.append((engine, path, verdict, ", ".join(which), result))
-    print(f"\n{'engine':10s} {'path':4s} {'pairs':>5s}  {'wall ratio (95 % interval)':28s} "
+    cases = [(engine, path, [os.path.join(HERE, "interleaved.py"), "--backend", engine, "--path", path,
+                             "--pairs", str(pairs_for(engine, args.pairs, args.quick))])
+             for engine in engines for path in paths]
+    cases += [("bridge", bridge, [os.path.join(HERE, "interleaved_bridges.py"), "--bridge", bridge, "--pairs",
+                                  str(pairs_for(bridge, args.pairs, args.quick))]) for bridge in bridges]
+    for engine, path, job in cases:
+        dest = os.path.join(out, f"{engine}_{path}.json")
+        cmd = [sys.executable, *job, "--pin", "--size", args.size, "--out", dest]
+        print(f"bench_check: {engine} {path}: {' '.join(cmd[1:])}", flush=True)
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if res.returncode != 0:
+            print(res.stdout[-3000:], file=sys.stderr)
+            rows.append((engine, path, "ERROR", f"{os.path.basename(job[0])} exited {res.returncode}", None))
+            failed = True
+            continue
+        with open(dest) as f:
+            result = json.load(f)
+        verdict, which = check(result, args.bound)
+        failed = failed or verdict == "FAIL"
+        rows.append((engine, path, verdict, ", ".join(which), result))
+    print(f"\n{'engine':10s} {'path':9s} {'pairs':>5s}  {'wall ratio (95 % interval)':28s} "
           f"{'cpu ratio (95 % interval)':28s} load  job s  verdict (bound {args.bound})")
     for engine, path, verdict, which, result in rows:
         if result is None:
-            print(f"{engine:10s} {path:4s} {'':>5s}  {which}")
+            print(f"{engine:10s} {path:9s} {'':>5s}  {which}")
             continue
         r = result["pair_ratio"]
         cell = {m: f"{r[m]['median']:.4f} ({r[m]['ci95'][0]:.4f}-{r[m]['ci95'][1]:.4f})" for m in METRICS}
-        print(f"{engine:10s} {path:4s} {r['wall']['n']:5d}  {cell['wall']:28s} {cell['cpu']:28s} "
+        print(f"{engine:10s} {path:9s} {r['wall']['n']:5d}  {cell['wall']:28s} {cell['cpu']:28s} "
               f"{result['foreign_load_cpus']:4.2f}  {result['job_wall_s']:5.0f}  "
               f"{verdict}{f' ({which})' if which else ''}")
     print(f"results: {out}")

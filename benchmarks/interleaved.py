@@ -65,8 +65,12 @@ class Alternator:
     A's, under ``distkit train``, before distkit ends the engine). Every rank runs the same schedule, so the
     engines' collectives match. Rank 0's block times: :attr:`blocks`."""
 
-    def __init__(self, pairs: int, block: int, run_a: Callable[[int], Any]) -> None:
+    def __init__(self, pairs: int, block: int, run_a: Callable[[int], Any],
+                 run_a_block: Optional[Callable[[int], Any]] = None) -> None:
+        # run_a_block(n), where given, takes A's next n steps at once (a framework's whole loop run in a thread of
+        # its own, threaded_side.py: one hand-over per block rather than per step); run_a(i) then takes A's step i
         self.block, self.run_a = block, run_a
+        self.run_a_block = run_a_block or self._steps_of_a
         # ABBA: pair p is (A, B) for even p, (B, A) for odd p
         self.sides = [s for p in range(pairs) for s in (("A", "B") if p % 2 == 0 else ("B", "A"))]
         self.pair_of = [i // 2 for i in range(len(self.sides))]
@@ -92,6 +96,10 @@ class Alternator:
                                                 if v - self._threads.get(k, 0.0) > 0}
             self._threads = now
 
+    def _steps_of_a(self, n: int) -> None:
+        for k in range(n):
+            self.run_a(self.a_step + k)
+
     def tick(self) -> None:
         now = (time.perf_counter(), time.process_time())
         if self.b_open is not None and self.b_steps < self.block:
@@ -102,9 +110,8 @@ class Alternator:
             self.b_open = None
         while self.next < len(self.sides) and self.sides[self.next] == "A":
             t0 = (time.perf_counter(), time.process_time())
-            for _ in range(self.block):
-                self.run_a(self.a_step)
-                self.a_step += 1
+            self.run_a_block(self.block)
+            self.a_step += self.block
             self._record("A", t0, (time.perf_counter(), time.process_time()))
             self.next += 1
         if self.next < len(self.sides):  # B's next block starts with this step

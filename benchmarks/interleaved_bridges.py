@@ -1,6 +1,6 @@
 """The bridges against the framework's own way, in the same processes: blocks of steps, alternating (issue 61 item 2).
 
-    python benchmarks/interleaved_bridges.py --bridge fabric|paramsync [--pairs 60] [--block 10] [--aa]
+    python benchmarks/interleaved_bridges.py --bridge fabric|lightning|paramsync|trainer [--pairs 60] [--block 10] [--aa]
                                              [--size small|medium] [--local-sgd-steps 5] [--pin] [--out PATH]
 
 ``--bridge fabric``: one ``torchrun --standalone`` job of ``--nprocs`` ranks; each rank holds two Lightning Fabric
@@ -22,11 +22,22 @@ LocalSGD's op for op). Per step both run the same user code (forward, ``accelera
 parameters are averaged every K steps. ``--block`` must be a multiple of K, so every block holds the same number
 of syncs on both sides. Leaving the blocks syncs both; then the parameters must be equal.
 
+``--bridge lightning`` and ``--bridge trainer``: a framework that owns its loop (``Trainer.fit``, ``Trainer.train``)
+cannot be stepped from outside, so two copies cannot alternate in one thread. Side A's loop runs in a thread of its
+own, paused before every step it has not been granted (``threaded_side.py``); side B's loop runs in the main thread,
+and a callback at the start of each of its steps drives the schedule, granting A its blocks: one loop runs at a time,
+one hand-over each way per A block (the A/A run shows what that costs). ``lightning``: side A
+``Trainer(strategy=DDPStrategy())``, side B ``Trainer(strategy=DistkitStrategy({ddp engine}))``, the same
+LightningModule (its step calls ``self.model(x)``, as Lightning's templates) on this rank's ``shard``-order batches
+(``use_distributed_sampler=False``), SGD; ``trainer``: side A the stock ``transformers.Trainer`` (Accelerate's DDP),
+side B ``distkit.hf.DistkitTrainer`` (the ddp engine, grad mode), both with the Trainer's own sampler and collator,
+SGD at a constant rate, no clipping. Both must end with the same parameters, as above.
+
 The schedule and statistics are ``interleaved.py``'s: ABBA blocks of ``--block`` steps (:class:`interleaved.Alternator`
 driven by side B's steps), a pair's ratio is B's block time over A's, wall (``perf_counter`` seconds) and rank 0's
 CPU (``process_time`` seconds); the first ``--warmup-pairs`` pairs are left out; the median of the per-pair ratios
 with its 95 % bootstrap interval. ``--aa``: side B is a second copy of side A (``Fabric(strategy="ddp")``,
-``LocalSGD``): what the method resolves for this pair of frameworks. Writes ``interleaved_bridge_<bridge>[_aa].json``
+``LocalSGD``, ``DDPStrategy``, the stock Trainer): what the method resolves for this pair of frameworks. Writes ``interleaved_bridge_<bridge>[_aa].json``
 into a fresh temp directory (or ``--out``) and prints a summary line, then the path. Each job has ``--run-timeout``
 seconds.
 """
@@ -48,7 +59,7 @@ import overhead  # noqa: E402  (the launcher, the environment, the runner, the l
 from workload import launcher_rank, pin_rank, seeded_charlm, shard_batches  # noqa: E402
 
 WORKER = "--worker"
-BRIDGES = ("fabric", "paramsync")
+BRIDGES = ("fabric", "lightning", "paramsync", "trainer")
 
 
 # --------------------------------------------------------------------------- per rank
@@ -146,6 +157,165 @@ def paramsync_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "ranks_agree": ranks_agree(sums), "engine": f"accelerate {accelerator.distributed_type}", "alt": alt}
 
 
+def trainer_side(strategy: Any, args: argparse.Namespace, rank: int, world: int, steps: int,
+                 before_step: Callable[[], None]) -> tuple[Callable[[], Any], Callable[[], str]]:
+    """A Lightning ``Trainer`` with ``strategy`` and its own copy of the workload: (``fit()``: ``steps`` optimizer
+    steps, ``before_step()`` called at the start of each (a callback's ``on_train_batch_start``); ``checksum()``:
+    ``param_checksum`` of the bare model). The LightningModule's step calls the model as Lightning's templates do
+    (``self.model(x)``); its loader hands out this rank's batches in the ``shard`` order (no sampler of Lightning's:
+    ``use_distributed_sampler=False``), so the data is not what is compared."""
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.utils.data import DataLoader, Dataset
+
+    from distkit.evaluation import param_checksum
+
+    with torch.random.fork_rng(devices=[]):
+        train, bare = seeded_charlm(args)
+    batch = shard_batches(*train.tensors, args.seed, args.batch_size, rank, world)
+
+    class Batches(Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return steps
+
+        def __getitem__(self, i: int) -> Any:
+            return batch(i)
+
+    class CharLM(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = bare
+
+        def training_step(self, xy: Any, i: int) -> torch.Tensor:
+            x, y = xy
+            logits = self.model(x)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=args.lr)
+
+    class BeforeStep(Callback):
+        def on_train_batch_start(self, *_: Any) -> None:
+            before_step()
+
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world, precision="32-true", max_epochs=1,
+                      max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, callbacks=[BeforeStep()])
+    module = CharLM()
+
+    def fit() -> None:
+        trainer.fit(module, DataLoader(Batches(), batch_size=None, shuffle=False))
+
+    return fit, lambda: param_checksum(bare.named_parameters())
+
+
+def lightning_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank of ``--bridge lightning``: side A (``DDPStrategy``) fits in a thread of its own
+    (:class:`threaded_side.ThreadedLoop`), side B (``DistkitStrategy``, or a second ``DDPStrategy`` for ``--aa``) in
+    the main thread, its steps driving the :class:`interleaved.Alternator` that grants A its blocks."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from distkit.lightning import DistkitStrategy
+    from threaded_side import ThreadedLoop
+
+    args = argparse.Namespace(**spec["workload"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    holder: dict[str, Any] = {}
+    side_a = ThreadedLoop(lambda before: holder["fit_a"](), name="side-a-ddpstrategy")
+    alt = interleaved.Alternator(spec["pairs"], spec["block"], lambda i: side_a.run_block(1), side_a.run_block)
+    ddp = {"process_group_backend": "gloo", "bucket_cap_mb": args.bucket_cap_mb}
+    holder["fit_a"], sum_a = trainer_side(DDPStrategy(**ddp), args, rank, world, alt.b_total, side_a.before_step)
+    side_a.start()  # (A's set-up first, on every rank: it starts the process group B's strategy then joins)
+    strategy = (DDPStrategy(**ddp) if spec["mode"] == "aa" else
+                DistkitStrategy({"device": "cpu", "distributed": {
+                    "backend": "ddp", "reduce_type": "grad", "pg_backend": "gloo",
+                    "options": {"bucket_cap_mb": args.bucket_cap_mb}}}))
+    fit_b, sum_b = trainer_side(strategy, args, rank, world, alt.b_total, alt.tick)
+    fit_b()
+    side_a.join()
+    sums = (sum_a(), sum_b())
+    result = {"background_cpu_s": interleaved.background_cpu(), "a_checksum": sums[0], "b_checksum": sums[1],
+              "ranks_agree": ranks_agree(sums), "alt": alt}
+    if spec["mode"] != "aa":
+        result["engine"] = strategy.dk.backend
+        strategy.close()
+    return result
+
+
+def hf_side(trainer_class: Any, args: argparse.Namespace, steps: int, before_step: Callable[[], None], out: str,
+            **extra: Any) -> tuple[Callable[[], Any], Callable[[], str]]:
+    """A ``transformers.Trainer`` (``trainer_class``: the stock one or ``DistkitTrainer``, with ``extra``) and its own
+    copy of the workload: (``train()``: ``steps`` optimizer steps, ``before_step()`` at the start of each (a
+    callback's ``on_step_begin``); ``checksum()``: ``param_checksum`` of the bare model). The Trainer's own data
+    pipeline (its sampler and collator) on both sides: the same batches; SGD at a constant rate, no clipping."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import TrainerCallback, TrainingArguments
+
+    from distkit.evaluation import param_checksum
+
+    with torch.random.fork_rng(devices=[]):
+        train, bare = seeded_charlm(args)
+
+    class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return len(train)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            x, y = train[i]
+            return {"input_ids": x, "labels": y}
+
+    class WithLoss(torch.nn.Module):  # (a model the Trainer trains: forward returns the loss)
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = bare
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.model(input_ids)
+            return {"loss": F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))}
+
+    class BeforeStep(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            before_step()
+
+    targs = TrainingArguments(output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=steps,
+                              learning_rate=args.lr, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+                              weight_decay=0.0, save_strategy="no", logging_strategy="no", report_to=[],
+                              disable_tqdm=True, seed=args.seed, data_seed=args.seed, dataloader_drop_last=True,
+                              use_cpu=True, ddp_bucket_cap_mb=int(args.bucket_cap_mb), ddp_backend="gloo")
+    trainer = trainer_class(model=WithLoss(), args=targs, train_dataset=Rows(), callbacks=[BeforeStep()], **extra)
+    return trainer.train, lambda: param_checksum(bare.named_parameters())
+
+
+def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank of ``--bridge trainer``: side A (the stock ``transformers.Trainer``, Accelerate's DDP) trains in a
+    thread of its own (:class:`threaded_side.ThreadedLoop`), side B (``DistkitTrainer`` on the ddp engine, or a
+    second stock Trainer for ``--aa``) in the main thread, its steps driving the Alternator that grants A its
+    blocks."""
+    from transformers import Trainer
+
+    from distkit.hf import DistkitTrainer
+    from threaded_side import ThreadedLoop
+
+    args = argparse.Namespace(**spec["workload"])
+    holder: dict[str, Any] = {}
+    side_a = ThreadedLoop(lambda before: holder["train_a"](), name="side-a-trainer")
+    alt = interleaved.Alternator(spec["pairs"], spec["block"], lambda i: side_a.run_block(1), side_a.run_block)
+    work = os.path.dirname(spec["times"])
+    holder["train_a"], sum_a = hf_side(Trainer, args, alt.b_total, side_a.before_step, os.path.join(work, "a"))
+    side_a.start()  # (A's set-up first, on every rank: Accelerate starts the process group distkit then adopts)
+    b_class, extra = (Trainer, {}) if spec["mode"] == "aa" else (DistkitTrainer, {"distkit": {"distributed": {
+        "backend": "ddp", "reduce_type": "grad", "options": {"bucket_cap_mb": args.bucket_cap_mb}}}})
+    train_b, sum_b = hf_side(b_class, args, alt.b_total, alt.tick, os.path.join(work, "b"), **extra)
+    train_b()
+    side_a.join()
+    sums = (sum_a(), sum_b())
+    return {"background_cpu_s": interleaved.background_cpu(), "a_checksum": sums[0], "b_checksum": sums[1],
+            "ranks_agree": ranks_agree(sums), "alt": alt, "engine": "ddp" if spec["mode"] != "aa" else None}
+
+
 def worker(spec_path: str) -> int:
     """One rank: side B's steps driving an :class:`interleaved.Alternator` over side A."""
     pin_rank()  # before torch starts its threads
@@ -153,8 +323,9 @@ def worker(spec_path: str) -> int:
         spec = json.load(f)
     import torch
 
-    if spec["bridge"] == "paramsync":
-        result = paramsync_worker(spec)
+    if spec["bridge"] != "fabric":
+        result = {"paramsync": paramsync_worker, "lightning": lightning_worker, "trainer": hf_worker}[
+            spec["bridge"]](spec)
         alt = result.pop("alt")
         if launcher_rank() == 0:
             result.update(blocks=alt.blocks, a_steps=alt.a_step, torch_threads=torch.get_num_threads())
@@ -246,6 +417,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     same = rec["a_checksum"] == rec["b_checksum"] and rec["ranks_agree"]
     ratios = interleaved.pair_ratios(rec["blocks"], args.warmup_pairs)
     sides = {"fabric": ('Fabric(strategy="ddp")', 'Fabric(strategy=DistkitStrategy(ddp))'),
+             "lightning": ("Trainer(strategy=DDPStrategy())", "Trainer(strategy=DistkitStrategy(ddp))"),
+             "trainer": ("transformers.Trainer", "distkit.hf.DistkitTrainer(ddp)"),
              "paramsync": ("accelerate LocalSGD", "distkit.hf.ParamSync")}[args.bridge]
     result = {
         "benchmark": "interleaved_bridges", "bridge": args.bridge, "mode": mode,

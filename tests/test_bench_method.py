@@ -88,7 +88,7 @@ def test_pairs_per_engine_quick_and_explicit() -> None:
     assert bench_check.pairs_for("fsdp", None, False) == bench_check.PAIRS["fsdp"] < 120
     assert bench_check.pairs_for("fsdp", None, True) == bench_check.QUICK_PAIRS
     assert bench_check.pairs_for("fsdp", 20, True) == 20
-    assert set(bench_check.PAIRS) == set(bench_check.ENGINES)
+    assert set(bench_check.PAIRS) == set(bench_check.ENGINES) | set(bench_check.BRIDGES)
     # every engine has its hand-written baseline and launcher in overhead.py (interleaved.py's --backend choices)
     import overhead
 
@@ -140,4 +140,56 @@ def test_the_bridges_refuse_blocks_that_would_hold_different_numbers_of_syncs() 
     with pytest.raises(SystemExit) as e:
         interleaved_bridges.main(["--bridge", "fabric", "--pairs", "8"])  # fewer than warm-up + 5
     assert e.value.code == 2
-    assert set(interleaved_bridges.BRIDGES) == {"fabric", "paramsync"}
+    assert set(interleaved_bridges.BRIDGES) == set(bench_check.BRIDGES) == {"fabric", "lightning", "paramsync",
+                                                                            "trainer"}
+
+
+def test_a_threaded_loop_takes_exactly_its_blocks_and_never_runs_beside_the_other_side() -> None:
+    """``threaded_side.ThreadedLoop`` (side A as a framework's whole loop in a thread, for the Lightning Trainer and
+    the transformers Trainer): driven by ``interleaved.Alternator``, the two loops' steps come in the schedule's
+    order (ABBA blocks), one loop at a time, and A ends having taken as many steps as B; a failure in A's loop
+    reaches the main thread."""
+    import threading
+
+    import pytest
+
+    import interleaved
+    from threaded_side import ThreadedLoop
+
+    order: list[str] = []
+    running = threading.Lock()  # held by whichever side is taking a step: never both
+
+    def loop(before_step: Any, steps: int) -> int:
+        for _ in range(steps):
+            before_step()
+            assert running.acquire(blocking=False), "both sides ran at once"
+            order.append("A")
+            running.release()
+        return steps
+
+    pairs, block = 4, 3
+    holder: dict[str, Any] = {}
+    side_a = ThreadedLoop(lambda before: loop(before, holder["steps"]))
+    alt = interleaved.Alternator(pairs, block, lambda i: side_a.run_block(1), side_a.run_block)
+    holder["steps"] = alt.b_total
+    side_a.start()
+    assert order == [] and side_a.steps == 0
+    for _ in range(alt.b_total):
+        alt.tick()
+        assert running.acquire(blocking=False)
+        order.append("B")
+        running.release()
+    assert side_a.join() == alt.b_total and order.count("A") == order.count("B") == alt.b_total
+    schedule = "".join("AB" if p % 2 == 0 else "BA" for p in range(pairs))  # pair p: A B for even p, B A for odd
+    assert "".join(order[i] for i in range(0, 2 * pairs * block, block)) == schedule
+    assert order[2 * pairs * block:] == ["A", "B"] or order[2 * pairs * block:] == ["B", "A"]  # (the extra steps)
+    assert "".join(b["side"] for b in alt.blocks) == schedule
+
+    def broken(before_step: Any) -> None:
+        before_step()
+        raise ValueError("the framework's loop failed")
+
+    side = ThreadedLoop(broken)
+    side.start()
+    with pytest.raises(RuntimeError, match="side A's loop failed after 1 steps: ValueError"):
+        side.run_block(2)
