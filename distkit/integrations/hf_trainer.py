@@ -129,7 +129,13 @@ class DistkitTrainer(Trainer):
             raise UnsupportedCombination("DistkitTrainer trains one model per process (one distkit Session): build a "
                                          "new process for another train() with model_init or another model")
         self.dk.set_accumulation(self.args.gradient_accumulation_steps)
-        wrapped, optimizer = self.dk.setup(self.accelerator.unwrap_model(model), self.optimizer)
+        # what accelerator.prepare does to the model apart from placing and DDP-wrapping it (the Session does):
+        # mixed precision's autocast around forward (bf16=True), and the model registered as the Accelerator's.
+        # Without it training ran in float32, and the Trainer's first evaluation, finding no prepared model,
+        # prepared it there: autocast from then on, and an eval_model_preparation_time metric in every evaluation
+        bare = self.accelerator.prepare_model(self.accelerator.unwrap_model(model), device_placement=False,
+                                              evaluation_mode=True)
+        wrapped, optimizer = self.dk.setup(bare, self.optimizer)
         self.optimizer = SessionOptimizer(optimizer, self.dk)  # (Accelerate prepares it next)
         return _SessionModule(wrapped, self.dk)
 
