@@ -31,7 +31,7 @@ the end (equal number of samples), on charlm's ``--corpus`` (``stdlib`` for runs
 more than once over ``pydoc``'s 6,540 windows). DiLoCo is swept over ``--outer`` (outer lr : momentum).
 ``--seed`` other than 42 runs the same as repeats with another seed (kept apart, under ``repeats``),
 which show how much eval loss moves from seed to seed. A mode may carry a codec
-(``diloco100-int8``, ``-int4``, ``-tk<percent>b<bits>`` for top-k, e.g. ``diloco100-tk1b2``: 1 % of each chunk of
+(``diloco100-int8``, ``-int4``, ``-e3m0``, ``-tk<percent>b<bits>`` for top-k, e.g. ``diloco100-tk1b2``: 1 % of each chunk of
 4096, 2-bit values); each quality record holds the bytes one rank sends per sync, from the codec's encoded sizes
 (``bytes_per_sync_per_rank``: :func:`link_bytes_per_sync`, the floating buffers in fp32 included), and distkit's
 own count of rank 0's collective bytes (``comm_bytes_rank0``). Each run
@@ -84,8 +84,8 @@ WORKLOAD = ["train", os.path.join(ROOT, "configs", "charlm.json"), "++charlm_siz
 
 
 #: bytes per element on the link of each dense ``param_sync_compression`` codec (int8's block scales left out;
-#: int4's included: 64 bytes of values and 4 of scale per 128 elements). Top-k: :func:`codec_bytes`
-CODEC_BYTES = {"none": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.53125}
+#: int4's and e3m0's included: 64 bytes of values and 4 of scale per 128 elements). Top-k: :func:`codec_bytes`
+CODEC_BYTES = {"none": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.53125, "e3m0": 0.53125}
 #: a top-k suffix's chunk (distkit's default param_sync_topk_chunk)
 TOPK_CHUNK = 4096
 
@@ -132,7 +132,7 @@ def link_bytes_per_sync(n: int, codec: str, p: int) -> int:
 
 def mode_options(mode: str) -> tuple[str, int, str, int]:
     """``param<H>`` / ``diloco<H>`` with optional ``-f<F>`` (param_sync_fragments), ``-bf16``/``-fp16``/``-int8``/
-    ``-int4``/``-tk<percent>b<bits>`` (param_sync_compression; ``tk`` = "topk" at that density and value bits, chunk
+    ``-int4``/``-e3m0``/``-tk<percent>b<bits>`` (param_sync_compression; ``tk`` = "topk" at that density and value bits, chunk
     4096) and ``-o<tau>`` (param_sync_overlap) suffixes, e.g. ``diloco100-f4-int8-o5``, ``diloco100-tk1b2``:
     (base, F, codec, tau), codec a top-k codec string for ``tk``; ValueError otherwise."""
     base, *options = mode.split("-")
@@ -548,7 +548,7 @@ def main() -> int:
             bad.append(m)
     if bad:
         print(f"slow_link: unknown mode {bad[0]!r}: use grad, param<H> or diloco<H>, optionally with -f<F>, "
-              f"-bf16/-fp16/-int8/-int4/-tk<percent>b<bits> and -o<tau> (e.g. diloco100-f4-int8-o5, diloco100-tk1b2)", file=sys.stderr)
+              f"-bf16/-fp16/-int8/-int4/-e3m0/-tk<percent>b<bits> and -o<tau> (e.g. diloco100-f4-int8-o5, diloco100-tk1b2)", file=sys.stderr)
         return 2
     try:
         if any(float(r) < 0 for r in rates):

@@ -25,6 +25,7 @@ from distkit.env import ClusterEnv
 from distkit.errors import DistkitError, OutputError, Preempted, report_agreed
 from distkit.health.preemption import Preemption
 from distkit.evaluation import batch_loss, evaluate
+from distkit.trackers.records import logged_records, ranks_by_host, sync_line, sync_record
 from distkit.session import Session, init
 from distkit.tasks import Task, check_task, make_task
 from distkit.trackers import Trackers
@@ -274,6 +275,12 @@ class TrainingRun:
             error.agreed = True  # type: ignore[attr-defined]  # every rank raises it here: reported once
             raise error
 
+    def _sync_counts(self) -> Optional[dict[str, int]]:
+        """Param mode: this rank's sync events and bytes handed to the syncs' collectives since the run started
+        (:meth:`distkit.sync.averager.ParamAverager.metrics`: a resume continues them); None in grad mode."""
+        averager = getattr(self.dk._strategy, "averager", None)
+        return averager.metrics() if averager is not None else None
+
     def _log(self, record: dict[str, Any]) -> None:
         """Rank 0: one record to metrics.jsonl and the trackers (not one of a step the earlier run logged)."""
         if self.out is None or record.get("step", self._logged_through + 1) <= self._logged_through:
@@ -319,6 +326,7 @@ class TrainingRun:
         dk._start_clock()  # the resume and the trackers' start (W&B's: seconds) were start-up, not training
         t_start, window, window_n, train_loss = time.perf_counter(), torch.zeros(()), 0, float("nan")
         window_metrics: dict[str, torch.Tensor] = {}
+        sync_mark = self._sync_counts()  # param mode: the syncs and bytes at the last record (resumed: the saved)
         self._call("on_train_start")
         stopped = False
         if self._preemption is not None:
@@ -367,6 +375,10 @@ class TrainingRun:
                               # rank 0's seconds since training started, and of those blocked on the training
                               # collectives (gradient all-reduce, averaging): for `distkit plot`
                               "time_s": round(elapsed, 3), "comm_wait_s": round(dk.comm_wait_s, 3)}
+                    counts = self._sync_counts()
+                    if counts is not None and sync_mark is not None:
+                        record.update(sync_record(counts, sync_mark))
+                        sync_mark = counts
                     self._log(record)
                     bar.set_postfix(loss=f"{train_loss:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
                                     comm=f"{record['comm_wait_s']:.1f}s")
@@ -438,63 +450,3 @@ class TrainingRun:
         file intact, see :func:`distkit.checkpoint.write_json`); its error is raised on every rank, so the job
         stops with one line and no rank waits for rank 0."""
         self._on_main(lambda: checkpoint.write_json(os.path.join(self.cfg.output_dir, name), obj), OutputError)
-
-
-def logged_records(path: str) -> list[dict[str, Any]]:
-    """The records with a ``step`` in the metrics.jsonl at ``path``, in order (none: no such file); a torn last line
-    (the earlier run killed mid-write) is passed over."""
-    records = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                    if isinstance(record, dict) and isinstance(record.get("step"), int):
-                        records.append(record)
-                except ValueError:
-                    continue
-    except OSError:
-        return []
-    return records
-
-
-def sync_line(sync: dict[str, Any], group: int, before: Optional[list[int]]) -> str:
-    """The line of a sync across fault-tolerant groups whose groups or outcome changed, naming the groups: which
-    took part, which joined or left since the last such line (``before``: the members then), whom this group
-    healed from."""
-    members = sync["members"]  # a healing group is a member that takes no part in this sync's average
-    line = f"distkit: sync at step {sync['step']}: " + (
-        f"{_groups_named(members)} ({sync['groups']} averaged)" if members else f"{sync['groups']} group(s)")
-    changes = []
-    if before is not None and members:
-        joined = [g for g in members if g not in before and g != group]
-        left = [g for g in before if g not in members]
-        changes += [f"{_groups_named(joined)} joined"] if joined else []
-        changes += [f"{_groups_named(left)} left"] if left else []
-    if sync["healed"]:
-        src = sync.get("healed_from") or []
-        changes.append(f"group {group} (this one) healed from {_groups_named(src) if src else 'a live group'}")
-    if not sync["committed"]:
-        changes.append(f"not committed ({sync.get('gave_up') or 'a group failed in it'})")
-    return line + (": " + "; ".join(changes) if changes else "")
-
-
-def _groups_named(groups: list[int]) -> str:
-    """``group 2`` or ``groups 0, 1``."""
-    return f"group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}"
-
-
-def ranks_by_host(hosts: list[str], node_ranks: list[int]) -> str:
-    """``"h0: ranks 0-3; h1: ranks 4-7"``: each host (in node order) and its ranks, consecutive ones as a range."""
-    parts = []
-    for node, host in enumerate(hosts):
-        ranks = [r for r, n in enumerate(node_ranks) if n == node]
-        runs: list[list[int]] = []  # [first, last] of each run of consecutive ranks
-        for r in ranks:
-            if runs and runs[-1][1] == r - 1:
-                runs[-1][1] = r
-            else:
-                runs.append([r, r])
-        spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-        parts.append(f"{host}: rank{'s' if len(ranks) != 1 else ''} {spans}")
-    return "; ".join(parts)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -270,3 +271,73 @@ def test_an_overlapped_outer_step_is_torchs_sgd_on_the_mean_of_the_start(tmp_pat
             started[s] = [t.clone() for t in local]
         for r in (0, 1):
             assert got[r][s - 1] == [local[r].item()] * 3, (s, r)
+
+
+class _OneRank:
+    """What DeepSpeed's master averager asks of its engine for a compressed exchange on one rank (no collective)."""
+
+    comm_bytes = 0
+
+    def averaging_size(self) -> int:
+        return 1
+
+
+def _master_averagers(overlap: int) -> tuple[Any, Any, list[torch.Tensor], list[torch.Tensor], list[tuple[int, int]]]:
+    """Two DeepSpeed master averagers on one rank: ``old`` over two flat partitions (the layout before issue 60's
+    views), ``new`` over per-parameter views into a copy of them, in another order than the partitions' (as AdamW's
+    weight-decay groups order them), one parameter empty (frozen)."""
+    from distkit.backends.deepspeed.groups import _MasterAverager
+    from distkit.backends.deepspeed.state import _ViewAverager
+
+    kw = dict(sync_step=2, compression="int4", outer_optimizer={"class": "nesterov", "lr": 0.7, "momentum": 0.9},
+              overlap=overlap)
+    g = torch.Generator().manual_seed(0)
+    flats = [torch.randn(300, generator=g), torch.randn(140, generator=g)]
+    where = [(1, 0), (0, 0), (1, 60), (0, 120)]  # (partition, offset) per parameter, the model's order
+    sizes = [60, 120, 80, 180]
+    copies = [f.clone() for f in flats]
+    views = [copies[p].narrow(0, o, n) for (p, o), n in zip(where, sizes)]
+    views.insert(2, torch.empty(0))  # a frozen parameter: no master on this rank
+    old = _MasterAverager(_OneRank(), flats, [], lambda: None, [], **kw)
+    new = _ViewAverager(copies, _OneRank(), views, [], lambda: None, [], **kw)
+    return old, new, flats, views, where
+
+
+def test_deepspeed_master_views_load_a_checkpoint_of_flat_partitions() -> None:
+    """A compressed DeepSpeed run's rank-file state from before the per-parameter views (per flat partition) loads
+    into the views: anchor, error feedback and outer momentum each parameter's slice of its partition, bit for bit;
+    an overlapped exchange in flight then applies to each view what it applies to the view's elements of the
+    partitions."""
+    old, new, flats, views, where = _master_averagers(overlap=2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):  # two syncs: error feedback and momentum exist, one exchange in flight
+        with torch.no_grad():
+            for f in flats:
+                f.add_(0.01 * torch.randn(f.shape, generator=g))
+        old.after_step()
+    state = old.state_dict()
+    assert len(state["error"]) == 2 and state["in_flight"]
+    new.load_state_dict(state)
+    parts: list[Any] = [*where[:2], None, *where[2:]]  # per view: its partition and offset (None: the empty one)
+    for i, w in enumerate(parts):
+        if w is None:
+            assert new._error[i].numel() == 0 and new._anchor[i].numel() == 0
+            continue
+        p, o = w
+        n = views[i].numel()
+        assert torch.equal(new._error[i], old._error[p][o:o + n])
+        assert torch.equal(new._anchor[i], old._anchor[p][o:o + n])
+        assert torch.equal(new._outer.state[new._anchor[i]]["momentum_buffer"],
+                           old._outer.state[old._anchor[p]]["momentum_buffer"][o:o + n])
+    with torch.no_grad():  # the views' tensors: the flats' (as DeepSpeed's engine would have them on resume)
+        for i, w in enumerate(parts):
+            if w is not None:
+                views[i].copy_(flats[w[0]][w[1]:w[1] + views[i].numel()])
+    before = [f.clone() for f in flats]
+    for _ in range(2):  # the exchange in flight moves on, and is applied at the second step
+        old.after_step()
+        new.after_step()
+    assert not any(torch.equal(a, b) for a, b in zip(flats, before))  # (it moved them)
+    for i, w in enumerate(parts):
+        if w is not None:
+            assert torch.equal(views[i], flats[w[0]][w[1]:w[1] + views[i].numel()]), i

@@ -35,7 +35,7 @@ CASES = [
     ("compression_in_grad_mode", "", ["++distributed.param_sync_compression", "int8"],
      ["param_sync_compression' only applies to reduce_type 'param'"]),
     ("compression_unknown_codec", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'int2'}\n", [],
-     ["param_sync_compression' must be one of none, bf16, fp16, int8, int4, topk; got 'int2'"]),
+     ["param_sync_compression' must be one of none, bf16, fp16, int8, int4, e3m0, topk; got 'int2'"]),
     ("topk_density_zero", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'topk', "
      "'param_sync_topk_density': 0}\n", [], ["'distributed.param_sync_topk_density' must be a number in (0, 1], got 0"]),
     ("topk_bits_three", "", ["++distributed.param_sync_topk_bits", "3"],

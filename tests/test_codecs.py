@@ -1,5 +1,6 @@
 """param_sync_compression's low-bit and sparse codecs (issue 60 items 1-2): "int4" (symmetric, absmax / 7 per block
-of BLOCK4 elements, two values per byte) through the two-phase exchange, and "topk" (per chunk the k largest
+of BLOCK4 elements, two values per byte) and "e3m0" (Streaming DiLoCo's 4-bit float: sign and 3-bit exponent, each
+value 0 or +-absmax * 2^-e per block of BLOCK4) through the two-phase exchange, and "topk" (per chunk the k largest
 magnitudes, int16 indices and 2/4/8-bit values with one fp32 scale per chunk) through an all-gather of every
 member's encoding, summed in rank order on every rank. Closed forms of the encodings, their sizes, the error
 feedback's identity (what is kept = the pseudo-gradient - what was sent) and the mean on real gloo groups; then
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from conftest import distkit, final_params, ok, run_ranks, summary
-from distkit.sync.compression import (BLOCK, BLOCK4, TOPK_DEFAULT, codec_of, decode, encode, encoded_size,
-                                      is_sparse, roundtrip, topk_params)
+from distkit.sync.compression import (BLOCK, BLOCK4, E3M0_LEVELS, TOPK_DEFAULT, codec_of, decode, encode,
+                                      encoded_size, is_sparse, roundtrip, topk_params)
 
 
 def _quantised(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -47,6 +48,44 @@ def test_int4_round_trip_closed_form() -> None:
     padded = torch.nn.functional.pad(y, (0, -1000 % BLOCK4)).view(-1, BLOCK4)
     assert torch.equal(roundtrip(y, "int4"), torch.cat([_quantised(b, 7) for b in padded])[:1000])
     assert (roundtrip(y, "int4") - y)[BLOCK4:].abs().max() < 0.5
+
+
+def _e3m0(x: torch.Tensor) -> torch.Tensor:
+    """The closed form of e3m0 on one block: each value the nearest of 0, +-absmax * 2^-e (e = 0..6), by brute force
+    over the 8 magnitudes (a tie to the larger)."""
+    s = x.abs().max() if x.abs().max() > 0 else torch.tensor(1.0)
+    levels = torch.tensor([0.0] + [2.0 ** -e for e in range(6, -1, -1)])
+    d = (x.abs()[:, None] / s - levels[None, :]).abs()
+    nearest = (d == d.min(dim=1, keepdim=True).values).int().cumsum(dim=1).argmax(dim=1)  # the last of the minima
+    return torch.sign(x) * levels[nearest] * s
+
+
+def test_e3m0_round_trip_closed_form() -> None:
+    assert E3M0_LEVELS.tolist() == [0.0] + [2.0 ** -e for e in range(6, -1, -1)]  # codes 0..7
+    x = torch.zeros(3 * BLOCK4)
+    # block 0: scale 8 (its absmax); ratios 1, -1/2, 1/4, 0.7625 (over 0.75: up to 1), 0.7375 (down to 1/2),
+    # 2^-7 (the midpoint of 0 and 2^-6: up), 0.0075 (below it: 0), -0.0125 (nearest 2^-6)
+    x[:8] = torch.tensor([8.0, -4.0, 2.0, 6.1, 5.9, 0.0625, 0.06, -0.1])
+    x[BLOCK4] = -3.0  # block 1: scale 3; block 2: all zeros (scale 1)
+    data = encode(x, "e3m0")
+    assert data.dtype == torch.uint8 and data.numel() == encoded_size(x.numel(), "e3m0") == 3 * BLOCK4 // 2 + 3 * 4
+    # 4-bit codes (sign << 3 | exponent code), two per byte, element 2i in the low nibble
+    assert data[:4].tolist() == [7 | (8 + 6) << 4, 5 | 7 << 4, 6 | 1 << 4, 0 | (8 + 1) << 4]
+    assert data[BLOCK4 // 2] == 8 + 7 and data[-12:].clone().view(torch.float32).tolist() == [8.0, 3.0, 1.0]
+    want = torch.zeros(3 * BLOCK4)
+    want[:8] = torch.tensor([8.0, -4.0, 2.0, 8.0, 4.0, 0.125, 0.0, -0.125])
+    want[BLOCK4] = -3.0
+    assert torch.equal(decode(data, x.numel(), "e3m0"), want)
+    # any tensor: the nearest level per block (the last block padded with zeros); within a third of each value at
+    # least 2^-6 of its block's absmax (the largest gap between two levels is at their midpoint: 1/3 of it)
+    y = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    y[3] = 50.0
+    padded = torch.nn.functional.pad(y, (0, -1000 % BLOCK4)).view(-1, BLOCK4)
+    got = roundtrip(y, "e3m0")
+    assert torch.equal(got, torch.cat([_e3m0(b) for b in padded])[:1000])
+    scale = padded.abs().amax(dim=1).repeat_interleave(BLOCK4)[:1000]
+    big = y.abs() >= scale / 64
+    assert ((got - y)[big].abs() <= y[big].abs() / 3 + 1e-6).all() and torch.equal(got.sign()[big], y.sign()[big])
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -83,15 +122,16 @@ def test_topk_keys_make_one_codec_string() -> None:
 def test_bytes_per_element() -> None:
     """encoded_size over n, for the report and docs/running.md (fp32: 4)."""
     n = 1 << 20
-    per = {c: encoded_size(n, c) / n for c in ("bf16", "int8", "int4", "topk:0.03125:2:4096",
+    per = {c: encoded_size(n, c) / n for c in ("bf16", "int8", "int4", "e3m0", "topk:0.03125:2:4096",
                                                 "topk:0.03125:4:4096", "topk:0.03125:8:4096")}
     assert per["bf16"] == 2 and per["int8"] == 1 + 4 / BLOCK and per["int4"] == 0.5 + 4 / BLOCK4 == 0.53125
+    assert per["e3m0"] == per["int4"]  # 4 bits per value, one fp32 scale per block of 128
     for bits in (2, 4, 8):  # k = 128 of 4096: 256 bytes of indices, 128 * bits / 8 of values, 4 of scale
         assert per[f"topk:0.03125:{bits}:4096"] == (256 + 16 * bits + 4) / 4096
     assert math.isclose(per["topk:0.03125:2:4096"], 0.0712890625)
 
 
-CODECS = ("int4", "topk:0.1:2:64", "topk:0.25:4:100", "topk:0.05:8:4096")
+CODECS = ("int4", "e3m0", "topk:0.1:2:64", "topk:0.25:4:100", "topk:0.05:8:4096")
 
 
 def _exchanges(rank: int, world: int) -> dict[str, dict[str, object]]:
@@ -146,7 +186,7 @@ def test_exchanges_mean_bytes_and_error_feedback_on_2_ranks(tmp_path: Path) -> N
             assert r0["bytes"] == 3 * encoded_size(chunk, codec)  # the all-to-all's 2 chunks and the gathered one
     # error feedback: what is kept = the pseudo-gradient (with the error carried in) - what was sent; for top-k,
     # everything outside the kept indices exactly; every replica identical after each sync
-    for codec in ("int4", "topk:0.1:4:64"):
+    for codec in ("int4", "e3m0", "topk:0.1:4:64"):
         runs = run_ranks(_error_feedback, 2, tmp_path, codec)
         for rank in (0, 1):
             for sync in runs[rank]:
@@ -177,6 +217,32 @@ def _args(out: Path, engine: str, variant: str) -> list[str]:
             "++distributed", "{'backend': '" + engine + "', " + PARAM[variant] + "}"]
 
 
+def _sync_records(out: Path) -> list[tuple[int, int, int, float]]:
+    """(step, syncs, sync_bytes, bytes_per_sync) of the training records of ``out``'s metrics.jsonl (rank 0's)."""
+    import json
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["syncs"], r["sync_bytes"], r["bytes_per_sync"]) for r in records if "loss" in r]
+
+
+def _payload(variant: str, n: int) -> int:
+    """Bytes per sync of ``variant``'s codec for ``n`` parameter elements on 2 ranks (the digits MLP has no floating
+    buffers): int4 the all-to-all's 2 chunks and the gathered one, each ``ceil(n / (2 * 128))`` blocks of 128; top-k
+    (density 0.05, 2 bits, chunks of 512) one all-gather of its encoding."""
+    if variant == "int4":
+        return 3 * encoded_size(-(-n // (2 * BLOCK4)) * BLOCK4, "int4")
+    return encoded_size(-(-n // 512) * 512, "topk:0.05:2:512")
+
+
+def _assert_sync_records(out: Path, variant: str) -> None:
+    """metrics.jsonl's bytes per sync are the codec's closed form: one sync per log window of 4 steps (syncs every
+    4), its payload computed from the model's parameter count."""
+    n = sum(t.numel() for t in final_params(out).values() if t.is_floating_point())
+    per = _payload(variant, n)
+    assert n == 17_226 and per == {"int4": 3 * (8704 // 2 + 4 * 68), "topk": 34 * (2 * 26 + 7 + 4)}[variant]
+    assert _sync_records(out) == [(4, 1, per, per), (8, 2, 2 * per, per), (12, 3, 3 * per, per)]
+
+
 @pytest.mark.parametrize("engine,variant", [("ddp", "int4"), ("ddp", "topk"), ("mpi", "int4"), ("mpi", "topk")])
 def test_a_compressed_run_keeps_the_replicas_identical(engine: str, variant: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -185,6 +251,7 @@ def test_a_compressed_run_keeps_the_replicas_identical(engine: str, variant: str
     assert s["ranks_in_sync"] is True and s["reduce_type"] == "param"
     a, b = final_params(out, 0), final_params(out, 1)
     assert all(a[k].equal(b[k]) for k in a)
+    _assert_sync_records(out, variant)
 
 
 def test_a_topk_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_path: Path) -> None:
@@ -199,6 +266,10 @@ def test_a_topk_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_path: P
     a, b = final_params(ref), final_params(out)
     assert all(a[k].equal(b[k]) for k in a), {k: (a[k] - b[k]).abs().max().item() for k in a}
     assert summary(out)["param_checksum"] == summary(ref)["param_checksum"]
+    # the bytes counted: the resumed process continues the checkpoint's count (step 8's, its exchange in flight
+    # included), so its record of step 12 is the uninterrupted run's
+    _assert_sync_records(ref, "topk")
+    assert _sync_records(out) == _sync_records(ref)
 
 
 # -- bytes per sync (issue 60 item 6: metrics) ---------------------------------------------------------------------
@@ -211,6 +282,7 @@ BYTES_PER_SYNC = {
     ("int8", 0): 3 * (2048 + 4 * 2),  # chunks of 2 blocks of 1024 (3000 padded to 4096): 1 byte + a scale per block
     ("int4", 0): 3 * (1536 // 2 + 4 * 12),  # chunks of 12 blocks of 128 (3000 padded to 3072): half a byte + scales
     ("int4", 2): 3 * (1536 // 2 + 4 * 12),  # in the background: the same bytes, the second phase a step later
+    ("e3m0", 0): 3 * (1536 // 2 + 4 * 12),  # int4's layout: 4-bit codes, one fp32 scale per block of 128
     # 12 chunks of 256 (3072), k = ceil(256 / 32) = 8 per chunk: 8 int16 indices, 8 2-bit values (2 bytes), a scale
     ("topk:0.03125:2:256", 0): 12 * (2 * 8 + 2 + 4),
     ("topk:0.03125:2:256", 2): 12 * (2 * 8 + 2 + 4),
@@ -245,7 +317,7 @@ def test_bytes_per_sync_is_the_codecs_encoded_size(codec: str, overlap: int, tmp
         unit = topk_params(codec)[2]
         assert per == encoded_size(-(-N_BYTES // unit) * unit, codec)
     elif codec != "none":  # p + 1 chunks of ceil(n / (p * unit)) units (p = 2)
-        unit = {"int4": BLOCK4, "int8": BLOCK}.get(codec, 1)
+        unit = {"int4": BLOCK4, "e3m0": BLOCK4, "int8": BLOCK}.get(codec, 1)
         assert per == 3 * encoded_size(-(-N_BYTES // (2 * unit)) * unit, codec)
     for seen, syncs, mean in run_ranks(_sync_bytes, 2, tmp_path, codec, overlap):
         assert syncs == 3 and mean == per and seen[-1] == 3 * per

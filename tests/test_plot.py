@@ -55,6 +55,30 @@ def test_the_figure_draws_each_runs_logged_numbers_with_its_engine_and_mode(ddp_
     assert list(timed.axes[0].get_lines()[0].get_xdata()) == [r["time_s"] for r in train]
 
 
+def test_distkit_train_writes_the_bytes_per_sync_its_averager_counts(param_run: Path) -> None:
+    """``distkit train``'s records carry rank 0's ``sync_bytes`` and ``syncs`` since the run started and each log
+    window's ``bytes_per_sync``; uncompressed (the fp32 all-reduce of the parameters; the MLP has no floating buffers)
+    4 bytes per parameter: ``4 n`` a sync, one sync per window of 5 steps (``param_sync_step`` 5)."""
+    from conftest import final_params
+
+    n = sum(t.numel() for t in final_params(param_run).values() if t.is_floating_point())
+    assert n == 17_226
+    train = [r for r in _records(param_run) if "loss" in r]
+    assert [(r["syncs"], r["sync_bytes"], r["bytes_per_sync"]) for r in train] == [
+        (k, k * 4 * n, 4 * n) for k in (1, 2, 3, 4)]
+    assert windowed_bytes_per_sync(train) == [(5, 4 * n), (10, 4 * n), (15, 4 * n), (20, 4 * n)]
+
+
+def test_the_records_bytes_per_sync_outlive_a_resume() -> None:
+    """Records with ``bytes_per_sync`` (``distkit train``'s, from counters a resume continues): each window's value as
+    written, also across a resume (the clock starts again, the counters do not), none where a window had no sync."""
+    records = [{"step": 4, "time_s": 1.0, "sync_bytes": 2000, "syncs": 2, "bytes_per_sync": 1000.0},
+               {"step": 8, "time_s": 2.0, "sync_bytes": 5000, "syncs": 4, "bytes_per_sync": 1500.0},
+               {"step": 10, "time_s": 2.5, "sync_bytes": 5000, "syncs": 4, "bytes_per_sync": None},
+               {"step": 12, "time_s": 0.5, "sync_bytes": 5900, "syncs": 5, "bytes_per_sync": 900.0}]  # resumed at 8
+    assert windowed_bytes_per_sync(records) == [(4, 1000.0), (8, 1500.0), (12, 900.0)]
+
+
 def test_the_command_writes_the_png(ddp_short_ref: Path, param_run: Path, tmp_path: Path) -> None:
     res = ok(distkit("plot", str(param_run), str(ddp_short_ref), "--x", "time"))
     assert res.stdout.strip() == f"distkit: wrote {param_run / 'plot.png'} (2 run(s), x = time)"

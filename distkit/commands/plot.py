@@ -52,13 +52,20 @@ def windowed_rates(train: list[dict[str, Any]]) -> list[tuple[int, float]]:
 
 def windowed_bytes_per_sync(train: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """Bytes per sync over each log window: (step, the bytes rank 0 handed to the syncs' collectives since the
-    previous record over the syncs since it), from the records' ``sync_bytes`` and ``syncs`` (both counted since the
-    process started: :attr:`distkit.sync.averager.ParamAverager.sync_bytes`). A window without a sync has no point;
-    a record whose ``time_s`` or ``syncs`` is below the one before starts a new process (a resume: its counters
-    start again at 0), its window from 0. Records without the keys (grad mode) give none."""
+    previous record over the syncs since it). ``distkit train`` writes it into each record, ``bytes_per_sync``
+    (null where the window had no sync), with ``sync_bytes`` and ``syncs`` counted since the run started (a resume
+    continues them: :func:`distkit.trackers.records.sync_record`); a record without ``bytes_per_sync`` (another writer's,
+    counting since its process started) gives it from its ``sync_bytes`` and ``syncs``, a record whose ``time_s``
+    or ``syncs`` is below the one before starting a new process (a resume: its counters start again at 0), its
+    window from 0. A window without a sync has no point; records without the keys (grad mode) give none."""
     out: list[tuple[int, float]] = []
     before: Optional[dict[str, Any]] = None
     for r in train:
+        if "bytes_per_sync" in r:  # the window's own, from run-long counters (a resume does not start them again)
+            if r["bytes_per_sync"] is not None:
+                out.append((r["step"], float(r["bytes_per_sync"])))
+            before = r
+            continue
         if "sync_bytes" not in r or "syncs" not in r:
             continue
         if before is None or r["syncs"] < before["syncs"] or r.get("time_s", 0) < before.get("time_s", 0):

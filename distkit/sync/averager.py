@@ -142,6 +142,12 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         #: not saved in checkpoints (a resumed process counts from 0)
         self.sync_bytes = 0
         self.process_syncs = 0
+        #: the same bytes since the run started: saved in this rank's checkpoint file (as ``sync_bytes``), so that a
+        #: resumed run continues it (with :attr:`num_syncs`, the sync events since the run started: :meth:`metrics`,
+        #: what distkit's Trainer writes into metrics.jsonl). It starts at 0 again where a checkpoint has no count
+        #: (one from before it) or only its portable part is loaded (another engine or world size, which sends other
+        #: bytes per sync)
+        self.run_sync_bytes = 0
         #: whose ``comm_bytes`` counts them: the strategy given here (an engine's averager that then stands in for its
         #: strategy, as DeepSpeed's does, still sends through the engine's collectives, which count there)
         self._bytes_counter: Any = strategy
@@ -217,8 +223,9 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
 
     def metrics(self) -> dict[str, int]:
         """For a metrics record (distkit's Trainer, ``distkit plot``): ``sync_bytes`` and ``syncs``, this rank's
-        counts since this process started (:attr:`sync_bytes`, :attr:`process_syncs`). Not collective."""
-        return {"sync_bytes": self.sync_bytes, "syncs": self.process_syncs}
+        bytes handed to the syncs' collectives and the sync events since the run started, a resume continuing them
+        (:attr:`run_sync_bytes`, :attr:`num_syncs`). Not collective."""
+        return {"sync_bytes": self.run_sync_bytes, "syncs": self.num_syncs}
 
     @contextlib.contextmanager
     def _counting(self) -> Iterator[None]:
@@ -228,7 +235,9 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         try:
             yield
         finally:
-            self.sync_bytes += int(getattr(self._bytes_counter, "comm_bytes", 0)) - before
+            sent = int(getattr(self._bytes_counter, "comm_bytes", 0)) - before
+            self.sync_bytes += sent
+            self.run_sync_bytes += sent
 
     def fragment_offsets(self) -> list[int]:
         """Step rule: fragment i first syncs at step ``i*H//F``, then every H steps."""

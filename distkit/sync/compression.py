@@ -10,8 +10,11 @@ member decodes the same gathered bytes: the result is identical on every rank.
 
 Codecs: "bf16", "fp16" (a cast; fp16 values beyond its range are clamped to it), "int8" (symmetric, one scale
 per block of ``BLOCK`` elements: absmax / 127; per block rather than per tensor, so that one large value costs
-precision only in its block. The blocks run over the concatenation of the tensors) and "int4" (the same with
-absmax / 7 per block of ``BLOCK4``, two values per byte). Engines provide the two collectives on bytes (uint8):
+precision only in its block. The blocks run over the concatenation of the tensors), "int4" (the same with
+absmax / 7 per block of ``BLOCK4``, two values per byte) and "e3m0" (Streaming DiLoCo's 4-bit float, arXiv
+2501.18512: a sign bit and a 3-bit exponent, no mantissa; per block of ``BLOCK4`` one fp32 scale, the block's absmax,
+and each value the nearest of ``0, ±scale * 2^-e`` for ``e`` in 0..6 (:data:`E3M0_LEVELS`); two values per byte, the
+same bytes as int4, and exchanged as int4 is). Engines provide the two collectives on bytes (uint8):
 :meth:`~distkit.backends.base.Strategy.exchange_all_to_all` and
 :meth:`~distkit.backends.base.Strategy.exchange_all_gather`.
 
@@ -31,13 +34,20 @@ from typing import Any, Optional
 
 import torch
 
-CODECS = ("none", "bf16", "fp16", "int8", "int4", "topk")
+CODECS = ("none", "bf16", "fp16", "int8", "int4", "e3m0", "topk")
 #: int8: elements per scale (4 bytes of scale per 1 KiB of payload, 0.4 %)
 BLOCK = 1024
 #: int4: elements per scale (64 bytes of values and 4 of scale: 0.53125 bytes per element). Smaller than int8's
 #: block: with 15 levels, one large value rounds the rest of its block to zero, so the block is kept short
 BLOCK4 = 128
 _FP16_MAX = 65504.0
+#: e3m0: the magnitudes of the 3-bit codes 0..7, relative to the block's scale (its absmax): zero (code 0, as an IEEE
+#: float's lowest exponent code is its zero) and the powers of two 2^-6 .. 2^0 (codes 1..7, exponent ``code - 7``).
+#: A code's 4th bit is the sign (a zero's is 0)
+E3M0_LEVELS = torch.tensor([0.0] + [2.0 ** (c - 7) for c in range(1, 8)])
+#: e3m0: rounding to the nearest level (linear distance; a tie goes to the larger magnitude): the midpoints of
+#: consecutive levels, ``2^-7`` and ``1.5 * 2^(c - 8)`` for codes 2..7 (all exact in fp32)
+_E3M0_EDGES = (E3M0_LEVELS[:-1] + E3M0_LEVELS[1:]) / 2
 #: "topk" with the defaults of its keys (param_sync_topk_density, _bits, _chunk in distkit/config/schema.py)
 TOPK_DEFAULT = "topk:0.03125:4:4096"
 
@@ -67,7 +77,7 @@ def _unit(codec: str) -> int:
     """Elements per encoding unit: a chunk is a whole number of them."""
     if is_sparse(codec):
         return topk_params(codec)[2]
-    return BLOCK if codec == "int8" else BLOCK4 if codec == "int4" else 1
+    return BLOCK if codec == "int8" else BLOCK4 if codec in ("int4", "e3m0") else 1
 
 
 def _topk_layout(n: int, codec: str) -> tuple[int, int, int, int, int]:
@@ -84,7 +94,7 @@ def encoded_size(n: int, codec: str) -> int:
         return chunks * (2 * k + kp * bits // 8 + 4)
     if codec == "int8":
         return n + 4 * (n // BLOCK)
-    if codec == "int4":
+    if codec in ("int4", "e3m0"):
         return n // 2 + 4 * (n // BLOCK4)
     return 4 * n if codec == "fp32" else 2 * n
 
@@ -120,6 +130,27 @@ def _unpack(b: torch.Tensor, bits: int) -> torch.Tensor:
     return q.to(torch.float32) - float(1 << (bits - 1))
 
 
+def _e3m0_encode(blocks: torch.Tensor) -> torch.Tensor:
+    """Each row of ``blocks`` (fp32) as e3m0: the 4-bit codes packed two per byte (low nibble first), then one
+    fp32 scale per row (its absmax; 1 for an all-zero row)."""
+    scale = blocks.abs().amax(dim=1)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = blocks.abs() / scale[:, None]  # in [0, 1]: the absmax itself is exactly 1
+    code = torch.bucketize(y, _E3M0_EDGES.to(y.device), right=True)  # edges <= y: the nearest level, ties up
+    code = code | ((blocks < 0) & (code > 0)).to(code.dtype) << 3
+    u = code.reshape(-1, 2).to(torch.uint8)
+    return torch.cat([u[:, 0] | (u[:, 1] << 4), scale.to(torch.float32).view(torch.uint8)])
+
+
+def _e3m0_decode(data: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`_e3m0_encode`: ``n`` fp32 elements."""
+    b = data[:n // 2]
+    code = torch.stack([b & 15, b >> 4], dim=1).reshape(-1).to(torch.int64)
+    value = E3M0_LEVELS.to(data.device)[code & 7]
+    value = torch.where(code >= 8, -value, value).view(-1, BLOCK4)
+    return (value * data[n // 2:].clone().view(torch.float32)[:, None]).reshape(-1)
+
+
 def encode(x: torch.Tensor, codec: str) -> torch.Tensor:
     """``x`` (1-D fp32, length a multiple of the unit) as bytes (1-D uint8, :func:`encoded_size` long)."""
     if codec == "fp32":
@@ -136,6 +167,8 @@ def encode(x: torch.Tensor, codec: str) -> torch.Tensor:
         q = torch.nn.functional.pad(q, (0, kp - k))  # whole bytes of values per chunk
         return torch.cat([index.to(torch.int16).view(torch.uint8).reshape(-1), _pack(q, bits),
                           scale.view(torch.uint8)])
+    if codec == "e3m0":
+        return _e3m0_encode(x.view(-1, BLOCK4))
     if codec == "int4":
         q, scale = _quantise(x.view(-1, BLOCK4), 7)
         return torch.cat([_pack(q, 4), scale.view(torch.uint8)])
@@ -158,6 +191,8 @@ def decode(data: torch.Tensor, n: int, codec: str) -> torch.Tensor:
         scale = data[b:b + 4 * chunks].clone().view(torch.float32)
         values = _unpack(data[a:b], bits).view(chunks, kp)[:, :k] * scale[:, None]
         return torch.zeros(chunks, chunk, dtype=torch.float32, device=data.device).scatter_(1, index, values).view(-1)
+    if codec == "e3m0":
+        return _e3m0_decode(data, n)
     if codec == "int4":
         q = _unpack(data[:n // 2], 4).view(-1, BLOCK4)
         return (q * data[n // 2:].view(torch.float32)[:, None]).reshape(-1)

@@ -31,13 +31,22 @@ class InFlight:
     start: int
     snapshot: list[torch.Tensor]
     exchange: Any
+    #: where ``params``' elements lie in the exchange's mean, when not in its order (an exchange resumed from a
+    #: checkpoint whose tensors were laid out otherwise: DeepSpeed's flat partitions before its per-parameter views)
+    order: Optional[torch.Tensor] = None
 
     def state(self) -> dict[str, Any]:
         """For this rank's checkpoint file: enough to start the same collective again on resume."""
         e = self.exchange
         return {"fragments": self.fragments, "params": self.params, "start": self.start,
                 "snapshot": [t.detach().clone() for t in self.snapshot], "codec": e.codec, "n": e.n,
-                "rows": e.rows if e.phase == 1 else None, "mine": e.mine if e.phase == 2 else None}
+                "rows": e.rows if e.phase == 1 else None, "mine": e.mine if e.phase == 2 else None,
+                **({"order": self.order} if self.order is not None else {})}
+
+    def result(self) -> torch.Tensor:
+        """The exchange's mean, in ``params``' order."""
+        mean = self.exchange.result()
+        return mean if self.order is None else mean[self.order]
 
     @classmethod
     def resume(cls, strategy: Any, state: dict[str, Any]) -> "InFlight":
@@ -45,7 +54,8 @@ class InFlight:
         group resumes from the same step, so they start the same collectives in the same order)."""
         x = torch.zeros(state["n"])
         exchange = Exchange(strategy, x, state["codec"], rows=state["rows"], mine=state["mine"])
-        return cls(state["fragments"], state["params"], state["start"], state["snapshot"], exchange)
+        return cls(state["fragments"], state["params"], state["start"], state["snapshot"], exchange,
+                   state.get("order"))
 
 
 class PseudoGradientExchanges:
@@ -121,7 +131,7 @@ class PseudoGradientExchanges:
         started (the merge rule: no local step is lost; it goes into the next exchange's pseudo-gradient).
         Started ``at_once`` (no snapshot): each tensor becomes the new anchor."""
         t0 = time.perf_counter()
-        mean = f.exchange.result()
+        mean = f.result()
         self.wait_s += time.perf_counter() - t0
         with torch.no_grad():
             offset = 0

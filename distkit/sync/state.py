@@ -24,6 +24,7 @@ class AveragerState:
         fragments: int
         steps_since_sync: int
         num_syncs: int
+        run_sync_bytes: int
         steps: int
         fragment_since: list[int]
         _next_fragment: int
@@ -52,7 +53,9 @@ class AveragerState:
         self._next_fragment = int(counters.get("next_fragment", 0)) % self.fragments
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = self._counters()
+        # this rank's bytes sent in syncs since the run started (rank file only: they are per rank, and another
+        # layout sends other bytes per sync)
+        state: dict[str, Any] = {**self._counters(), "sync_bytes": self.run_sync_bytes}
         if self._anchor:
             state["anchor"] = [a.detach().clone() for a in self._anchor]
         if self._outer is not None:
@@ -117,6 +120,7 @@ class AveragerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_counters(state)
+        self.run_sync_bytes = int(state.get("sync_bytes", 0))  # (a checkpoint from before the count: from 0)
         if self._anchor and "anchor" in state:
             with torch.no_grad():
                 for a, v in zip(self._anchor, state["anchor"], strict=True):

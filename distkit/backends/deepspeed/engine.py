@@ -29,8 +29,8 @@ from .. import startup
 from ..parts import bare_module, persistent_buffers, same_parameters_on_every_rank, unused_parameters
 from ..buffers import DDPBufferRule
 from .config import RESOLVED_NAME, _explicit, muon_refusal, zero_section
-from .groups import _MasterAverager, _ReplicaGroups
-from .state import _DeepSpeedState
+from .groups import _ReplicaGroups
+from .state import _DeepSpeedState, _ViewAverager
 
 
 @contextlib.contextmanager
@@ -226,19 +226,24 @@ class DeepSpeedStrategy(_DeepSpeedState):
             groups = self._zero_groups(engine)
             names = {id(p): n for n, p in self.unwrap(engine).named_parameters()}
             d = cfg.distributed
-            sizes = None
-            if d.param_sync_fragments > 1:
-                # fragments are runs of whole parameters in the model's order, cut by their whole sizes: the same
-                # parameters in each fragment as on every other engine, whatever part of a master this rank holds
+            sizes, flats = None, None
+            if d.param_sync_fragments > 1 or codec_of(d) != "none":
+                # per model parameter, in the model's order, the part of the master this rank holds (views into the
+                # flat partitions): fragments are runs of whole parameters cut by their whole sizes, the same
+                # parameters in each fragment as on every other engine; a codec's blocks (int4, int8, e3m0, top-k
+                # chunks), which run over the concatenation, group the same values as on every other engine (the
+                # flat partitions hold the parameters in optimizer-group order, with padding); and the error
+                # feedback is saved per parameter, as every engine saves it
+                flats = masters
                 masters = self._master_views(engine)
                 sizes = [getattr(p, "ds_numel", p.numel()) for p in self.unwrap(engine).parameters()] + \
                     [b.numel() for _, b in buffers]
-            self.averager = _MasterAverager(self, masters, buffers, refresh,
-                                            None if groups is None else [(names[id(p)], p) for g in groups for p in g],
-                                            sync_step=d.param_sync_step, sync_time_diff=d.param_sync_time_diff,
-                                            outer_optimizer=d.outer_optimizer, fragments=d.param_sync_fragments,
-                                            fragment_sizes=sizes, compression=codec_of(d),
-                                            error_feedback=d.param_sync_error_feedback, overlap=d.param_sync_overlap)
+            self.averager = _ViewAverager(flats, self, masters, buffers, refresh,
+                                          None if groups is None else [(names[id(p)], p) for g in groups for p in g],
+                                          sync_step=d.param_sync_step, sync_time_diff=d.param_sync_time_diff,
+                                          outer_optimizer=d.outer_optimizer, fragments=d.param_sync_fragments,
+                                          fragment_sizes=sizes, compression=codec_of(d),
+                                          error_feedback=d.param_sync_error_feedback, overlap=d.param_sync_overlap)
         # which trainable parameters got a gradient since the last boundary (see backward)
         self._trainable = [(n, p) for n, p in self.unwrap(engine).named_parameters() if p.requires_grad]
         self._seen: set[int] = set()

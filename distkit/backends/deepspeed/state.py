@@ -15,6 +15,7 @@ from distkit import portable
 from distkit.errors import ConfigError, UnsupportedCombination
 
 from .config import ENGINE_DIR, TAG, _DeepSpeedConfigured
+from .groups import _MasterAverager
 
 if TYPE_CHECKING:
     from distkit import portable
@@ -332,3 +333,84 @@ class _DeepSpeedState(_DeepSpeedConfigured):
                                            load_lr_scheduler_states=True)
         if loaded is None:
             raise ConfigError(f"DeepSpeed could not load its checkpoint from {path}")
+
+
+class _ViewAverager(_MasterAverager):
+    """The master averager whose tensors are :meth:`_DeepSpeedState._master_views` (one per model parameter, in the
+    model's order) rather than the optimizer's flat partitions ``flats`` (None: the flat partitions are its tensors):
+    what it uses with a codec or fragments. Its rank-file state (anchor, error feedback, outer momentum, exchanges in
+    flight) is then per parameter, as on every other engine; :meth:`load_state_dict` also takes the state of a
+    checkpoint written before, per flat partition (a compressed run's), and cuts it into the views."""
+
+    def __init__(self, flats: Optional[list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._flats = flats
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        where = self._flat_to_views(state)
+        super().load_state_dict(state if where is None else self._cut_state(state, where))
+
+    def _flat_to_views(self, state: dict[str, Any]) -> Optional[list[Optional[tuple[int, int]]]]:
+        """Where the state's per-tensor lists are per flat partition (the layout before views): per view, the flat
+        partition it lies in and its offset there (None: an empty view); else None (nothing to cut)."""
+        saved = state.get("anchor") or state.get("error")
+        if not self._flats or not saved or [t.numel() for t in saved] == [t.numel() for t in self.tensors]:
+            return None
+        buffers = [t.numel() for t in self.tensors[self._n_masters:]]
+        if [t.numel() for t in saved] != [f.numel() for f in self._flats] + buffers:
+            return None  # neither layout: loading says so, as before
+        where: list[Optional[tuple[int, int]]] = []
+        for v in self.tensors[:self._n_masters]:
+            g = next((g for g, f in enumerate(self._flats) if v.numel() > 0
+                      and f.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()), None)
+            where.append(None if g is None else (g, v.storage_offset() - self._flats[g].storage_offset()))
+        return where
+
+    def _cut_state(self, state: dict[str, Any], where: list[Optional[tuple[int, int]]]) -> dict[str, Any]:
+        """``state`` (per flat partition, then per buffer) per view, then per buffer: each view's values are its
+        slice of its flat partition (``where``)."""
+        n_flats, views = len(self._flats or []), self.tensors[:self._n_masters]
+
+        def cut(i: int, value: torch.Tensor) -> torch.Tensor:  # view i's slice of its partition's ``value``
+            w = where[i]
+            if w is None:
+                return torch.zeros(0, dtype=value.dtype, device=value.device)
+            return value.reshape(-1)[w[1]:w[1] + views[i].numel()].reshape(views[i].shape).clone()
+
+        def new(old: int) -> list[int]:  # the new indices of old tensor ``old``
+            if old >= n_flats:
+                return [old - n_flats + len(views)]
+            return [i for i, w in enumerate(where) if w is not None and w[0] == old]
+
+        def per_tensor(values: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [cut(i, values[w[0]] if w else values[0]) for i, w in enumerate(where)] + \
+                [t.clone() for t in values[n_flats:]]
+
+        out = dict(state)
+        for key in ("anchor", "error"):
+            if state.get(key):
+                out[key] = per_tensor(state[key])
+        if state.get("outer"):
+            moved = {i: {k: cut(i, v) if torch.is_tensor(v) and i < len(views) else v for k, v in s.items()}
+                     for old, s in state["outer"]["state"].items() for i in new(int(old))}
+            groups = [{**g, "params": list(range(len(self.tensors)))} for g in state["outer"]["param_groups"]]
+            out["outer"] = {"state": moved, "param_groups": groups}
+        if state.get("in_flight"):
+            out["in_flight"] = [self._cut_in_flight(f, where, new) for f in state["in_flight"]]
+        return out
+
+    def _cut_in_flight(self, f: dict[str, Any], where: list[Optional[tuple[int, int]]], new: Any) -> dict[str, Any]:
+        """An exchange in flight of the flat layout for the views: its tensors (parameters only: the buffers are
+        averaged at once) the non-empty views inside its partitions, its snapshot cut likewise, and ``order``, where
+        each view's elements lie in the exchange's concatenation (:class:`distkit.sync.exchange.InFlight`)."""
+        params, snapshot, order, start = [], [], [], 0
+        for k, old in enumerate(int(g) for g in f["params"]):
+            for i in new(old):
+                w, n = where[i], self.tensors[i].numel()
+                assert w is not None
+                params.append(i)
+                if f["snapshot"]:
+                    snapshot.append(f["snapshot"][k].reshape(-1)[w[1]:w[1] + n].reshape(self.tensors[i].shape).clone())
+                order.append(torch.arange(start + w[1], start + w[1] + n))
+            start += self._flats[old].numel()  # type: ignore[index]
+        return {**f, "params": params, "snapshot": snapshot, "order": torch.cat(order) if order else None}
