@@ -15,6 +15,17 @@ every F seconds (``--every``, a list: the sweep) and the failed part back R seco
   steps; a failure SIGKILLs one random rank, which ends the whole job; R s later it is started again with
   ``++resume auto``.
 
+``--slow D`` measures something else (issue 60 item 3, syncs that do not wait for the late): no failure, but one
+group (the last) slowed, a DISTKIT_FAULT delay of D s before every ``--slow-every``-th sync from the second on, run
+three ways on the same steps and data: without the delay (the reference), today's *wait for everyone*
+(``late = 'heal'``, a lighthouse whose join timeout outlasts the delay) and *merge the late* (``late = 'merge'``,
+``grace_s`` = ``--grace``, lighthouse --join-timeout 1: a sync goes ahead without the slowed group, whose
+pseudo-gradient is merged at the next sync it joins, weighted by its samples). Goodput = useful steps per second
+(every step a group executed that reached the final model: with ``merge`` the slowed group skips the others'
+steps while it waits for their next sync, and nothing it trained is dropped unless it healed without merging,
+counted as ``dropped``) over the reference's; with it the eval loss, the steps executed and the syncs that went ahead
+without a group.
+
 Goodput = useful samples per second with failures / samples per second without. The restarted job recomputes
 what it lost, so all its samples are useful: its goodput is the time without failures / the time with. In the
 fault-tolerant run a killed group loses its steps since its last sync and its restart's steps before the heal
@@ -158,6 +169,94 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
             "membership": sums[0]["fault_tolerance"]["membership"]}
 
 
+def slowed(args: argparse.Namespace, work: str, name: str, late: str, delay: float) -> dict[str, Any]:
+    """One run of ``--slow``: ``late`` 'heal' (wait for everyone) or 'merge', the last group delayed ``delay`` s
+    before every ``--slow-every``-th sync from the second on (0: no delay)."""
+    port = free_port()
+    join = "1" if late == "merge" else str(max(30.0, 3 * delay))
+    lh = subprocess.Popen([PY, "-m", "distkit", "lighthouse", "--port", str(port), "--join-timeout", join,
+                           "--min-replicas", str(max(1, args.groups - 1)), "--quiet"], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the lighthouse did not start")
+            time.sleep(0.1)
+    out = os.path.join(work, name)
+    os.makedirs(out, exist_ok=True)
+    extra = f", 'late': 'merge', 'grace_s': {args.grace}" if late == "merge" else ""
+    slow = args.groups - 1
+    fault = ",".join(f"0:{k * args.sync - 1}:delay={delay:g}" for k in range(2, args.steps // args.sync + 1, args.slow_every))
+    procs, logs = [], []
+    t0 = time.monotonic()
+    for i in range(args.groups):
+        cmd = [*_common(args), "++log_every", "1", "++output_dir", out, "++fault_tolerance",
+               f"{{'lighthouse': 'http://127.0.0.1:{port}', 'replica_id': {i}, 'num_replicas': {args.groups}{extra}}}"]
+        logs.append(os.path.join(out, f"group-{i}.log"))
+        env = {"DISTKIT_FAULT": fault} if i == slow and delay > 0 and fault else {}
+        with open(logs[-1], "ab") as f:
+            procs.append(subprocess.Popen([PY, "-m", "distkit", *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1", **env)))
+    try:
+        for i, p in enumerate(procs):
+            if p.wait(timeout=max(1.0, args.budget - (time.monotonic() - t0))) != 0:
+                raise RuntimeError(f"group {i} failed (exit {p.returncode}): see {logs[i]}")
+        wall = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+        _kill(lh)
+    executed, dropped, syncs0 = 0, 0, []
+    for i in range(args.groups):
+        with open(os.path.join(out, f"group-{i}", "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        steps = {r["step"] for r in records if "loss" in r and "event" not in r}
+        executed += len(steps)
+        syncs = [r for r in records if r.get("event") == "sync"]
+        # a heal that merged nothing (late = 'heal', or no anchor): the group's period since its last sync is lost
+        dropped += sum(args.sync for r in syncs if r.get("healed") and not r.get("late"))
+        syncs0 = syncs0 or syncs
+    sums = [_summary(os.path.join(out, f"group-{i}")) for i in range(args.groups)]
+    return {"wall_s": wall, "executed_steps": executed, "useful_steps": executed - dropped, "dropped_steps": dropped,
+            "eval_loss": sums[0]["eval_loss"], "same_model": len({s["param_checksum"] for s in sums}) == 1,
+            # group 0's counts (its sync records: written at each sync whose groups changed)
+            "syncs_ahead_without_a_group": max([r.get("ahead_without", 0) for r in syncs0], default=0),
+            "late_merged": max([r.get("late_merged", 0) for r in syncs0], default=0),
+            "wait_s_group0": sums[0]["fault_tolerance"]["wait_s"]}
+
+
+def slow_main(args: argparse.Namespace) -> None:
+    """``--slow``: reference, wait for everyone, merge the late; each ``--rounds`` times."""
+    work = tempfile.mkdtemp(prefix="distkit-goodput-slow-")
+    rows = []
+    for r in range(args.rounds):
+        rwork = os.path.join(work, f"round-{r}")
+        ref = slowed(args, rwork, "reference", "heal", 0.0)
+        wait = slowed(args, rwork, "wait", "heal", args.slow)
+        merge = slowed(args, rwork, "merge", "merge", args.slow)
+        row = {"round": r, "reference": ref, "wait": wait, "merge": merge,
+               "goodput_wait": (wait["useful_steps"] / wait["wall_s"]) / (ref["useful_steps"] / ref["wall_s"]),
+               "goodput_merge": (merge["useful_steps"] / merge["wall_s"]) / (ref["useful_steps"] / ref["wall_s"]),
+               "eval_loss_ratio_wait": wait["eval_loss"] / ref["eval_loss"],
+               "eval_loss_ratio_merge": merge["eval_loss"] / ref["eval_loss"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"args": vars(args), "rounds": rows, "load": os.getloadavg(),
+              "goodput_wait": _spread([x["goodput_wait"] for x in rows]),
+              "goodput_merge": _spread([x["goodput_merge"] for x in rows])}
+    out = args.out or os.path.join(work, "goodput_slow.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"slowed group, {args.slow:g} s before every {args.slow_every} sync(s): goodput wait for everyone "
+          f"{result['goodput_wait']['median']:.3f}, merge the late {result['goodput_merge']['median']:.3f}")
+    print(f"wrote {out}")
+
+
 def useful_steps(logs: list[str], failures: list[dict[str, Any]], ends: list[int], sync: int) -> int:
     """Optimizer steps whose work reached the final model, over the groups, from each group's log (every life of
     it, appended) and the failures: a life counts from its start (step 0, or the step it healed at) to its last
@@ -296,7 +395,18 @@ def main() -> None:
                         "made by then (a restarted job can make none when F is near its start-up time)")
     p.add_argument("--seed", type=int, default=0, help="which group or rank each failure hits (round r: seed + r)")
     p.add_argument("--out", default=None, help="result JSON (default: a fresh temp directory)")
+    p.add_argument("--slow", type=float, default=None, metavar="D",
+                   help="instead of failures: the last group slowed D s before syncs (late 'heal' against 'merge')")
+    p.add_argument("--slow-every", dest="slow_every", type=int, default=1, metavar="K",
+                   help="--slow: the delay before every K-th sync (default every one)")
+    p.add_argument("--grace", type=float, default=1.0, help="--slow: fault_tolerance.grace_s of the merge run")
     args = p.parse_args()
+    if args.slow is not None:
+        if args.slow <= 0 or args.slow_every < 1 or args.groups < 3:
+            p.error("--slow must be > 0 and --slow-every >= 1, with --groups >= 3 (torchft's lighthouse never leaves "
+                    "one of 2 heartbeating groups out)")
+        slow_main(args)
+        return
     if min(args.groups, args.steps, args.sync, args.rounds) < 1 or args.budget <= 0:
         p.error("--groups, --steps, --sync and --rounds must be >= 1, --budget > 0")
     everys = [float(x) for x in args.every.split(",")]

@@ -8,8 +8,11 @@ command restarted heals from live groups at its first sync (its 2 ranks end iden
 them different groups' states), after which all groups hold the same model and end at the same step with the
 same checksum; a late group heals on mpi, Horovod and DeepSpeed (Adam, outer Nesterov: the healed state is
 checked against what was sent); a preempted group alone leaves with a checkpoint (exit 75) and rejoins on
-``++resume auto``; every membership change is in each group's summary and metrics.jsonl. Bad input is one
-line, exit 2, nothing written.
+``++resume auto``; every membership change is in each group's summary and metrics.jsonl; with ``late = 'merge'``
+a sync goes ahead without a group slowed past the grace window, whose pseudo-gradient is merged at the next sync
+with its sample weight (the closed form from each group's logged pseudo-gradients, every group bit-identical, 1 and 2
+ranks per group), and a whole-job restart mid-period ends as the uninterrupted run. Bad input is one line, exit 2,
+nothing written.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -149,7 +153,7 @@ def test_without_failures_two_groups_equal_one_job_bit_for_bit(lighthouse: str, 
         ft = s["fault_tolerance"]
         assert (ft["replica_id"], ft["num_replicas"], ft["syncs"], ft["committed"], ft["heals"]) == (i, 2, 4, 4, 0)
         assert ft["membership"] == [{"step": 5, "groups": 2, "members": [0, 1], "committed": True, "healed": False,
-                                     "healed_from": [], "gave_up": None}]
+                                     "healed_from": [], "gave_up": None, "ahead_without": 0, "late_merged": 0}]
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +395,125 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
     assert all(re.search(r"^distkit: sync at step \d+: groups 0, 1, 2 \(2 averaged\): group 2 joined$", r.stdout, re.M)
                for r in lived), [[ln for ln in r.stdout.splitlines() if "sync at" in ln] for r in lived]
     assert [m["groups"] for m in sums[0]["fault_tolerance"]["membership"]][-1] == 3
+
+
+@pytest.fixture
+def grace_lighthouse(tmp_path: Path) -> Iterator[str]:
+    """A lighthouse for ``late = 'merge'``: its quorums need 2 groups, and one whose members are not all those of
+    the last waits 1 s for the rest (--join-timeout 1: the grace window is the groups' own, distkit.ft.late). Its
+    log: ``lighthouse.log`` in the test's tmp_path."""
+    port, log = free_port(), tmp_path / "lighthouse.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(lighthouse_cmd(port, 2, "--join-timeout", "1"), env=base_env(), cwd=ROOT, stdout=sink,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, f"the lighthouse did not start: {log.read_text()}"
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_sync_goes_ahead_without_a_late_group_and_merges_its_pseudo_gradient_at_the_next(grace_lighthouse: str,
+                                                                                          tmp_path: Path,
+                                                                                          ranks: int) -> None:
+    # Issue 60 item 3 (Decoupled DiLoCo): late = 'merge', grace 2 s, 3 groups of 1 rank, a sync every 5 steps.
+    # Group 2 stops after step 9 (a DISTKIT_FAULT delay) past the grace window: groups 0 and 1 sync at step 10
+    # without it. Its request then waits at the lighthouse and is in their next sync (15), where its pseudo-gradient
+    # (from its anchor of step 5, weighted by the samples of its steps 6-10) is merged with theirs (from their anchor
+    # of step 10): the closed form base - sum(w_i d_i) / sum(w_i) from what each group logged, every group's result
+    # bit-identical, and all end with one model. All pause after step 4 until all three are there (the first sync
+    # has every group); groups 0 and 1 pause after step 14 until group 2, left out, waits for their next sync in
+    # their last quorum's store (its dump dir says), so it is in their sync at step 15 on any machine. ranks 2: 2
+    # ranks per group (each rank exchanges with the same rank of the others, meets them under its own key, heals).
+    out, pg = tmp_path / "ft", tmp_path / "pg"
+    procs = [_group(grace_lighthouse, i, 3, out, "++max_steps", "20", *(["--nprocs", "2"] if ranks == 2 else []),
+                    ft_extra=", 'late': 'merge', 'grace_s': 2",
+                    DISTKIT_FAULT="0:4:delay=120," + ("0:9:delay=120" if i == 2 else "0:14:delay=120"),
+                    DISTKIT_FAULT_UNTIL=str(tmp_path / "go-{step}"), DISTKIT_FAULT_STAMP=str(tmp_path / f"at{i}-{{step}}"),
+                    DISTKIT_FT_PSEUDOGRADIENTS=str(pg))
+             for i in range(3)]
+    for i in range(3):
+        _until_exists(tmp_path / f"at{i}-4", procs)
+    (tmp_path / "go-4").touch()
+    _until_exists(tmp_path / "at2-9", procs)
+
+    def synced_without_2() -> bool:
+        return all((out / f"group-{i}" / "metrics.jsonl").exists() and any(
+            r["step"] == 10 and r["committed"] and r["members"] == [0, 1] for r in _syncs(out / f"group-{i}"))
+            for i in (0, 1))
+
+    _until(synced_without_2, procs, "groups 0 and 1 did not sync at step 10 without group 2")
+    (tmp_path / "go-9").touch()
+    _until(lambda: pg.exists() and any(pg.glob("group2-rank0-late-quorum*")), procs, "group 2 did not wait")
+    (tmp_path / "go-14").touch()
+    for p in procs:
+        ok(_wait(p))
+    sums = [summary(out / f"group-{i}") for i in range(3)]
+    assert all(s["steps"] == 20 for s in sums) and len({s["param_checksum"] for s in sums}) == 1, \
+        [s["fault_tolerance"] for s in sums]
+    for i in (1, 2):
+        for r in range(ranks):
+            assert max_abs_diff(final_params(out / f"group-{i}", r), final_params(out / "group-0", r)) == 0.0, (i, r)
+    # the sync at step 10 went ahead without group 2 (counted), the one at 15 merged its pseudo-gradient late
+    for i in (0, 1):
+        records = {r["step"]: r for r in _syncs(out / f"group-{i}")}
+        assert records[10]["groups"] == 2 and records[10]["ahead_without"] == 1, records
+        assert records[15]["groups"] == 3 and records[15]["members"] == [0, 1, 2] and records[15]["late_merged"] == 1
+    late = [r for r in _syncs(out / "group-2") if r["healed"]]
+    assert len(late) == 1 and late[0]["step"] == 15 and late[0]["late"] and late[0]["groups"] == 3, _syncs(out / "group-2")
+
+    for rank in range(ranks):
+        def record(i: int, step: int) -> dict[str, Any]:
+            return torch.load(pg / f"group{i}-rank{rank}-step{step}.pt", weights_only=True)
+
+        at15 = [record(i, 15) for i in range(3)]
+        assert not (pg / f"group2-rank{rank}-step10.pt").exists()  # group 2 took no part in the sync at step 10
+        assert all(torch.equal(r["result"], at15[0]["result"]) for r in at15), "the groups' results differ"
+        assert all(r["contributed"] for r in at15) and [r["late"] for r in at15] == [False, False, True]
+        # groups 0 and 1 start from the sync at step 10, group 2 from the one at step 5; all take the first as base
+        assert torch.equal(at15[0]["anchor"], record(0, 10)["result"]) and torch.equal(at15[1]["anchor"], at15[0]["anchor"])
+        assert not torch.equal(at15[2]["anchor"], at15[0]["anchor"])
+        assert all(torch.equal(r["base"], at15[0]["anchor"]) for r in at15)
+        # each weight: the samples since the group's last merged sync, 5 steps of 8 per rank for every group
+        assert [r["weight"] for r in at15] == [40.0 * ranks] * 3, [r["weight"] for r in at15]
+        weights = torch.tensor([r["weight"] for r in at15], dtype=torch.float64)
+        mean = sum(w * r["delta"].double() for w, r in zip(weights, at15)) / weights.sum()
+        expected = at15[0]["anchor"].double() - mean
+        assert float((at15[0]["result"].double() - expected).abs().max()) <= 1e-6
+        # the model each group holds after the sync is the result (its next record's anchor)
+        assert all(torch.equal(record(i, 20)["anchor"], at15[0]["result"]) for i in range(3))
+
+
+@pytest.mark.min_replicas(2)
+def test_late_merge_groups_killed_then_resumed_end_where_the_uninterrupted_run_ends(lighthouse: str,
+                                                                                   tmp_path: Path) -> None:
+    # late = 'merge' keeps each group's anchor (the model of its last merged sync) and its samples then in the
+    # torchft Manager's state, so in its checkpoints: both groups SIGKILLed at step 15 and resumed from their
+    # checkpoint of step 12 (mid-period: the model there is not the anchor) send the same pseudo-gradients with the
+    # same weights as the uninterrupted run at the syncs of steps 15 and 20, and end bit-identical to it
+    late, steps = ", 'late': 'merge'", ["++max_steps", "20", "++checkpoint_every", "12"]
+    whole = [_group(lighthouse, i, 2, tmp_path / "whole", *steps, ft_extra=late) for i in range(2)]
+    for p in whole:
+        ok(_wait(p))
+    killed = [_group(lighthouse, i, 2, tmp_path / "ft", *steps, ft_extra=late, DISTKIT_FAULT="0:15:kill")
+              for i in range(2)]
+    for p in killed:
+        assert _wait(p).returncode == -9
+    resumed = [_group(lighthouse, i, 2, tmp_path / "ft", *steps, "++resume", "auto", ft_extra=late) for i in range(2)]
+    for p in resumed:
+        assert "at step 12" in ok(_wait(p)).stdout
+    for i in range(2):
+        s, ref = summary(tmp_path / "ft" / f"group-{i}"), summary(tmp_path / "whole" / f"group-{i}")
+        assert s["param_checksum"] == ref["param_checksum"] == summary(tmp_path / "whole" / "group-0")["param_checksum"]
+        assert (s["fault_tolerance"]["heals"], s["fault_tolerance"]["manager_step"]) == (0, 4), s["fault_tolerance"]
 
 
 def test_a_preempted_group_alone_leaves_with_a_checkpoint_and_rejoins_on_resume(lighthouse: str, tmp_path: Path) -> None:
@@ -649,7 +772,9 @@ def test_a_lighthouse_that_dies_stops_every_group_with_one_line(lighthouse: str,
      "fault_tolerance.min_replicas 3 is larger than num_replicas 2"),
     ("{'lighthouse': 'http://127.0.0.1:%d', 'replica_id': 2, 'num_replicas': 2}", "param",
      "fault_tolerance.replica_id 2 is not below num_replicas 2"),
-], ids=["grad-mode", "no-lighthouse", "min-replicas", "replica-id"])
+    ("{'lighthouse': 'http://127.0.0.1:%d', 'replica_id': 0, 'num_replicas': 3, 'late': 'merge', 'grace_s': -1}",
+     "param", "fault_tolerance.grace_s must be a number >= 0 (seconds), got -1"),
+], ids=["grad-mode", "no-lighthouse", "min-replicas", "replica-id", "grace"])
 def test_bad_fault_tolerance_is_one_line_before_anything_is_written(tmp_path: Path, ft: str, reduce_type: str,
                                                                     expected: str) -> None:
     out = tmp_path / "out"

@@ -81,8 +81,10 @@ class DistributedConfig:
     param_sync_fragments: int = 1
     #: param mode, every engine: what crosses the link at a sync is each rank's pseudo-gradient (anchor - local),
     #: encoded: "bf16" | "fp16" (half the bytes of fp32) | "int8" (a quarter, plus one fp32 scale per block of
-    #: 1024 elements) | "int4" (an eighth, plus one fp32 scale per block of 128: 0.53 bytes per element); the mean
-    #: is taken in fp32 (an all-to-all, then an all-gather of the encoded mean: the same on every rank) | "topk"
+    #: 1024 elements) | "int4" (an eighth, plus one fp32 scale per block of 128: 0.53 bytes per element) | "e3m0"
+    #: (Streaming DiLoCo's 4-bit float: sign and a 3-bit exponent, each value 0 or +-absmax * 2^-e, e = 0..6, per
+    #: block of 128; int4's bytes); the mean is taken in fp32 (an all-to-all, then an all-gather of the encoded
+    #: mean: the same on every rank) | "topk"
     #: (sparse: per chunk of param_sync_topk_chunk elements the largest param_sync_topk_density of them by
     #: magnitude, as int16 indices and param_sync_topk_bits-bit values with one fp32 scale; every rank gathers
     #: every rank's encoding and sums them in rank order). Floating buffers go uncompressed. Keeps one copy of the
@@ -243,7 +245,11 @@ class RunConfig:
     #: (default 600) bounds the wait for a quorum, ``connect_timeout_s`` (default 30) the wait of a new quorum's
     #: groups for each other to connect (at most distributed.timeout_s), ``token_file`` (default
     #: ~/.distkit/lighthouse.token, which ``distkit lighthouse`` writes) the lighthouse's token that every rank
-    #: proves at its gate (None: a lighthouse without a gate). None = no fault tolerance
+    #: proves at its gate (None: a lighthouse without a gate), ``late`` (default "heal": a group left out of a sync
+    #: heals at its next one, its steps since its last sync replaced; "merge": a sync goes ahead once the groups
+    #: that arrived waited the grace window, ``grace_s`` seconds (default 2) or ``grace_fraction`` of the time since
+    #: their last sync, and a late group's pseudo-gradient is merged at the next sync it joins, weighted by its
+    #: samples; docs/fault_tolerance.md). None = no fault tolerance
     fault_tolerance: Optional[dict[str, Any]] = None
     #: a tqdm bar on rank 0
     progress_bar: bool = True

@@ -189,7 +189,7 @@ def _validate(cfg: RunConfig) -> None:
         if not isinstance(cfg.fault_tolerance, dict):
             raise ConfigError(f"fault_tolerance must be a dict like {{'lighthouse': 'http://HOST:29510', 'replica_id': 0, "
                               f"'num_replicas': 2}}, got {cfg.fault_tolerance!r}")
-        checks.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff, d.timeout_s)
+        checks.check_config(cfg.fault_tolerance, d.reduce_type, d.param_sync_time_diff, d.timeout_s, d.outer_optimizer)
         checks.import_torchft()
         # does it answer, its token, the lighthouse through its gate: before anything is written
         probe_lighthouse(cfg.fault_tolerance["lighthouse"], lambda: checks.token_of(cfg.fault_tolerance or {}))

@@ -16,11 +16,13 @@ from distkit.ft.lighthouse import INSTALL_HINT
 CONNECT_TIMEOUT_S = 30.0
 
 
-def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any, timeout_s: Any = None) -> None:
+def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any, timeout_s: Any = None,
+                 outer_optimizer: Any = None) -> None:
     """Raise ConfigError (exit 2) for a ``fault_tolerance`` dict that cannot work (``timeout_s``: the run's
-    ``distributed.timeout_s``, which bounds ``connect_timeout_s``). Not collective."""
+    ``distributed.timeout_s``, which bounds ``connect_timeout_s``; ``outer_optimizer``: the run's
+    ``distributed.outer_optimizer``). Not collective."""
     known = {"lighthouse", "replica_id", "num_replicas", "min_replicas", "quorum_timeout_s", "connect_timeout_s",
-             "token_file"}
+             "token_file", "late", "grace_s", "grace_fraction"}
     unknown = sorted(set(ft) - known)
     if unknown:
         raise ConfigError(f"fault_tolerance: unknown key(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
@@ -55,6 +57,24 @@ def check_config(ft: dict[str, Any], reduce_type: str, sync_time_diff: Any, time
         timeout = ft.get(key, default)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ConfigError(f"fault_tolerance.{key} must be a positive number of seconds, got {timeout!r}")
+    late = ft.get("late", "heal")
+    if late not in ("heal", "merge"):
+        raise ConfigError(f"fault_tolerance.late must be 'heal' (a group left out of a sync heals at its next one: its "
+                          f"steps since its last sync are replaced) or 'merge' (its pseudo-gradient is merged at the "
+                          f"next sync it joins, weighted by its samples), got {late!r}")
+    for key, number in (("grace_s", ft.get("grace_s", 0)), ("grace_fraction", ft.get("grace_fraction", 0))):
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < float("inf"):
+            unit = "seconds" if key == "grace_s" else "a fraction of the time since the group's last sync"
+            raise ConfigError(f"fault_tolerance.{key} must be a number >= 0 ({unit}), got {number!r}")
+    given = [key for key in ("grace_s", "grace_fraction") if key in ft]
+    if given and late != "merge":
+        raise ConfigError(f"fault_tolerance.{given[0]} is the grace window of late = 'merge' (with late = 'heal' it is "
+                          f"the lighthouse's --join-timeout): set late = 'merge', or remove {given[0]}")
+    if len(given) == 2:
+        raise ConfigError("fault_tolerance.grace_s and grace_fraction are two ways to give one grace window: give one")
+    if late == "merge" and outer_optimizer is not None:
+        raise ConfigError("fault_tolerance.late = 'merge' averages the groups' pseudo-gradients itself, with plain "
+                          "averaging only in this release: remove distributed.outer_optimizer, or set late = 'heal'")
     connect = ft.get("connect_timeout_s")
     if connect is not None and isinstance(timeout_s, (int, float)) and connect > timeout_s:
         # (the wait was cut to timeout_s unseen: the groups' collectives are bounded by it)

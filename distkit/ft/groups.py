@@ -43,12 +43,14 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
+from torch.distributed import ReduceOp
 
 from distkit.health import faults
 from distkit.sync.averager import unflatten_into
 from distkit.errors import LighthouseLost
 from distkit.ft import checks, gate
 from distkit.ft.checks import CONNECT_TIMEOUT_S
+from distkit.ft.late import LateMerge
 from distkit.ft.state import load_training_state, training_state
 from distkit.ft.torchft_parts import (QuorumsSeen, TorchftLines, groups_of, heal_transport, manager_server_on,
                                      quiet_heal_server, quorum_gloo)
@@ -69,11 +71,15 @@ class FaultTolerance:
         state_dict, load_state_dict: this rank's whole training state for a healing group, and its inverse
             (model, optimizer, averager, counters): served to, or received from, the same rank of a live group.
         step_of: the number of the step whose sync this is (recorded with each sync's outcome).
+        samples_of: the samples this group has trained on so far (``fault_tolerance.late = 'merge'``: the weight of
+            its pseudo-gradient is the samples since its last merged sync).
+        final_of: whether this sync is the run's last (``late = 'merge'``: it waits for every group that heartbeats).
     """
 
     def __init__(self, strategy: "Strategy", ft: dict[str, Any], timeout_s: float,
                  state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None],
-                 step_of: Callable[[], int]) -> None:
+                 step_of: Callable[[], int], samples_of: Callable[[], int] = lambda: 0,
+                 final_of: Callable[[], bool] = lambda: False) -> None:
         import torch.distributed as dist
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
@@ -151,9 +157,19 @@ class FaultTolerance:
         self.manager._client = self._quorums
         quiet_heal_server(self.manager, f"group {self.replica_id} rank {strategy.rank}")
         #: every sync's outcome: {"step", "groups" (how many took part), "members" (the quorum's groups, healing ones
-        #: included), "committed", "healed" (this group healed), "healed_from" (the groups its ranks' states came from)}
+        #: included), "committed", "healed" (this group healed), "healed_from" (the groups its ranks' states came from),
+        #: "gave_up", "ahead_without" and "late_merged" (this group's counts so far, below); with late = 'merge' also
+        #: "late" (this group merged a late pseudo-gradient here) and "grace_wait_s" (its wait in the grace window)}
         self.syncs: list[dict[str, Any]] = []
         self.wait_s = 0.0  #: seconds in quorums and exchanges across groups
+        #: committed syncs that went ahead with fewer than num_replicas groups, and late pseudo-gradients merged (a
+        #: late group's, counted by every group of the sync it merged at): in each sync record
+        self.ahead_without, self.late_merged = 0, 0
+        #: ``fault_tolerance.late``: "heal" (a group left out of a sync heals at its next one: its period is
+        #: replaced) or "merge" (its pseudo-gradient is merged at the next sync it joins, weighted by its samples)
+        self.late = (LateMerge(self.manager, samples_of, ft, strategy.rank, final_of)
+                     if ft.get("late", "heal") == "merge" else None)
+        self._quorum_timeout_s = float(ft.get("quorum_timeout_s", 600))
 
     def average(self, tensors: list[torch.Tensor]) -> bool:
         """Collective: set ``tensors`` to their mean over the groups in this sync's quorum, if every participant
@@ -169,12 +185,22 @@ class FaultTolerance:
         if why is not None:
             raise self._lost(why)
         before = {"step": self.manager.current_step(), "batches_committed": self.manager.batches_committed()}
+        # late = 'merge': the members of the last quorum ask together, within the grace window (distkit.ft.late)
+        graced = (self.late.arrive(lambda: lighthouse_status(self.url, self._token), self.replica_id, before["step"],
+                                   self._quorum_timeout_s) if self.late is not None else 0.0)
         with torch.no_grad(), self._watching_lighthouse(self._quorums.count) as watch:
             self.manager.start_quorum()
+            if self.late is not None:
+                self.late.asked()
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             self.manager.wait_quorum()  # (allreduce's first act; here so that a test can freeze a group after it)
             faults.maybe_fire(self._rank, self._step_of(), "exchange")
-            work = self.manager.allreduce(flat)  # AVG: sum over the participants, divided by their number
+            merging = self.late.payload(flat, self._quorums.last, before["step"]) if self.late is not None else None
+            if merging is None:
+                work = self.manager.allreduce(flat)  # AVG: sum over the participants, divided by their number
+            else:  # late = 'merge': the weighted pseudo-gradients summed (a late group's counted too, see LateMerge)
+                with self.late.participating():
+                    work = self.manager.allreduce(merging, reduce_op=ReduceOp.SUM)
             gave_up = self._wait_exchange(work, watch)
             if gave_up is not None:  # the sync fails on every rank of this group (should_commit agrees so)
                 self.manager.report_error(RuntimeError(gave_up))
@@ -196,12 +222,27 @@ class FaultTolerance:
                 # a heal that failed on some rank (its source died mid-heal): torchft already moved the step of the
                 # ranks whose fetch succeeded; every rank goes back, so the group heals whole at its next sync
                 self.manager.load_state_dict(before)
+            groups, late = self.manager.num_participants(), 0
+            if self.late is not None:
+                if not committed:
+                    self.late.failed()
+                elif merging is None:  # the plain average (the first sync): where the next pseudo-gradients start
+                    self.late.committed(flat, quorum)
+                else:
+                    flat, groups, late = self.late.merged(merging, received is not None, quorum)
+                    self.late.dump(self.replica_id, self._rank, self._step_of(), members, flat)
             if committed:
                 unflatten_into(flat, tensors)
+                if groups < self.num_replicas:
+                    self.ahead_without += 1
+                self.late_merged += late
         self.wait_s += time.perf_counter() - t0
-        self.syncs.append({"step": self._step_of(), "groups": self.manager.num_participants(), "members": members,
+        self.syncs.append({"step": self._step_of(), "groups": groups, "members": members,
                            "committed": bool(committed), "healed": self.heals > heals, "healed_from": healed_from,
-                           "gave_up": gave_up})
+                           "gave_up": gave_up, "ahead_without": self.ahead_without, "late_merged": self.late_merged,
+                           # late = 'merge': this group merged late here; how long it waited for the others to arrive
+                           **({"late": bool(merging is not None and self.late.was_late),
+                               "grace_wait_s": round(graced, 3)} if self.late is not None else {})})
         return committed
 
     def _wait_exchange(self, work: Any, watch: "Watch") -> Optional[str]:
@@ -315,6 +356,7 @@ def join(session: "SessionView") -> FaultTolerance:
     ``average_parameters`` then goes through it)."""
     ft = FaultTolerance(session._strategy, session.cfg.fault_tolerance or {}, float(session.cfg.distributed.timeout_s),
                         lambda: training_state(session), lambda state: load_training_state(session, state),
-                        lambda: session.num_steps + 1)
+                        lambda: session.num_steps + 1, lambda: session.num_samples,
+                        lambda: session.cfg.max_steps is not None and session.num_steps + 1 >= session.cfg.max_steps)
     session._strategy.ft = ft
     return ft
