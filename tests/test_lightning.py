@@ -21,8 +21,8 @@ from conftest import BIN, ROOT, ok, run
 #: the LightningModule of Lightning's bug report template (BoringModel, RandomDataset), its loss a mean square so that
 #: training moves it, logged with sync_dist; used by every case below
 COMMON = r'''
-import argparse, json, os, sys
-import torch
+import argparse, contextlib, json, os, sys
+import torch, torchmetrics
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import lightning.pytorch as pl
 from lightning.pytorch import LightningModule, Trainer
@@ -57,43 +57,90 @@ class BoringModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 class BNModel(LightningModule):
-    """Lightning's imagenet template's shape: BatchNorm, and steps that call a submodule (self.model(x)), not self."""
+    """Lightning's imagenet template's shape: BatchNorm, and steps that call a submodule (self.model(x)), not self;
+    a torchmetrics MeanMetric of the rank (rank r: r; DDP logs 0.5, the mean over both ranks)."""
     def __init__(self):
         super().__init__()
         self.model = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+        self.rank_mean = torchmetrics.MeanMetric()
     def training_step(self, batch, batch_idx):
+        self.rank_mean.update(torch.full((len(batch),), float(self.global_rank)))
+        self.log("rank_mean", self.rank_mean, on_step=False, on_epoch=True)
         return self.model(batch).pow(2).mean()
     def validation_step(self, batch, batch_idx):
         self.log("valid_loss", self.model(batch).pow(2).mean(), sync_dist=True)
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
-def bn_fit(strategy):
-    """A fit with validation after each epoch: the last epoch's logged valid_loss, and the parameters."""
+def bn_fit(strategy, best):
+    """A fit with validation after each epoch and ModelCheckpoint(monitor="valid_loss", save_top_k=1) writing to
+    ``best``: the last epoch's logged valid_loss, the parameters, the logged MeanMetric, the best checkpoint's file
+    name and score, and the state_dict in that file."""
     pl.seed_everything(SEED)
     model = BNModel()
-    t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=EPOCHS, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                num_sanity_val_steps=0)
+    cb = ModelCheckpoint(dirpath=best, monitor="valid_loss", mode="min", save_top_k=1, filename="{epoch}")
+    t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=EPOCHS, logger=False, callbacks=[cb],
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     t.fit(model, loader(TRAIN, shuffle=True), loader(VAL))
-    return float(t.callback_metrics["valid_loss"]), {k: v.detach().clone() for k, v in model.named_parameters()}
+    best_state = torch.load(cb.best_model_path, map_location="cpu", weights_only=False)["state_dict"]
+    return dict(valid_loss=float(t.callback_metrics["valid_loss"]), rank_mean=float(t.callback_metrics["rank_mean"]),
+                params={k: v.detach().clone() for k, v in model.named_parameters()},
+                best=(os.path.basename(cb.best_model_path), float(cb.best_model_score)), best_state=best_state)
+
+class StepScheduled(BoringModel):
+    """A per-step schedule (LambdaLR, ``'interval': 'step'``): LRS gets the rate each step ran with (the stepped
+    optimizer's, as in Scheduled); and BNModel's MeanMetric of the rank, logged."""
+    def __init__(self):
+        super().__init__()
+        self.rank_mean = torchmetrics.MeanMetric()
+    def training_step(self, batch, batch_idx):
+        self.rank_mean.update(torch.full((len(batch),), float(self.global_rank)))
+        self.log("rank_mean", self.rank_mean, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    def on_train_batch_start(self, batch, batch_idx):
+        LRS.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
 def predict_fit(strategy):
-    """One epoch of fit, then ``trainer.predict`` on VAL: this rank's predictions (its share of the set, as the
-    DistributedSampler deals it)."""
+    """One epoch of fit under a per-step LR schedule, then ``trainer.predict`` on VAL: this rank's predictions (its
+    share of the set, as the DistributedSampler deals it), the rates the steps ran with, the final parameters."""
+    global LRS
+    LRS = []
     pl.seed_everything(SEED)
-    model = BoringModel()
+    model = StepScheduled()
     t = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     t.fit(model, loader(TRAIN, shuffle=True))
-    return torch.cat(t.predict(model, loader(VAL)))
+    return torch.cat(t.predict(model, loader(VAL))), LRS, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-def bn_and_predict(ref, source):
+def best_dir(tag):
+    return os.path.join(args.out, "best", tag)
+
+def bn_and_predict(ref, source, tag):
     """The BatchNorm fit and predict_fit on DistkitStrategy(source) against ``ref`` (DDPStrategy's, same ranks)."""
-    bn_got, bn_params = bn_fit(DistkitStrategy(source))
-    pred = predict_fit(DistkitStrategy(source))
-    return dict(got=bn_got, ref=ref["bn"][0], max_diff=maxdiff(ref["bn"][1], bn_params),
-                predict_diff=float((pred - ref["predict"]).abs().max()), predicted=len(pred))
+    bn = bn_fit(DistkitStrategy(source), best_dir(tag))
+    pred, lrs, state = predict_fit(DistkitStrategy(source))
+    rbn, (rpred, rlrs, rstate) = ref["bn"], ref["predict"]
+    return dict(got=bn["valid_loss"], ref=rbn["valid_loss"], max_diff=maxdiff(rbn["params"], bn["params"]),
+                predict_diff=float((pred - rpred).abs().max()), predicted=len(pred),
+                rank_mean=[bn["rank_mean"], rbn["rank_mean"]], best=[bn["best"][0], rbn["best"][0]],
+                best_score_diff=abs(bn["best"][1] - rbn["best"][1]),
+                best_state_diff=maxdiff(rbn["best_state"], bn["best_state"]),
+                lrs=[lrs, rlrs], sched_diff=maxdiff(rstate, state))
+
+def validate_only(source):
+    """``trainer.validate`` without fit on a fresh strategy: rank 0's weights go everywhere first (each rank makes
+    its own here); the spread after it, the logged loss and its one-process closed form."""
+    torch.manual_seed(100 + strategy.global_rank)
+    model, fresh = BoringModel(), DistkitStrategy(source)
+    logged = trainer(fresh).validate(model, loader(VAL), verbose=False)[0]["valid_loss"]
+    w = fresh.all_gather(model.layer.weight.detach())
+    with torch.no_grad():
+        return dict(spread=float((w[0] - w[1]).abs().max()), logged=logged,
+                    closed_form=float(model(VAL.data).pow(2).mean()))
 
 TRAIN, VAL = RandomDataset(32, 64, 1), RandomDataset(32, 16, 2)
 SEED, EPOCHS, BATCH = 7, 2, 4
@@ -115,8 +162,9 @@ def trainer(strategy, out=None, ckpt=None, **kw):
                    enable_checkpointing=bool(out), callbacks=cb, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, **kw)
 
-def fit(strategy, out=None, ckpt_path=None, evaluate=True, module=BoringModel, **kw):
-    """seed, model, fit (+ validate and test): the final state and the logged values, with their closed forms."""
+def fit(strategy, out=None, ckpt_path=None, evaluate=True, module=BoringModel, predict=False, **kw):
+    """seed, model, fit (+ validate and test): the final state and the logged values, with their closed forms
+    (predict: + ``trainer.predict``'s outputs on VAL, a tensor, under "predict")."""
     global SPREAD
     SPREAD = Spread()
     pl.seed_everything(SEED)
@@ -130,24 +178,78 @@ def fit(strategy, out=None, ckpt_path=None, evaluate=True, module=BoringModel, *
         res["test"] = t.test(model, loader(VAL), verbose=False)[0]["test_loss"]
         with torch.no_grad():
             res["closed_form"] = float(model(VAL.data).pow(2).mean())  # the mean over all 16 samples, 1 process
+    if predict:
+        res["predict"] = torch.cat(t.predict(model, loader(VAL)))
+    if "rank_mean" in t.callback_metrics:
+        res["rank_mean"] = float(t.callback_metrics["rank_mean"])
     return state, res
 
 def maxdiff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
-def fabric_fit(strategy):
-    """Fabric's loop on the same layer and data: setup, setup_dataloaders (DistributedSampler), backward, step."""
+def fabric_fit(strategy, epochs=1, finish=False, save=None, load=None):
+    """Fabric's loop on the same layer and data: setup, setup_dataloaders (DistributedSampler), backward, step;
+    ``finish``: then ``dk.finish()`` (param mode's final average, as distkit's own loop ends); ``save``:
+    ``fabric.save`` after the first epoch; ``load``: ``fabric.load`` of that file, then the epochs after it."""
     from lightning.fabric import Fabric
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()
     pl.seed_everything(SEED)
     model = torch.nn.Linear(32, 2)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    for x in fabric.setup_dataloaders(loader(TRAIN, shuffle=True)):
-        optimizer.zero_grad()
-        fabric.backward(model(x).pow(2).mean())
-        optimizer.step()
+    data, start = fabric.setup_dataloaders(loader(TRAIN, shuffle=True)), 0
+    if load:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+        start = data._num_iter_calls = 1  # (Fabric sets the sampler's epoch from its count of passes over the loader)
+    for epoch in range(start, epochs):
+        for x in data:
+            optimizer.zero_grad()
+            fabric.backward(model(x).pow(2).mean())
+            optimizer.step()
+        if save and epoch == 0:
+            fabric.save(save, {"model": model, "optimizer": optimizer})
+    if finish:
+        strategy.dk.finish()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+def fabric_extras(strategy, epochs=1, finish=False):
+    """Fabric's loop with accumulation over 2 batches (``fabric.no_backward_sync`` on the first),
+    ``fabric.clip_gradients`` (norm 0.05), a per-step LambdaLR the loop steps (``finish``: then ``dk.finish()``), then
+    ``fabric.all_reduce`` (mean, sum, an integer mean): the final parameters, the rate each step ran with, the
+    reduced values."""
+    from lightning.fabric import Fabric
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+    fabric.launch()
+    pl.seed_everything(SEED)
+    model = torch.nn.Linear(32, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer = fabric.setup(model, optimizer)
+    lrs, data = [], fabric.setup_dataloaders(loader(TRAIN, shuffle=True))
+    for _ in range(epochs):
+        for i, x in enumerate(data):
+            stepping = i % 2 == 1
+            with fabric.no_backward_sync(model, enabled=not stepping):
+                fabric.backward(model(x).pow(2).mean() / 2)
+            if stepping:
+                fabric.clip_gradients(model, optimizer, max_norm=0.05)
+                lrs.append(optimizer.param_groups[0]["lr"])
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+    if finish:
+        strategy.dk.finish()
+    r = fabric.global_rank
+    x, n, m = torch.tensor([r + 1.0, 0.25 * r]), torch.tensor([r + 2]), torch.tensor([r + 2])
+    y = fabric.all_reduce(x)
+    fabric.all_reduce(n, reduce_op="sum")
+    fabric.all_reduce(m)
+    reduced = {"mean": x.tolist(), "same": y is x, "sum": n.tolist(), "int_mean": m.tolist(), "dtype": str(m.dtype)}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, lrs, reduced
+
+def plain(state):
+    """A BoringModel's state_dict with the keys of its bare Linear (Fabric's model)."""
+    return {k.removeprefix("layer."): v for k, v in state.items()}
 
 def own_loop(source):
     """distkit's own-loop param mode on the same model, data order (Lightning's DistributedSampler, seed, set_epoch)."""
@@ -163,6 +265,44 @@ def own_loop(source):
             dk.step()
     dk.finish()
     return {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}, dk.num_steps
+
+def own_extras(source):
+    """own_loop with what param_extras gives the Trainer: accumulation over 2 batches (dk.no_sync on the first, the
+    loss halved as Lightning's closure halves it), dk.clip_grad_norm(0.05), and StepScheduled's LambdaLR stepped after
+    each dk.step(): the final state and the rate each batch ran with (as StepScheduled records it)."""
+    dk = distkit.init(source)
+    dk.set_accumulation(2)
+    pl.seed_everything(SEED)
+    model = BoringModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer = dk.setup(model, optimizer)
+    sampler = DistributedSampler(TRAIN, num_replicas=dk.world_size, rank=dk.rank, shuffle=True, seed=SEED)
+    lrs = []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for i, x in enumerate(loader(TRAIN, sampler=sampler)):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            stepping = i % 2 == 1
+            with contextlib.nullcontext() if stepping else dk.no_sync():
+                dk.backward(model(x).pow(2).mean() / 2)
+            if stepping:
+                dk.clip_grad_norm(0.05)
+                dk.step()
+                scheduler.step()
+    dk.finish()
+    return {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}, lrs
+
+def param_extras(cfg):
+    """Param mode with accumulate_grad_batches=2, gradient_clip_val=0.05 and a per-step LR schedule (StepScheduled)
+    against own_extras on the same engine and settings: the largest difference, the rates (Lightning's, the own
+    loop's)."""
+    global LRS
+    own, own_lrs = own_extras(cfg)
+    LRS = []
+    got, res = fit(DistkitStrategy(cfg), module=StepScheduled, evaluate=False, accumulate_grad_batches=2,
+                   gradient_clip_val=0.05)
+    return dict(max_diff=maxdiff(own, got), lrs=[LRS, own_lrs], rank_mean=res["rank_mean"]), own
 
 class Scheduled(BoringModel):
     """A per-epoch StepLR halving the learning rate (issue 57 C); LRS gets the rate each step ran with: the stepped
@@ -205,21 +345,36 @@ result.update(engine=strategy.dk.backend, mode=strategy.dk.cfg.distributed.reduc
               ref=ref_res, got=got_res, world=strategy.world_size)
 # validation during fit whose step calls a submodule (issue 57 B): rank 0's BatchNorm statistics before the first
 # evaluation forward, as DDP broadcasts them in its wrapper's forward; the same logged value. And trainer.predict.
-REF = dict(bn=bn_fit(DDPStrategy()), predict=predict_fit(DDPStrategy()))
-result["bn"] = bn_and_predict(REF, args)
+# A torchmetrics MeanMetric logged, ModelCheckpoint(monitor=...)'s best checkpoint; a per-step LR schedule in the
+# predict fit.
+REF = dict(bn=bn_fit(DDPStrategy(), best_dir("ddpstrategy")), predict=predict_fit(DDPStrategy()))
+result["bn"] = bn_and_predict(REF, args, "distkit")
 if args.case == "horovod_too":
-    # Fabric on the same engine (a second Session of it), against Fabric's own "ddp" in the same ranks
-    fabric_ref, fabric_dk = fabric_fit("ddp"), DistkitStrategy(args)
-    result["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_fit(fabric_dk)), engine=fabric_dk.dk.backend)
+    HVD = {"distributed": {"backend": "horovod", "require_horovod": True}}
+    # Fabric on the same engine (a second Session of it), against Fabric's own "ddp" in the same ranks; then with
+    # accumulation, clipping, a per-step LR schedule and fabric.all_reduce
+    # (2 epochs, fabric.save after the first: each engine's run resumed from its file below)
+    fabric_ref, fabric_dk = fabric_fit("ddp", epochs=EPOCHS), DistkitStrategy(args)
+    fabric_mpi = fabric_fit(fabric_dk, epochs=EPOCHS, save=os.path.join(args.out, "fabric-mpi.ckpt"))
+    result["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_mpi), engine=fabric_dk.dk.backend)
+    extras_ref = fabric_extras("ddp")
+    result["fabric_extras"] = {"ddp": dict(lrs=extras_ref[1], reduced=extras_ref[2])}
+    def extras(source):
+        s = DistkitStrategy(source)
+        state, lrs, reduced = fabric_extras(s)
+        return dict(engine=s.dk.backend, max_diff=maxdiff(extras_ref[0], state), lrs=lrs, reduced=reduced)
+    result["fabric_extras"]["mpi"] = extras(args)
     # --nprocs recorded the engine it launched for (mpi), which distkit.init checks; this job runs a second one on purpose
     os.environ.pop("DISTKIT_LAUNCH_ENGINE")
-    hvd = DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})
-    again, res = fit(hvd, **KW)
-    result["horovod"] = dict(engine=hvd.dk.backend, mode=hvd.dk.cfg.distributed.reduce_type, max_diff=maxdiff(ref, again),
-                             got=res, world=hvd.world_size)
-    hvd_fabric = DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})
-    result["horovod"]["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_fit(hvd_fabric)), engine=hvd_fabric.dk.backend)
-    result["horovod"]["bn"] = bn_and_predict(REF, {"distributed": {"backend": "horovod", "require_horovod": True}})
+    hvd = DistkitStrategy(HVD)
+    hvd_got, res = fit(hvd, out=os.path.join(args.out, "ckpt-hvd"), **KW)
+    result["horovod"] = dict(engine=hvd.dk.backend, mode=hvd.dk.cfg.distributed.reduce_type,
+                             max_diff=maxdiff(ref, hvd_got), got=res, world=hvd.world_size)
+    hvd_fabric = DistkitStrategy(HVD)
+    fabric_hvd = fabric_fit(hvd_fabric, epochs=EPOCHS, save=os.path.join(args.out, "fabric-horovod.ckpt"))
+    result["horovod"]["fabric"] = dict(max_diff=maxdiff(fabric_ref, fabric_hvd), engine=hvd_fabric.dk.backend)
+    result["fabric_extras"]["horovod"] = extras(HVD)
+    result["horovod"]["bn"] = bn_and_predict(REF, HVD, "horovod")
     # issue 57 C: a per-epoch StepLR resumed from DDPStrategy's checkpoint of the first epoch, by DDPStrategy and by
     # each engine: the rate every resumed step ran with, and the final weights
     ckpt = os.path.join(args.out, "sched")
@@ -228,20 +383,65 @@ if args.case == "horovod_too":
     result["sched"] = dict(full=lrs, ddp=ddp_lrs, ddp_vs_full=maxdiff(full, ddp))
     for name, source in (("mpi", args), ("horovod", {"distributed": {"backend": "horovod", "require_horovod": True}})):
         resumed = DistkitStrategy(source)
-        got_lrs, got = sched_fit(resumed, ckpt_path=os.path.join(ckpt, "epoch=0.ckpt"))
-        result["sched"][name] = dict(engine=resumed.dk.backend, lrs=got_lrs, max_diff=maxdiff(ddp, got))
+        got_lrs, sched_got = sched_fit(resumed, ckpt_path=os.path.join(ckpt, "epoch=0.ckpt"))
+        result["sched"][name] = dict(engine=resumed.dk.backend, lrs=got_lrs, max_diff=maxdiff(ddp, sched_got))
+    # each engine resumed from its own first-epoch ModelCheckpoint file (the fits above) against its uninterrupted
+    # run; trainer.validate without fit on a fresh strategy
+    result["resume"], result["validate_only"] = {}, {}
+    for name, source, done, ckpt, fab_done in (("mpi", args, got, "ckpt", fabric_mpi),
+                                               ("horovod", HVD, hvd_got, "ckpt-hvd", fabric_hvd)):
+        resumed = DistkitStrategy(source)
+        again, _ = fit(resumed, ckpt_path=os.path.join(args.out, ckpt, "epoch=0.ckpt"), evaluate=False, **KW)
+        fab = DistkitStrategy(source)  # and Fabric: fabric.load of the first epoch's fabric.save, then epoch 2
+        fab_again = fabric_fit(fab, epochs=EPOCHS, load=os.path.join(args.out, f"fabric-{name}.ckpt"))
+        result["resume"][name] = dict(engine=resumed.dk.backend, max_diff=maxdiff(done, again),
+                                      fabric=[fab.dk.backend, maxdiff(fab_done, fab_again)])
+        result["validate_only"][name] = validate_only(source)
+    # param mode on each engine (sync every 3 steps), against distkit's own loop on the same engine, model, data
+    # order and settings: the Trainer's fit (+ validate, test, predict, a resume from its first-epoch checkpoint and
+    # sidecar, validate without fit) and Fabric's loop
+    result["param"] = {}
+    DILOCO = {"reduce_type": "param", "param_sync_step": 4, "param_sync_fragments": 2, "param_sync_compression": "int8",
+              "param_sync_overlap": 1, "outer_optimizer": {"class": "nesterov", "lr": 0.7, "momentum": 0.9}}
+    for name, source in (("mpi", {"distributed": {"backend": "mpi"}}), ("horovod", HVD)):
+        cfg = {"distributed": {**source["distributed"], "reduce_type": "param", "param_sync_step": 3}}
+        own, steps = own_loop(cfg)
+        s = DistkitStrategy(cfg)
+        out = os.path.join(args.out, f"param-{name}")
+        got_p, res_p = fit(s, out=out, predict=True)
+        pred = res_p.pop("predict")
+        again, _ = fit(DistkitStrategy(cfg), ckpt_path=os.path.join(out, "epoch=0.ckpt"), evaluate=False)
+        model = BoringModel()
+        model.load_state_dict(own)
+        with torch.no_grad():  # this rank's share of VAL as the (unshuffled) DistributedSampler deals it
+            own_pred = model(VAL.data[strategy.global_rank::2])
+        fab, fab_file = DistkitStrategy(cfg), os.path.join(args.out, f"fabric-param-{name}.ckpt")
+        fab_state = fabric_fit(fab, epochs=EPOCHS, finish=True, save=fab_file)
+        fab_again = fabric_fit(DistkitStrategy(cfg), epochs=EPOCHS, finish=True, load=fab_file)  # + the sidecar
+        result["param"][name] = dict(
+            engines=[s.dk.backend, s.dk.cfg.distributed.reduce_type, fab.dk.backend, fab.dk.cfg.distributed.reduce_type],
+            steps=steps, max_diff=maxdiff(own, got_p), res=res_p, resume_diff=maxdiff(got_p, again),
+            sidecar=os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit")), predicted=len(pred),
+            predict_diff=float((pred - own_pred).abs().max()), fabric_diff=maxdiff(plain(own), fab_state),
+            fabric_resume=[maxdiff(fab_state, fab_again), os.path.isdir(fab_file + ".distkit")],
+            validate_only=validate_only(cfg))
+        # accumulation, clipping, a per-step LR schedule: the Trainer's and Fabric's against the own loop's
+        result["param"][name]["extras"], own_x = param_extras(cfg)
+        fab = DistkitStrategy(cfg)
+        fab_x, fab_lrs, fab_reduced = fabric_extras(fab, epochs=EPOCHS, finish=True)
+        result["param"][name]["fabric_extras"] = dict(engines=[fab.dk.backend, fab.dk.cfg.distributed.reduce_type],
+                                                      max_diff=maxdiff(plain(own_x), fab_x), lrs=fab_lrs,
+                                                      reduced=fab_reduced)
+        diloco = {"distributed": {**source["distributed"], **DILOCO}}  # (L3's second config)
+        own_d, steps_d = own_loop(diloco)
+        got_d, res_d = fit(DistkitStrategy(diloco), evaluate=False)
+        result["param"][name]["diloco"] = dict(steps=steps_d, max_diff=maxdiff(own_d, got_d), spread=res_d["spread"])
 if args.case == "resume":
     again, _ = fit(DistkitStrategy(args), ckpt_path=os.path.join(args.out, "ckpt", "epoch=0.ckpt"), evaluate=False,
                    **KW)
     result["resume_diff"] = maxdiff(got, again)
     # validate without fit on a fresh strategy: rank 0's weights go everywhere first (each rank made its own here)
-    torch.manual_seed(100 + strategy.global_rank)
-    model, fresh = BoringModel(), DistkitStrategy(args)
-    logged = trainer(fresh).validate(model, loader(VAL), verbose=False)[0]["valid_loss"]
-    w = fresh.all_gather(model.layer.weight.detach())
-    with torch.no_grad():
-        result["validate_only"] = dict(spread=float((w[0] - w[1]).abs().max()), logged=logged,
-                                       closed_form=float(model(VAL.data).pow(2).mean()))
+    result["validate_only"] = validate_only(args)
     # LightningCLI (issue 57 J): --trainer.strategy by its registered name, and by class path with an init arg (a
     # config whose seed Lightning's seed_everything overrides, as in DDPStrategy): the same fit
     from lightning.pytorch.cli import LightningCLI
@@ -274,12 +474,21 @@ configs = json.loads(os.environ["CONFIGS"])
 for i, cfg in enumerate(configs):
     ref, steps = own_loop(cfg)
     out = os.path.join(args.out, f"ckpt{i}") if i == 0 else None
-    got, res = fit(DistkitStrategy(cfg), out=out)
+    got, res = fit(DistkitStrategy(cfg), out=out, predict=i == 0)
+    pred = res.pop("predict", None)
     row = {"max_diff": maxdiff(ref, got), "steps": steps, "res": res}
     if i == 0:
         again, _ = fit(DistkitStrategy(cfg), ckpt_path=os.path.join(out, "epoch=0.ckpt"), evaluate=False)
         row["resume_diff"] = maxdiff(got, again)
         row["sidecar"] = os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit"))
+        # trainer.predict after the fit: the own loop's final model's outputs on this rank's share of VAL
+        model = BoringModel()
+        model.load_state_dict(ref)
+        with torch.no_grad():
+            row["predict_diff"] = float((pred - model(VAL.data[strategy.global_rank::2])).abs().max())
+        row["predicted"] = len(pred)
+        row["validate_only"] = validate_only(cfg)  # trainer.validate without fit, param mode's strategy
+        row["extras"] = param_extras(cfg)[0]  # accumulation, clipping, a per-step LR schedule
     result[str(i)] = row
 
 class Dropped(BoringModel):
@@ -330,9 +539,31 @@ def _check_logged(res: dict) -> None:
 
 def _check_bn_and_predict(bn: dict) -> None:
     """A BatchNorm model whose steps call a submodule logs DDPStrategy's validation loss and ends at its parameters;
-    trainer.predict gives DDPStrategy's outputs on each rank (its 8 of the 16 samples)."""
+    its torchmetrics MeanMetric logs DDP's 0.5; ModelCheckpoint(monitor="valid_loss", save_top_k=1) keeps the same
+    best file (name, score, weights in it) as under DDPStrategy. A per-step LR schedule runs DDPStrategy's rates
+    (0.1 / (1 + step), 8 steps) and ends at its parameters, and trainer.predict then gives DDPStrategy's outputs on
+    each rank (its 8 of the 16 samples)."""
     assert abs(bn["got"] - bn["ref"]) <= 1e-6 and bn["max_diff"] <= 1e-6, bn
+    assert bn["rank_mean"] == [0.5, 0.5], bn
+    assert bn["best"][0] == bn["best"][1] and bn["best"][0] in ("epoch=0.ckpt", "epoch=1.ckpt"), bn
+    assert bn["best_score_diff"] <= 1e-6 and bn["best_state_diff"] <= 1e-6, bn
+    want = [0.1 * (1.0 / (1 + step)) for step in range(8)]
+    assert bn["lrs"] == [want, want] and bn["sched_diff"] <= 1e-6, bn
     assert bn["predict_diff"] <= 1e-6 and bn["predicted"] == 8, bn
+
+
+def _check_param_extras(extras: dict) -> None:
+    """Param mode with accumulation over 2 batches, clipping at 0.05 and a per-step LR schedule ends where distkit's
+    own loop with the same ends, each batch at the own loop's rate: 0.1 / (1 + step), 8 steps of 2 batches."""
+    want = [0.1 * (1.0 / (1 + step)) for step in range(8) for _ in range(2)]
+    assert extras["lrs"] == [want, want] and extras["max_diff"] <= 1e-6, extras
+    assert extras["rank_mean"] == 0.5, extras  # its MeanMetric of the rank, logged: DDP's value
+
+
+def _check_validate_only(fresh: dict) -> None:
+    """trainer.validate without fit, each rank's weights its own: rank 0's everywhere, then the loss of those over
+    the whole set (closed form)."""
+    assert fresh["spread"] == 0.0 and abs(fresh["logged"] - fresh["closed_form"]) < 1e-6, fresh
 
 
 def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(tmp_path: Path) -> None:
@@ -340,7 +571,10 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
     (measured: 0.0), validate/test equal their closed forms, fit(ckpt_path=epoch 0) ends where the run ended, and
     validate without fit on ranks that built different weights evaluates rank 0's. Under LightningCLI (issue 57 J)
     ``--trainer.strategy distkit`` and the class path with ``--trainer.strategy.source '{"seed": 123}'`` train the
-    same weights (0.0); that source reaches the config (before: jsonargparse made it an argparse.Namespace, ignored)."""
+    same weights (0.0); that source reaches the config (before: jsonargparse made it an argparse.Namespace, ignored).
+    Against DDPStrategy in the same ranks also (issue 57): a torchmetrics MeanMetric logs 0.5, the best checkpoint of
+    ModelCheckpoint(monitor=...) is the same file with the same score and weights, a per-step LR schedule runs the
+    same rates to the same weights, and trainer.predict gives the same outputs."""
     rows = _job(tmp_path, GRAD, "resume")
     for row in rows:
         assert (row["engine"], row["mode"], row["world"]) == ("ddp", "grad", 2)
@@ -348,8 +582,7 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
         assert row["got"]["spread"] == 0.0  # every rank steps on the all-reduced gradient
         _check_logged(row["got"])
         assert abs(row["got"]["validate"] - row["ref"]["validate"]) <= 1e-6
-        fresh = row["validate_only"]  # trainer.validate without fit: rank 0's weights everywhere, then the loss
-        assert fresh["spread"] == 0.0 and abs(fresh["logged"] - fresh["closed_form"]) < 1e-6, fresh
+        _check_validate_only(row["validate_only"])  # trainer.validate without fit: rank 0's weights everywhere
         # LightningCLI: --trainer.strategy distkit (the name distkit.lightning registers) and the class path with
         # --trainer.strategy.source: the same 2-rank fit
         cli = row["cli"]
@@ -365,8 +598,15 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
     on both); under Fabric too, each against Fabric's own "ddp" (0.0 on both). A BatchNorm model whose steps call a
     submodule logs DDPStrategy's validation loss on the mpi engine (issue 57 B). A per-epoch StepLR resumed from
     DDPStrategy's first-epoch checkpoint runs DDPStrategy's rates (0.05, then 0.025) and ends at its weights on both
-    engines (issue 57 C: on Horovod the rate stayed 0.05, 0.18 away)."""
-    rows = _job(tmp_path, GRAD, "horovod_too", "--nprocs", "2", "++distributed.backend", "mpi")
+    engines (issue 57 C: on Horovod the rate stayed 0.05, 0.18 away). On each engine also (issue 57's front-door
+    table): the best checkpoint, a per-step LR schedule and trainer.predict as under DDPStrategy; a resume from the
+    engine's own first-epoch checkpoint (Trainer and Fabric) ends where its run ended; validate without fit evaluates
+    rank 0's weights; Fabric with accumulation, clip_gradients, a per-step schedule and all_reduce gives Fabric's
+    "ddp" results. Param mode on each engine equals distkit's own loop on that engine (plain and DiLoCo; with
+    accumulation, clipping and a per-step schedule; under Fabric too), its validate/test their closed forms, predict
+    the own loop's model's outputs, and its resumes (Lightning's file or fabric.save's, + each rank's sidecar) the
+    uninterrupted runs."""
+    rows = _job(tmp_path, GRAD, "horovod_too", "--nprocs", "2", "++distributed.backend", "mpi", timeout=300)
     for row in rows:
         for got in (row, row["horovod"]):
             assert (got["mode"], got["world"]) == ("grad", 2) and got["max_diff"] <= 1e-6, row
@@ -386,13 +626,52 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
         for engine in ("mpi", "horovod"):
             got = sched[engine]
             assert got["engine"] == engine and got["lrs"] == want[8:] and got["max_diff"] <= 1e-6, (engine, got)
+            # each engine's fit resumed from its own first-epoch ModelCheckpoint file ends where its run ended
+            assert row["resume"][engine]["engine"] == engine and row["resume"][engine]["max_diff"] <= 1e-6, row
+            fab = row["resume"][engine]["fabric"]  # Fabric: fabric.load of epoch 1's fabric.save, then epoch 2
+            assert fab[0] == engine and fab[1] <= 1e-6, (engine, fab)
+            _check_validate_only(row["validate_only"][engine])
+        # Fabric with accumulation (no_backward_sync), clip_gradients, a per-step LR schedule and all_reduce: Fabric's
+        # "ddp" rates, parameters and reduced values
+        extras = row["fabric_extras"]
+        assert extras["ddp"]["lrs"] == [0.1 * (1.0 / (1 + step)) for step in range(4)], extras  # 4 steps of 2 batches
+        assert extras["ddp"]["reduced"] == {"mean": [1.5, 0.125], "same": True, "sum": [5], "int_mean": [2],
+                                            "dtype": "torch.int64"}, extras
+        for engine in ("mpi", "horovod"):
+            got = extras[engine]
+            assert got["engine"] == engine and got["max_diff"] <= 1e-6, (engine, got)
+            assert got["lrs"] == extras["ddp"]["lrs"] and got["reduced"] == extras["ddp"]["reduced"], (engine, got)
+        # param mode on each engine against distkit's own loop on that engine: the Trainer's fit (validate/test
+        # logged at their closed form, predict the own loop's final model's outputs, a resume from the first epoch's
+        # file and sidecar, validate without fit) and Fabric's loop
+        for engine in ("mpi", "horovod"):
+            got = row["param"][engine]
+            assert got["engines"] == [engine, "param"] * 2 and got["steps"] == 16, (engine, got)
+            assert got["max_diff"] <= 1e-6 and got["res"]["spread"] > 1e-3, (engine, got)  # local steps
+            _check_logged(got["res"])
+            assert got["sidecar"] and got["resume_diff"] <= 1e-6, (engine, got)
+            assert got["predicted"] == 8 and got["predict_diff"] <= 1e-6, (engine, got)
+            assert got["fabric_diff"] <= 1e-6, (engine, got)
+            assert got["fabric_resume"][0] <= 1e-6 and got["fabric_resume"][1], (engine, got)  # file + sidecar
+            _check_validate_only(got["validate_only"])
+            _check_param_extras(got["extras"])
+            # Fabric: the same accumulation, clipping and per-step schedule as the own loop; all_reduce's values
+            fab = got["fabric_extras"]
+            assert fab["engines"] == [engine, "param"] and fab["max_diff"] <= 1e-6, (engine, fab)
+            assert fab["lrs"] == [0.1 * (1.0 / (1 + step)) for step in range(8)], (engine, fab)
+            assert fab["reduced"] == extras["ddp"]["reduced"], (engine, fab)
+            diloco = got["diloco"]  # L3's DiLoCo config (Nesterov outer step, 2 fragments, int8, overlap 1)
+            assert diloco["steps"] == 16 and diloco["max_diff"] <= 1e-6 and diloco["spread"] > 1e-3, (engine, diloco)
 
 
 def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) -> None:
     """Under torchrun: param mode (param_sync_step 3; then DiLoCo's Nesterov outer step with 2 fragments, int8
     exchange and an overlap of 1 step) equals distkit's own loop on the same data order; a resume from the first epoch's checkpoint
     (Lightning's file + each rank's sidecar) ends where the uninterrupted run ended; with dropout and a checkpoint
-    written at the end of validation too, bit for bit (issue 57 D)."""
+    written at the end of validation too, bit for bit (issue 57 D). The plain config also: trainer.predict gives the
+    own loop's final model's outputs, validate without fit evaluates rank 0's weights, and with accumulation,
+    clipping and a per-step LR schedule it equals the own loop doing the same (rates and weights), its MeanMetric
+    logged at DDP's 0.5."""
     plain = {"distributed": {"reduce_type": "param", "param_sync_step": 3}}
     diloco = {"distributed": {"reduce_type": "param", "param_sync_step": 4, "param_sync_fragments": 2,
                               "param_sync_compression": "int8", "param_sync_overlap": 1,
@@ -405,6 +684,10 @@ def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) 
             assert row[case]["res"]["spread"] > 1e-3  # the ranks stepped on their own (local steps)
             _check_logged(row[case]["res"])
         assert row["0"]["sidecar"] and row["0"]["resume_diff"] <= 1e-6, row
+        # trainer.predict after fit: the outputs of the own loop's final model (every rank holds the average)
+        assert row["0"]["predicted"] == 8 and row["0"]["predict_diff"] <= 1e-6, row
+        _check_validate_only(row["0"]["validate_only"])  # validate without fit: rank 0's weights, the closed form
+        _check_param_extras(row["0"]["extras"])
         # issue 57 D: with dropout the resume is the same run, bit for bit (before: 0.58 apart; the resumed fit made
         # one DataLoader iterator more than the run before its first step, each drawing from the global RNG)
         drop = row["dropout"]
@@ -435,8 +718,8 @@ def refused(make):
         return f"{type(e).__name__}: {e}"
     return "not refused"
 
-def fit(model, **kw):
-    Trainer(strategy=DistkitStrategy(), accelerator="cpu", devices=1, max_epochs=1, logger=False,
+def fit(model, source=None, **kw):
+    Trainer(strategy=DistkitStrategy(source), accelerator="cpu", devices=1, max_epochs=1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, **kw).fit(model)
 
 lines = {
@@ -447,9 +730,16 @@ lines = {
     "manual": refused(lambda: fit(Manual())),
     "fp16": refused(lambda: fit(BoringModel(), plugins=[MixedPrecision("16-mixed", "cpu")])),
 }
+for engine in ("mpi", "horovod"):  # the same refusals on the MPI engines (one process: no launcher needed)
+    source = {"distributed": {"backend": engine}}
+    lines[f"precision-{engine}"] = refused(lambda: DistkitStrategy({**source, "precision": "bf16-mixed"}))
+    lines[f"manual-{engine}"] = refused(lambda: fit(Manual(), source))
+    lines[f"fp16-{engine}"] = refused(lambda: fit(BoringModel(), source, plugins=[MixedPrecision("16-mixed", "cpu")]))
+os.environ.pop("LOCAL_RANK")  # (set by Lightning's launcher of the fits above: a later Trainer would take it as started)
+lines["devices-horovod"] = refused(lambda: Trainer(strategy=DistkitStrategy({"distributed": {"backend": "horovod"}}),
+                                                   accelerator="cpu", devices=2))
 with open(sys.argv[1], "w") as f:
     json.dump({"core_clean": core_clean, "lines": lines}, f)
-os.environ.pop("LOCAL_RANK")  # (set by Lightning's launcher of the fits above: a later Trainer would take it as started)
 Trainer(strategy=DistkitStrategy({"distributed": {"backend": "mpi"}}), accelerator="cpu", devices=2)
 print("not refused")
 '''
@@ -458,7 +748,9 @@ print("not refused")
 def test_refusals_are_one_line_and_core_does_not_import_lightning(tmp_path: Path) -> None:
     """deepspeed/fsdp name Lightning's own strategy; distkit's precision key, manual optimization (Lightning's only
     way to several optimizers) and a GradScaler name what works; mpi under Trainer(devices=2) alone exits 2 with one
-    line naming --nprocs/mpirun. Importing distkit's core (session, Trainer, CLI) loads no lightning module."""
+    line naming --nprocs/mpirun (horovod: the same line, caught). The precision, manual-optimization and GradScaler
+    refusals are the same lines on the mpi and Horovod engines. Importing distkit's core (session, Trainer, CLI)
+    loads no lightning module."""
     script, out = tmp_path / "refuse.py", tmp_path / "lines.json"
     script.write_text(REFUSE)
     res = run([sys.executable, str(script), str(out)], timeout=120)
@@ -470,6 +762,12 @@ def test_refusals_are_one_line_and_core_does_not_import_lightning(tmp_path: Path
     assert lines["precision"].startswith("ConfigError") and "on the Trainer or Fabric" in lines["precision"]
     assert lines["manual"].startswith("UnsupportedCombination") and "DDPStrategy" in lines["manual"]
     assert lines["fp16"].startswith("UnsupportedCombination") and "bf16-mixed" in lines["fp16"]
+    for engine in ("mpi", "horovod"):  # the same lines on the MPI engines
+        for case in ("precision", "manual", "fp16"):
+            assert lines[f"{case}-{engine}"] == lines[case], (engine, case, lines)
+    # horovod under Trainer(devices=2) alone: the mpi engine's line below, naming --nprocs/mpirun
+    assert lines["devices-horovod"].startswith("UnsupportedCombination"), lines
+    assert "--nprocs 2" in lines["devices-horovod"] and "mpirun -np 2" in lines["devices-horovod"], lines
     assert res.returncode == 2 and "not refused" not in res.stdout, res
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("distkit: error:")]
     assert len(errors) == 1 and "--nprocs 2" in errors[0] and "mpirun -np 2" in errors[0], res.stderr[-2000:]
@@ -478,8 +776,8 @@ def test_refusals_are_one_line_and_core_does_not_import_lightning(tmp_path: Path
 #: Fabric: its own "ddp" strategy, then DistkitFabricStrategy in grad mode and in param mode (sync every 3 steps), then
 #: distkit's own loop on the same settings and sampler order, one after the other in the same 2 processes
 FABRIC = r'''
-import json, os, sys
-import torch
+import contextlib, json, os, sys
+import torch, torchmetrics
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning.fabric import Fabric, seed_everything
 from lightning.pytorch.demos.boring_classes import RandomDataset
@@ -525,9 +823,74 @@ def train(strategy, start_epoch=0, save=None, load=None):
 def maxdiff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
+class Net(torch.nn.Module):
+    """The same Linear, and a torchmetrics MeanMetric the loop updates with the rank (rank r: r; DDP: 0.5)."""
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 2)
+        self.rank_mean = torchmetrics.MeanMetric()
+    def forward(self, x):
+        return self.layer(x)
+
+def extras(strategy, finish=False):
+    """Fabric's loop with accumulation over 2 batches (fabric.no_backward_sync on the first), fabric.clip_gradients
+    (norm 0.05), a per-step LambdaLR the loop steps and the MeanMetric of the set-up module (finish: then
+    dk.finish()): the final parameters, each step's rate, the metric's compute()."""
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+    fabric.launch()
+    seed_everything(SEED)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer = fabric.setup(model, optimizer)
+    loader, lrs = fabric.setup_dataloaders(DataLoader(DATA, batch_size=4, shuffle=True)), []
+    for epoch in range(EPOCHS):
+        for i, x in enumerate(loader):
+            model.rank_mean.update(torch.full((len(x),), float(fabric.global_rank)))
+            stepping = i % 2 == 1
+            with fabric.no_backward_sync(model, enabled=not stepping):
+                fabric.backward(model(x).pow(2).mean() / 2)
+            if stepping:
+                fabric.clip_gradients(model, optimizer, max_norm=0.05)
+                lrs.append(optimizer.param_groups[0]["lr"])
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+    if finish:
+        strategy.dk.finish()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, lrs, float(model.rank_mean.compute())
+
+def own_extras(cfg, env):
+    """distkit's own loop doing what extras does: dk.set_accumulation(2), dk.no_sync, dk.clip_grad_norm, the
+    scheduler stepped after dk.step()."""
+    dk = distkit.init(cfg, env=env)
+    dk.set_accumulation(2)
+    seed_everything(SEED)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer = dk.setup(model, optimizer)
+    sampler, lrs = DistributedSampler(DATA, num_replicas=2, rank=dk.rank, shuffle=True, seed=SEED), []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for i, x in enumerate(DataLoader(DATA, batch_size=4, sampler=sampler)):
+            stepping = i % 2 == 1
+            with contextlib.nullcontext() if stepping else dk.no_sync():
+                dk.backward(model(x).pow(2).mean() / 2)
+            if stepping:
+                dk.clip_grad_norm(0.05)
+                lrs.append(optimizer.param_groups[0]["lr"])
+                dk.step()
+                scheduler.step()
+    dk.finish()
+    return {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}, lrs
+
 ref, fabric = train("ddp")
 grad_strategy = DistkitStrategy()  # the Trainer's class given to Fabric: it becomes DistkitFabricStrategy
-grad, _ = train(grad_strategy)
+GRAD_CKPT = os.path.join(sys.argv[1], "grad-e0.ckpt")
+grad, _ = train(grad_strategy, save=GRAD_CKPT)
+grad_resumed, _ = train(DistkitStrategy(), start_epoch=1, load=GRAD_CKPT)  # grad mode: fabric.load + epoch 2
 grad_engine = grad_strategy.dk.backend
 param_strategy = DistkitStrategy({"distributed": {"reduce_type": "param", "param_sync_step": 3}})
 CKPT = os.path.join(sys.argv[1], "e0.ckpt")
@@ -547,8 +910,20 @@ for epoch in range(EPOCHS):
         dk.step()
 dk.finish()
 own = {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}
+# accumulation, clipping, a per-step LR schedule and a torchmetrics Metric: Fabric's ddp, then distkit's grad mode;
+# param mode, then distkit's own loop
+PARAM = {"distributed": {"reduce_type": "param", "param_sync_step": 3}}
+ref_x, grad_x = extras("ddp"), extras(DistkitStrategy())
+param_strategy = DistkitStrategy(PARAM)
+param_x = extras(param_strategy, finish=True)
+own_x = own_extras(PARAM, param_strategy.dk.env)
 with open(os.path.join(sys.argv[1], f"result-{fabric.global_rank}.json"), "w") as f:
     json.dump({"grad": maxdiff(ref, grad), "param": maxdiff(own, param), "param_vs_grad": maxdiff(grad, param),
+               "grad_resume": maxdiff(grad, grad_resumed),
+               "extras": {"grad": maxdiff(ref_x[0], grad_x[0]), "param": maxdiff(own_x[0], param_x[0]),
+                          "param_vs_grad": maxdiff(grad_x[0], param_x[0]),
+                          "lrs": [ref_x[1], grad_x[1], param_x[1], own_x[1]],
+                          "metric": [ref_x[2], grad_x[2], param_x[2]]},
                "resume": maxdiff(param, resumed), "sidecar": os.path.isdir(CKPT + ".distkit"),
                "engines": [grad_engine, param_strategy.dk.cfg.distributed.reduce_type],
                "classes": [type(grad_strategy).__name__, type(param_strategy).__name__], "reduced": REDUCED}, f)
@@ -561,7 +936,10 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
     fabric.backward and optimizer.step in grad mode equal Fabric's "ddp" (measured: 0.0), and so does fabric.all_reduce
     (in place; Fabric passes torch.distributed's WORLD group, which the ddp engine's is), in param mode distkit's own
     loop (0.0), which differs from grad mode (by 0.39: the ranks took local steps); fabric.load of the first epoch's
-    fabric.save (param mode: + each rank's sidecar) then the second epoch ends where the run ended (0.0)."""
+    fabric.save (param mode: + each rank's sidecar; grad mode too) then the second epoch ends where the run ended
+    (0.0). With accumulation (fabric.no_backward_sync), fabric.clip_gradients, a per-step LR schedule the loop steps
+    and a torchmetrics MeanMetric of the set-up module: grad mode Fabric's ddp's parameters, rates and 0.5, param mode
+    distkit's own loop's."""
     script = tmp_path / "fabric_boring.py"
     script.write_text(FABRIC)
     ok(run([sys.executable, str(script), str(tmp_path)], timeout=170))
@@ -571,10 +949,17 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
         assert row["classes"] == ["DistkitFabricStrategy"] * 2, row
         assert row["param_vs_grad"] > 1e-2, row
         assert row["sidecar"] and row["resume"] <= 1e-6, row  # fabric.save/load mid-period, each rank's own state
+        assert row["grad_resume"] <= 1e-6, row  # grad mode: fabric.load of epoch 1's file + epoch 2
+        # accumulation (no_backward_sync), clip_gradients, a per-step LR schedule, a MeanMetric of the set-up module:
+        # grad mode as Fabric's ddp, param mode as distkit's own loop (the modes apart: local steps)
+        extras = row["extras"]
+        assert extras["grad"] <= 1e-6 and extras["param"] <= 1e-6 and extras["param_vs_grad"] > 1e-3, extras
+        assert extras["lrs"] == [[0.1 * (1.0 / (1 + step)) for step in range(8)]] * 4, extras
+        assert extras["metric"] == [0.5] * 3, extras
         # fabric.all_reduce on every run (ddp, grad, param, resumed) as on Fabric's ddp: in place, mean of 1 and 2, of
         # 0 and 0.25; sum 2 + 3; the integer mean 5 / 2 truncated in int64 (issue 57 G: refused on the ddp engine)
         want = {"mean": [1.5, 0.125], "same": True, "sum": [5], "int_mean": [2], "dtype": "torch.int64"}
-        assert row["reduced"] == [want] * 4, row["reduced"]
+        assert row["reduced"] == [want] * 5, row["reduced"]
 
 
 def test_example_bug_report_template_on_the_mpi_engine(tmp_path: Path) -> None:
@@ -649,12 +1034,43 @@ def logged(strategy):
                 enable_progress_bar=False, enable_model_summary=False)
     t.fit(Model(), DataLoader(torch.randn(16, 4), batch_size=4))
     return {"rank_mean": float(t.callback_metrics["rank_mean"]), "engine": strategy.dk.backend,
-            "torch_distributed": torch.distributed.is_initialized()}
+            "mode": strategy.dk.cfg.distributed.reduce_type, "torch_distributed": torch.distributed.is_initialized()}
+
+class Plain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.rank_mean = torchmetrics.MeanMetric()
+    def forward(self, x):
+        return self.layer(x)
+
+def fabric_metric(strategy):
+    """Fabric's loop with a MeanMetric of the set-up module updated with the rank each step: its compute()."""
+    from lightning.fabric import Fabric
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+    fabric.launch()
+    pl.seed_everything(0)
+    model = Plain()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for x in fabric.setup_dataloaders(DataLoader(torch.randn(16, 4), batch_size=4)):
+        model.rank_mean.update(torch.full((len(x),), float(fabric.global_rank)))
+        fabric.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"rank_mean": float(model.rank_mean.compute()), "engine": strategy.dk.backend,
+            "mode": strategy.dk.cfg.distributed.reduce_type, "torch_distributed": torch.distributed.is_initialized()}
 
 strategy = DistkitStrategy({"distributed": {"backend": "mpi"}, "nprocs": 2})  # --nprocs: mpirun starts the ranks
 rows = [logged(strategy)]
 os.environ.pop("DISTKIT_LAUNCH_ENGINE")  # (--nprocs recorded the engine it launched for: Horovod runs in the same ranks)
-rows.append(logged(DistkitStrategy({"distributed": {"backend": "horovod", "require_horovod": True}})))
+HVD = {"backend": "horovod", "require_horovod": True}
+rows.append(logged(DistkitStrategy({"distributed": HVD})))
+# param mode on both engines (sync every 3 steps), then Fabric in each mode on each engine
+PARAM = {"reduce_type": "param", "param_sync_step": 3}
+for distributed in ({"backend": "mpi", **PARAM}, {**HVD, **PARAM}):
+    rows.append(logged(DistkitStrategy({"distributed": distributed})))
+for distributed in ({"backend": "mpi"}, HVD, {"backend": "mpi", **PARAM}, {**HVD, **PARAM}):
+    rows.append(fabric_metric(DistkitStrategy({"distributed": distributed})))
 with open(os.path.join(sys.argv[1], f"metric-{strategy.global_rank}.json"), "w") as f:
     json.dump(rows, f)
 
@@ -673,8 +1089,10 @@ def test_a_torchmetrics_metric_logged_on_the_mpi_and_horovod_engines_is_ddps_val
     """Issue 57 A: a torchmetrics Metric syncs through torch.distributed, which the mpi and Horovod engines do not
     start: each rank logged its own value (0.0 and 1.0 where DDP logs 0.5). The strategy hands every Metric of the
     module the engine's gather: 0.5 on both ranks, with no torch.distributed group in the job, on the mpi engine and
-    then on Horovod in the same ranks. Then rank 1 is killed during a third fit (mpi engine, ranks started by
-    ``nprocs``): the job ends 137 with distkit's line naming rank 1 after Open MPI's (issue 62 item 1)."""
+    then on Horovod in the same ranks; in param mode on both engines too; and Fabric's, a MeanMetric of the set-up
+    module, computes 0.5 in both modes on both engines. Then rank 1 is killed during a last fit (mpi engine, ranks
+    started by ``nprocs``): the job ends 137 with distkit's line naming rank 1 after Open MPI's (issue 62 item
+    1)."""
     script = tmp_path / "metrics.py"
     script.write_text(METRICS)
     res = run([sys.executable, str(script), str(tmp_path)], timeout=170)
@@ -683,5 +1101,8 @@ def test_a_torchmetrics_metric_logged_on_the_mpi_and_horovod_engines_is_ddps_val
     named = [ln for ln in res.stderr.splitlines() if ln.startswith("distkit: rank")]
     assert named == ["distkit: rank 1 failed (killed by SIGKILL); mpirun ended the other ranks"], res.stderr[-3000:]
     rows = [json.loads((tmp_path / f"metric-{r}.json").read_text()) for r in (0, 1)]
-    assert all(r == [{"rank_mean": 0.5, "engine": engine, "torch_distributed": False} for engine in ("mpi", "horovod")]
-               for r in rows), rows
+    # the Trainer's grad, then param mode (mpi, horovod), then Fabric's grad and param mode (mpi, horovod)
+    runs = [("mpi", "grad"), ("horovod", "grad"), ("mpi", "param"), ("horovod", "param")]
+    want = [{"rank_mean": 0.5, "engine": engine, "mode": mode, "torch_distributed": False}
+            for engine, mode in runs * 2]
+    assert all(r == want for r in rows), rows
