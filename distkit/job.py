@@ -134,6 +134,7 @@ class Job:
             # (distkit's spawner ends a rank stopped on its way out itself, naming it: no exit watcher there)
             self._watchdog.see_local_peers_out(float(self.cfg.distributed.timeout_s),
                                                watch_exit=self.env.launcher != "spawn")
+            self._watchdog.release()  # (this host's ranks have left; the others met here and stopped beating)
         faults.maybe_fire(self.rank, getattr(self, "num_steps", 0), "left")
 
     # -- collectives ----------------------------------------------------------------------------

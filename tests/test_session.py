@@ -232,6 +232,49 @@ def test_dataloader_any_structure_and_existing_loader(dk: Any) -> None:
     assert sorted(sum(e0, [])) == list(range(20))
 
 
+CLOSED_SESSION = """
+import gc, os, sys, tempfile, torch
+import distkit
+
+def listening() -> int:  # this process's listening TCP sockets (/proc: the socket inodes of its descriptors)
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        target = os.readlink(f"/proc/self/fd/{fd}") if os.path.islink(f"/proc/self/fd/{fd}") else ""
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            count += sum(1 for row in list(f)[1:] if row.split()[3] == "0A" and row.split()[9] in mine)
+    return count
+
+s = distkit.init({"output_dir": tempfile.mkdtemp(), "seed": 3})
+m = torch.nn.Linear(2, 2)
+s.setup(m, torch.optim.SGD(m.parameters(), lr=0.1))
+during = listening()
+s.close()
+del s, m
+after = listening()
+pid = os.fork()
+if pid == 0:  # what a DataLoader worker of the script's next loop does sooner or later: a garbage collection
+    gc.collect()
+    os._exit(0)
+print(during, after, os.waitpid(pid, 0)[1])
+"""
+
+
+def test_a_closed_session_listens_nowhere_and_a_fork_after_it_collects_safely(tmp_path: Path) -> None:
+    """After ``close`` the ddp engine's rendezvous store (rank 0 serves it from a thread of its own) is gone at once:
+    no port stays open, and no store is left for the cyclic garbage collector to free in a fork of the process (a
+    DataLoader worker), where its destructor joins a thread that does not exist there: a SIGSEGV (seen as a
+    DataLoader worker killed by SIGSEGV in the test after an in-process session). Before the fix a closed
+    session kept its port."""
+    res = run([PY, "-c", CLOSED_SESSION], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    during, after, child = map(int, res.stdout.split()[-3:])
+    assert during >= 1 and after == 0 and child == 0, res.stdout
+
+
 def test_save_load_roundtrip_and_unwritable_dir(dk: Any, tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)

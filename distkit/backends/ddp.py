@@ -205,6 +205,12 @@ class DDPStrategy(Strategy):
         if dist.is_initialized():
             # (the groups DDP's wrappers hold stay referenced from _KEPT_GROUPS: see there)
             dist.destroy_process_group()
+        # The rendezvous store goes now, not whenever this strategy is freed: rank 0's store serves its port from a
+        # thread of its own, whose destructor joins that thread. Freed later by the cyclic garbage collector, it may
+        # be freed in a fork of this process (a DataLoader worker of the user's next loop), where the thread does
+        # not exist: the join there is a SIGSEGV (a core of the worker: ~TCPStore -> ~LibUVStoreDaemon ->
+        # std::thread::join <- gc's delete_garbage). And a closed Session listens nowhere.
+        self._store = None
         if hasattr(self, "_default_timeouts"):
             c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = self._default_timeouts
 

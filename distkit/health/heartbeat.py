@@ -85,6 +85,15 @@ class Heartbeat:
         self._beater = threading.Thread(target=self._beat_loop, name="distkit-heartbeat", daemon=True)
 
     # -- the beater: store I/O ---------------------------------------------------------------
+    def release(self) -> None:
+        """Drop the store (rank 0: its server, whose port then closes) once the beater has left it, after
+        :meth:`stop`; a beater still inside a call keeps it (left to the process's end). Not collective. Freed here,
+        not by the cyclic garbage collector (the beater's thread refers to this object), which may run in a fork of
+        this process (a DataLoader worker of the script's next loop) where the server's thread does not exist: the
+        join in its destructor is a SIGSEGV there (as for the ddp engine's store: ``DDPStrategy.teardown``)."""
+        if not self._beater.is_alive():
+            self.store = None
+
     def _beat_loop(self) -> None:
         seen = [False] * self.world_size
         while not self._stop.is_set():
