@@ -2,13 +2,17 @@
 ratio's interval lies above its bound.
 
     python benchmarks/bench_check.py [--engines ddp,mpi,horovod,deepspeed,fsdp] [--paths cli,byo] [--pairs N]
-                                     [--quick] [--bound 1.03] [--target 1.01] [--size small] [--out DIR]
+                                     [--bridges fabric,lightning,paramsync,trainer] [--quick] [--bound 1.03]
+                                     [--target 1.01] [--size small] [--out DIR]
 
 For each engine and path it runs ``interleaved.py --pin --pairs N`` (one job: distkit and the hand-written loop in
 the same processes, alternating blocks of 10 steps; the median of the per-pair ratios with its 95 % bootstrap
-interval; both sides must end with the same parameters) and reads the result. ``N`` is ``--pairs`` where given,
-else the engine's own default (:data:`PAIRS`: 120, fsdp 80, whose 10-step block takes about twice as long), or with
-``--quick`` :data:`QUICK_PAIRS` (a first look for an engine's own change: ``--engines fsdp --quick``). A check
+interval; both sides must end with the same parameters) and reads the result. Then, for each bridge,
+``interleaved_bridges.py --bridge B --pin`` the same way (the Fabric, the Lightning Trainer, Accelerate's
+``LocalSGD`` loop and the transformers Trainer, each against its framework's own DDP; ``--bridges ''`` for none).
+``N`` is ``--pairs`` where given, else the engine's own default (:data:`PAIRS`: 120, fsdp 80, whose 10-step block
+takes about twice as long), or with ``--quick`` :data:`QUICK_PAIRS` (a first look for an engine's own change:
+``--engines fsdp --quick``). A check
 fails when the interval's lower end is above ``--bound`` for the wall time per block or rank 0's CPU time
 per block: the engine is then slower than its hand-written loop by more than the bound, beyond what the
 measurement's noise explains. An interval that straddles the bound passes and is marked: the measurement could
@@ -40,8 +44,9 @@ PATHS = ("cli", "byo")
 #: minutes on the 2-core machine for ddp, mpi, horovod and ZeRO-2; fsdp's block takes about twice as long (three
 #: gloo collectives per unit and step), so 80 of its pairs take about as long as 120 of the others
 PAIRS: dict[str, int] = {"ddp": 120, "mpi": 120, "horovod": 120, "deepspeed": 120, "fsdp": 80,
-                         # the bridges (interleaved_bridges.py): a framework's loop per side, ~1.2-1.5 s a pair
-                         "fabric": 60, "lightning": 60, "paramsync": 60, "trainer": 60}
+                         # the bridges (interleaved_bridges.py): a framework's loop per side, 3-6 s a pair with
+                         # a Trainer's (measured under load: 236 s for the Lightning Trainer's 40)
+                         "fabric": 40, "lightning": 40, "paramsync": 40, "trainer": 40}
 #: the bridges against their framework's own way (interleaved_bridges.py --bridge)
 BRIDGES = ("fabric", "lightning", "paramsync", "trainer")
 #: ``--quick``: pairs per engine and path (36 measured after the 4 warm-up pairs: about ±2 % on this machine)

@@ -1,7 +1,7 @@
 """The bridges against the framework's own way, in the same processes: blocks of steps, alternating (issue 61 item 2).
 
-    python benchmarks/interleaved_bridges.py --bridge fabric|lightning|paramsync|trainer [--pairs 60] [--block 10] [--aa]
-                                             [--size small|medium] [--local-sgd-steps 5] [--pin] [--out PATH]
+    python benchmarks/interleaved_bridges.py --bridge fabric|lightning|paramsync|trainer [--pairs 60] [--block 10]
+                                             [--aa] [--size small|medium] [--local-sgd-steps 5] [--pin] [--out PATH]
 
 ``--bridge fabric``: one ``torchrun --standalone`` job of ``--nprocs`` ranks; each rank holds two Lightning Fabric
 objects on the same process group, each with its own copy of the ``charlm`` workload: side A ``Fabric(strategy="ddp")``
@@ -37,9 +37,9 @@ The schedule and statistics are ``interleaved.py``'s: ABBA blocks of ``--block``
 driven by side B's steps), a pair's ratio is B's block time over A's, wall (``perf_counter`` seconds) and rank 0's
 CPU (``process_time`` seconds); the first ``--warmup-pairs`` pairs are left out; the median of the per-pair ratios
 with its 95 % bootstrap interval. ``--aa``: side B is a second copy of side A (``Fabric(strategy="ddp")``,
-``LocalSGD``, ``DDPStrategy``, the stock Trainer): what the method resolves for this pair of frameworks. Writes ``interleaved_bridge_<bridge>[_aa].json``
-into a fresh temp directory (or ``--out``) and prints a summary line, then the path. Each job has ``--run-timeout``
-seconds.
+``LocalSGD``, ``DDPStrategy``, the stock Trainer): what the method resolves for this pair of frameworks. Writes
+``interleaved_bridge_<bridge>[_aa].json`` into a fresh temp directory (or ``--out``) and prints a summary line, then
+the path. Each job has ``--run-timeout`` seconds.
 """
 from __future__ import annotations
 
