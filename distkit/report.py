@@ -125,6 +125,8 @@ def summary(session: SessionView, **extra: Any) -> dict[str, Any]:
                                   "committed": sum(x["committed"] for x in ft.syncs), "heals": ft.heals,
                                   "manager_step": ft.manager.current_step(),
                                   "membership": ft.membership_changes(), "wait_s": ft.wait_s,
+                                  # late = 'merge': syncs that went ahead without a group, late pseudo-gradients merged
+                                  "ahead_without": ft.ahead_without, "late_merged": ft.late_merged,
                                   **alone_syncs(ft.syncs, ft.num_replicas)}
     out.update(extra)
     return out

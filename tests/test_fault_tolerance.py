@@ -467,6 +467,7 @@ def test_a_sync_goes_ahead_without_a_late_group_and_merges_its_pseudo_gradient_a
         records = {r["step"]: r for r in _syncs(out / f"group-{i}")}
         assert records[10]["groups"] == 2 and records[10]["ahead_without"] == 1, records
         assert records[15]["groups"] == 3 and records[15]["members"] == [0, 1, 2] and records[15]["late_merged"] == 1
+        assert (sums[i]["fault_tolerance"]["ahead_without"], sums[i]["fault_tolerance"]["late_merged"]) == (1, 1)
     late = [r for r in _syncs(out / "group-2") if r["healed"]]
     assert len(late) == 1 and late[0]["step"] == 15 and late[0]["late"] and late[0]["groups"] == 3, _syncs(out / "group-2")
 
