@@ -123,7 +123,7 @@ PartitionName=debug Nodes=ALL Default=YES OverSubscribe=YES MaxTime=INFINITE Sta
             out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=self.env).stdout
             if out.strip() in ("idle", "mixed", "allocated"):
                 return
-            time.sleep(0.5)
+            time.sleep(0.2)
         raise RuntimeError(f"the test SLURM did not come up within 60 s: sinfo says {out.strip()!r}; logs in {self.dir}/log")
 
     def stop(self) -> None:
@@ -154,7 +154,7 @@ PartitionName=debug Nodes=ALL Default=YES OverSubscribe=YES MaxTime=INFINITE Sta
             states = [line.split("|")[1] for line in out.splitlines() if line.split("|")[0] == job_id]
             if states or time.time() > deadline:
                 return states[0] if states else ""
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     def states_until_end(self, job_id: str, timeout: float) -> list[str]:
         """Every ``JobState`` job ``job_id`` goes through (polled every 0.2 s) until it ends (a requeued job
@@ -171,11 +171,11 @@ PartitionName=debug Nodes=ALL Default=YES OverSubscribe=YES MaxTime=INFINITE Sta
         return states
 
     def wait(self, job_id: str, timeout: float = 300) -> str:
-        """Wait until job ``job_id`` has ended; its final state."""
+        """Wait until job ``job_id`` has ended (polled every 0.2 s); its final state."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             state = self.job_state(job_id)
             if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "UNKNOWN"):
                 return state
-            time.sleep(0.5)
+            time.sleep(0.2)
         return "TIMEOUT (the test gave up waiting)"

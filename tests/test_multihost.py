@@ -18,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -46,9 +47,12 @@ def _namespaces_available() -> Iterator[None]:
 def one_host(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The same 4 ranks on one host: DDP grad (--nprocs 4) and DDP param mode (sync every 5 steps)."""
     root = tmp_path_factory.mktemp("one_host")
-    ok(distkit(*TRAIN, "--nprocs", "4", "++output_dir", str(root / "grad")))
-    ok(distkit(*TRAIN, "--nprocs", "4", "++output_dir", str(root / "param"), "++distributed",
-               "{'reduce_type': 'param', 'param_sync_step': 5}"))
+    runs = ([*TRAIN, "--nprocs", "4", "++output_dir", str(root / "grad")],
+            [*TRAIN, "--nprocs", "4", "++output_dir", str(root / "param"), "++distributed",
+             "{'reduce_type': 'param', 'param_sync_step': 5}"])
+    with ThreadPoolExecutor(len(runs)) as pool:  # two independent runs (own output directories): at once
+        for res in list(pool.map(lambda args: distkit(*args), runs)):
+            ok(res)
     return {"grad": root / "grad", "param": root / "param"}
 
 
@@ -59,6 +63,15 @@ def torchrun_on_hosts(h: nethosts.Hosts, args: Sequence[str], *, by_address: boo
     ``by_address``: name the rendezvous host by address and tell torchrun which host serves it (what
     hosts that share a host name need: their name resolves to loopback). ``during(procs)`` runs while
     they do."""
+    procs = start_torchrun_on_hosts(h, args, by_address=by_address, env=env, per_host=per_host)
+    if during is not None:
+        during(procs)
+    return _finish_all(procs, timeout)
+
+
+def start_torchrun_on_hosts(h: nethosts.Hosts, args: Sequence[str], *, by_address: bool = False,
+                            env: dict[str, str] | None = None, per_host: int = 2) -> list["subprocess.Popen[str]"]:
+    """:func:`torchrun_on_hosts`'s launchers, started and left running (the caller ends them: :func:`_finish_all`)."""
     procs = []
     for i in range(h.n):
         where = (["--local-addr", h.addr(i), "--rdzv-conf", f"is_host={str(i == 0).lower()}",
@@ -67,9 +80,7 @@ def torchrun_on_hosts(h: nethosts.Hosts, args: Sequence[str], *, by_address: boo
                "--rdzv-id", "job", *where, "-m", "distkit", *args]
         procs.append(h.popen(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=base_env(**(env or {})),
                              cwd=ROOT, start_new_session=True))
-    if during is not None:
-        during(procs)
-    return [_finish(p, timeout) for p in procs]
+    return procs
 
 
 def _finish(p: "subprocess.Popen[str]", timeout: float) -> subprocess.CompletedProcess[str]:
@@ -81,6 +92,14 @@ def _finish(p: "subprocess.Popen[str]", timeout: float) -> subprocess.CompletedP
         out, err = p.communicate()
         raise AssertionError(f"timed out after {timeout}s: {p.args}\nstdout:{out[-3000:]}\nstderr:{err[-3000:]}\n{stacks}")
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _finish_all(procs: Sequence["subprocess.Popen[str]"], timeout: float) -> list[subprocess.CompletedProcess[str]]:
+    """:func:`_finish` of every one of ``procs`` at once, each read by its own thread (none blocks on a full pipe
+    while another is waited for); the first failure is raised once every one has ended."""
+    with ThreadPoolExecutor(len(procs)) as pool:
+        futures = [pool.submit(_finish, p, timeout) for p in procs]
+    return [f.result() for f in futures]
 
 
 def check_two_hosts(out: Path, h: nethosts.Hosts | None, names: list[str] | None = None, per_host: int = 2) -> dict[str, Any]:
@@ -134,7 +153,8 @@ def test_mpi_engine_horovod_and_deepspeeds_launcher_under_one_mpirun_across_host
         agent = h.rsh_agent(str(tmp_path))
         hostfile = tmp_path / "hostfile"
         hostfile.write_text("".join(f"{name} slots=2\n" for name in h.names))
-        for name, over in engines.items():
+        procs = []
+        for name, over in engines.items():  # three independent jobs (own output, own mpirun): run at once
             train = ["-m", "distkit", *TRAIN, "++output_dir", str(tmp_path / name), *over]
             if name == "deepspeed":  # it passes "--mca btl ^openib" itself, which a second btl value would contradict
                 margs = " ".join(h.mpirun_args(agent)).replace("--mca btl self,tcp", "")
@@ -143,9 +163,10 @@ def test_mpi_engine_horovod_and_deepspeeds_launcher_under_one_mpirun_across_host
             else:
                 cmd = [str(BIN / "mpirun"), "-np", "4", "--host", f"{h.names[0]}:2,{h.names[1]}:2", *h.mpirun_args(agent),
                        "-x", "PATH", "-x", "PYTHONPATH", str(BIN / "python"), *train]
-            p = h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
-                        env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"))
-            ok(_finish(p, 180))
+            procs.append(h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                                 start_new_session=True, env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")))
+        for name, res in zip(engines, _finish_all(procs, 180)):
+            ok(res)
             assert summary(tmp_path / name)["launcher"] == "openmpi"
             check_two_hosts(tmp_path / name, h)
     assert summary(tmp_path / "deepspeed")["zero_stage"] == 2
@@ -160,24 +181,56 @@ def test_mpi_engine_horovod_and_deepspeeds_launcher_under_one_mpirun_across_host
 
 
 def test_a_rank_that_leaves_after_rank_0_is_gone_does_not_deadlock_its_hosts_reaper(tmp_path: Path) -> None:
-    # Rank 3 (host 1) is 5 s late at the end (DISTKIT_FAULT delay, after the last barrier), so rank 0 (host 0),
-    # which serves the heartbeat store, has left before rank 3 marks itself as leaving. Host 1's reaper (rank 2)
+    # Rank 3 (host 1) is late at the end (DISTKIT_FAULT delay, after the last barrier) until rank 0 (host 0), which
+    # serves the heartbeat store, has left (its store's port closed: the test watches host 0's socket table, then
+    # ends the delay), so rank 3 marks itself as leaving after rank 0 is gone. Host 1's reaper (rank 2)
     # waits for that mark or rank 3's exit, and rank 3's exit waits in MPI_Finalize, which is collective, for
     # the reaper: a mark kept in rank 0's store failed there, and the job ended only when the reaper killed
     # rank 3 at timeout_s (exit 1). The mark is local to the host (the process's name), so it ends cleanly.
+    # (A fixed 5 s delay stood for "rank 0 has left" before; observed, the port closes a fraction of a second after
+    # rank 3 is late, and rank 0's leaving is no longer assumed.)
+    stamp, release, store = tmp_path / "late", tmp_path / "release", tmp_path / "store"
     with nethosts.Hosts(2) as h:
         agent = h.rsh_agent(str(tmp_path))
         cmd = [str(BIN / "mpirun"), "-np", "4", "--host", f"{h.names[0]}:2,{h.names[1]}:2", *h.mpirun_args(agent),
-               "-x", "PATH", "-x", "PYTHONPATH", "-x", "DISTKIT_FAULT", str(BIN / "python"), "-m", "distkit", *TRAIN,
+               "-x", "PATH", "-x", "PYTHONPATH", "-x", "DISTKIT_FAULT", "-x", "DISTKIT_FAULT_STAMP", "-x",
+               "DISTKIT_FAULT_UNTIL", "-x", "DISTKIT_FAULT_STORE", str(BIN / "python"), "-m", "distkit", *TRAIN,
                "++output_dir", str(tmp_path / "out"), "++torch_distributed", "None", "++distributed.backend", "mpi",
                "++distributed.timeout_s", "30"]
+        # rank 3's delay ends when the test says, at most after 20 s (below timeout_s: the reaper would end it)
         p = h.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
-                    env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", DISTKIT_FAULT="3:20:delay:close"))
+                    env=base_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", DISTKIT_FAULT="3:20:delay=20:close",
+                                 DISTKIT_FAULT_STAMP=str(stamp), DISTKIT_FAULT_UNTIL=str(release),
+                                 DISTKIT_FAULT_STORE=str(store)))
+        # (the job's output is read at its end: it writes a few KB before then, far below a pipe's 64 KiB)
+        deadline = time.monotonic() + 120
+        while not stamp.exists() and p.poll() is None:  # until rank 3 is late
+            assert time.monotonic() < deadline, "rank 3 never reached the end of the run"
+            time.sleep(0.05)
+        if p.poll() is None:  # (a job that ended first fails below, its output shown)
+            port, late = int(store.read_text().split()[1]), time.monotonic()
+            while _listens(p.pid, port):  # mpirun runs in host 0: its network namespace's sockets
+                assert time.monotonic() < late + 15, f"rank 0 still served its store (port {port}) 15 s after the end"
+                time.sleep(0.05)
+        release.touch()
         # (the reaper's timeout ends the job with exit 1 and its "stopped responding" line: both observed here. A
         # bound on the job's wall time instead failed under make test with two CPU hogs, 28.2 s for the whole run)
         res = ok(_finish(p, 120))
         assert "stopped responding" not in res.stderr
         check_two_hosts(tmp_path / "out", h)
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether a socket listens on TCP ``port`` in process ``pid``'s network namespace (False once it is gone)."""
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = [r.split() for r in f.read().splitlines()[1:]]
+        except OSError:
+            continue
+        if any(int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A" for r in rows):  # 0A: LISTEN
+            return True
+    return False
 
 
 def test_open_mpi_on_an_interface_the_other_host_cannot_reach_ends_naming_the_variable(tmp_path: Path) -> None:
@@ -216,29 +269,30 @@ def test_open_mpi_on_an_interface_the_other_host_cannot_reach_ends_naming_the_va
 
 def test_deepspeed_under_torchrun_and_its_own_launcher_on_two_hosts(one_host: dict[str, Path], tmp_path: Path) -> None:
     # DeepSpeed's launcher without ssh: one per host, each told its node rank and the master's address
+    # The three jobs (own output, own rendezvous port) run at once on the same hosts.
     with nethosts.Hosts(2) as h:
-        for res in torchrun_on_hosts(h, [*TRAIN, "++output_dir", str(tmp_path / "torchrun"), "++distributed", ZERO2]):
-            ok(res)
+        procs = start_torchrun_on_hosts(h, [*TRAIN, "++output_dir", str(tmp_path / "torchrun"), "++distributed", ZERO2])
         hostfile = tmp_path / "hostfile"
         hostfile.write_text("".join(f"{name} slots=2\n" for name in h.names))
-        procs = [h.popen(i, [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(i),
-                             "--master_addr", h.addr(0), "--master_port", "29500", "--module", "distkit", *TRAIN,
-                             "++output_dir", str(tmp_path / "dslauncher"), "++distributed", ZERO2],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=base_env(), cwd=ROOT, start_new_session=True)
-                 for i in range(h.n)]
-        for p in procs:
-            ok(_finish(p, 180))
+        procs += [h.popen(i, [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(i),
+                              "--master_addr", h.addr(0), "--master_port", "29500", "--module", "distkit", *TRAIN,
+                              "++output_dir", str(tmp_path / "dslauncher"), "++distributed", ZERO2],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=base_env(), cwd=ROOT,
+                          start_new_session=True)
+                  for i in range(h.n)]
         # its default, ssh mode: one launcher on host 0, which starts the others with pdsh over real
         # sshd's (the test's key is not root's, so no ssh check); what the ranks need beyond PYTHON*
         # goes in DeepSpeed's env file, as a user's would (here by absolute path, not in ~ or the cwd)
         pdsh_env = h.sshd(str(tmp_path))
         ds_env = tmp_path / "deepspeed_env"
         ds_env.write_text(f"DISTKIT_TEST_MARK={MARK}\nOMP_NUM_THREADS=1\n")
-        p = h.popen(0, [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", h.addr(0),
-                        "--module", "distkit", *TRAIN, "++output_dir", str(tmp_path / "pdsh"), "++distributed", ZERO2],
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
-                    env=base_env(DS_ENV_FILE=str(ds_env), **pdsh_env))
-        res = ok(_finish(p, 180))
+        procs.append(h.popen(0, [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr",
+                                 h.addr(0), "--master_port", "29501", "--module", "distkit", *TRAIN, "++output_dir",
+                                 str(tmp_path / "pdsh"), "++distributed", ZERO2],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+                             env=base_env(DS_ENV_FILE=str(ds_env), **pdsh_env)))
+        results = [ok(res) for res in _finish_all(procs, 180)]
+        res = results[-1]
         assert all(f"{name}: " in res.stdout for name in h.names)  # pdsh's per-host prefix: both hosts ran ranks
         for run_dir, launcher in (("torchrun", "torchrun"), ("dslauncher", "deepspeed"), ("pdsh", "deepspeed")):
             s = check_two_hosts(tmp_path / run_dir, h)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +31,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[testslurm.Slur
         pytest.fail(f"SLURM tests cannot run on this machine: {reason}")
     with testslurm.Slurm(str(tmp_path_factory.mktemp("slurm"))) as cluster:
         yield cluster
+
+
+def dry_run(args: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """``distkit ARGS --dry-run``'s output (the job script), from the CLI in this process (it starts nothing), in the
+    directory that the submitting ``distkit`` runs in (the script's ``cd``)."""
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    code = main([*args, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
 
 
 def same_as_reference(out: Path, ref: Path, launcher: str) -> None:
@@ -60,7 +72,8 @@ def test_srun_with_torchrun_inside(cluster: testslurm.Slurm, ddp_short_ref: Path
 
 
 def test_sbatch_script_reviewed_then_submitted_and_requeued(cluster: testslurm.Slurm, ddp_short_ref: Path,
-                                                             tmp_path: Path) -> None:
+                                                             tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The default script (no --requeue) reviewed with --dry-run, submitted, and requeued by an admin
     (``scontrol requeue``) while rank 0 is slow at step 10: the second attempt (same job id, same OUT) continues
     from OUT's checkpoint or afresh, and the job completes with the uninterrupted run's result; both attempts'
@@ -68,8 +81,7 @@ def test_sbatch_script_reviewed_then_submitted_and_requeued(cluster: testslurm.S
     the requeued attempt refused OUT, a run without ++resume; the first attempt's log replaced)."""
     args = ["sbatch", CONFIG, "--nodes", "1", "--ntasks-per-node", "2", "--time", "10", *SHORT,
             "++output_dir", str(tmp_path / "runs")]
-    dry = ok(distkit(*args, "--dry-run"))
-    text = dry.stdout
+    text = dry_run(args, capsys, monkeypatch)
     assert text.startswith("#!/bin/bash\n") and "#SBATCH --nodes=1\n" in text and "#SBATCH --ntasks-per-node=2\n" in text
     assert "#SBATCH --time=10\n" in text and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
     assert 'MASTER_PORT="$((20000 + SLURM_JOB_ID % 10000))"' in text and "srun --kill-on-bad-exit=1 " in text
@@ -108,7 +120,17 @@ def test_sbatch_requeue_stops_with_a_checkpoint_on_usr1_and_the_requeued_job_con
     credentials of its first run expire: ``cred_expire``, 120 s by default, 5 s in the test cluster.)"""
     steps = ["++max_steps", "200", "++log_every", "5", "++progress_bar", "False"]
     ref = tmp_path / "ref"
-    ok(distkit("train", CONFIG, "--nprocs", "2", *steps, "++output_dir", str(ref)))
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run, beside the job (which mostly waits: its requeue hold)
+        ref_run = pool.submit(distkit, "train", CONFIG, "--nprocs", "2", *steps, "++output_dir", str(ref))
+        out = _usr1_requeued_job(cluster, steps, tmp_path)
+        ok(ref_run.result())
+    s = summary(out)
+    assert s["steps"] == 200 and s["param_checksum"] == summary(ref)["param_checksum"]
+
+
+def _usr1_requeued_job(cluster: testslurm.Slurm, steps: list[str], tmp_path: Path) -> Path:
+    """:func:`test_sbatch_requeue_stops_with_a_checkpoint_on_usr1_and_the_requeued_job_continues`'s job, up to its
+    end (COMPLETED after a stop on SIGUSR1 and a resume from that checkpoint); its output directory."""
     runs = tmp_path / "runs"
     # rank 0 waits at step 20 until the signal has reached it: the 200 steps take about a second, and a signal sent
     # when the log showed step 15 arrived after the run's end under load (loaded run 3 at b629432: RUNNING,
@@ -139,28 +161,32 @@ def test_sbatch_requeue_stops_with_a_checkpoint_on_usr1_and_the_requeued_job_con
     assert f"distkit: resumed from {out / 'checkpoints' / stop.group(2)} at step {stop.group(1)}" in log, log[-3000:]
     shown = run(["scontrol", "show", "job", job], SLURM_CONF=cluster.conf).stdout
     assert "Restarts=1" in shown, shown
-    s = summary(out)
-    assert s["steps"] == 200 and s["param_checksum"] == summary(ref)["param_checksum"]
+    return out
 
 
 @pytest.mark.min_replicas(2)  # the lighthouse's first quorum waits for both groups: the same syncs as one job
-def test_sbatch_writes_one_job_per_fault_tolerant_group(cluster: testslurm.Slurm, lighthouse: str, tmp_path: Path) -> None:
+def test_sbatch_writes_one_job_per_fault_tolerant_group(cluster: testslurm.Slurm, lighthouse: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 25 item 8: under ``fault_tolerance`` ``distkit sbatch`` writes one job per replica group (each
     preempted, requeued or failed on its own); the two jobs train together through the lighthouse and end
     bit-identical to one job of the same two replica groups."""
     param = "{'reduce_type': 'param', 'param_sync_step': 5}"
     ft = f"{{'lighthouse': '{lighthouse}', 'replica_id': 0, 'num_replicas': 2}}"
     args = ["sbatch", CONFIG, *SHORT, "++distributed", param, "++fault_tolerance", ft, "++output_dir", str(tmp_path / "runs")]
-    dry = ok(distkit(*args, "--dry-run")).stdout
+    dry = dry_run(args, capsys, monkeypatch)
     assert dry.count("#!/bin/bash\n") == 2 and "#SBATCH --job-name=distkit-returnn_ddp-group-1\n" in dry
     assert re.findall(r"replica_id\W+: (\d)", dry) == ["0", "1"] and not (tmp_path / "runs").exists()
     sub = ok(distkit(*args, "--submit", SLURM_CONF=cluster.conf))
     jobs = re.findall(r"submitted job (\d+)", sub.stdout)
     assert len(jobs) == 2, sub.stdout
-    for job in jobs:
-        assert cluster.wait(job) == "COMPLETED", (tmp_path / "runs" / f"slurm-{job}.out").read_text()[-3000:]
     ref = tmp_path / "one_job"
-    ok(distkit("train", CONFIG, *SHORT, "--nprocs", "2", "++distributed", param, "++output_dir", str(ref)))
+    with ThreadPoolExecutor(1) as pool:  # the one-job reference, beside the two jobs
+        ref_run = pool.submit(distkit, "train", CONFIG, *SHORT, "--nprocs", "2", "++distributed", param,
+                              "++output_dir", str(ref))
+        for job in jobs:
+            assert cluster.wait(job) == "COMPLETED", (tmp_path / "runs" / f"slurm-{job}.out").read_text()[-3000:]
+        ok(ref_run.result())
     for i, job in enumerate(jobs):
         s = summary(tmp_path / "runs" / f"job-{job}" / f"group-{i}")
         assert s["fault_tolerance"]["replica_id"] == i and s["launcher"] == "slurm", s
