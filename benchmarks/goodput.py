@@ -98,12 +98,11 @@ def _summary(out: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) -> dict[str, Any]:
-    """One fault-tolerant run; a failure every ``every`` seconds (None: none)."""
+def start_lighthouse(*flags: str) -> tuple["subprocess.Popen[bytes]", int]:
+    """``distkit lighthouse --port P FLAGS`` on a free port P, its output discarded, once it answers: (process, P)."""
     port = free_port()
-    lh = subprocess.Popen([PY, "-m", "distkit", "lighthouse", "--port", str(port), "--join-timeout", "30",
-                           "--heartbeat-timeout", "2"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, start_new_session=True)
+    lh = subprocess.Popen([PY, "-m", "distkit", "lighthouse", "--port", str(port), *flags], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -113,6 +112,12 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
             if time.monotonic() > deadline:
                 raise RuntimeError("the lighthouse did not start")
             time.sleep(0.1)
+    return lh, port
+
+
+def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) -> dict[str, Any]:
+    """One fault-tolerant run; a failure every ``every`` seconds (None: none)."""
+    lh, port = start_lighthouse("--join-timeout", "30", "--heartbeat-timeout", "2")
     out = os.path.join(work, "ft" if every is None else f"ft-every{every:g}")
     os.makedirs(out, exist_ok=True)
     rng = random.Random(args.seed)
@@ -172,20 +177,8 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
 def slowed(args: argparse.Namespace, work: str, name: str, late: str, delay: float) -> dict[str, Any]:
     """One run of ``--slow``: ``late`` 'heal' (wait for everyone) or 'merge', the last group delayed ``delay`` s
     before every ``--slow-every``-th sync from the second on (0: no delay)."""
-    port = free_port()
     join = "1" if late == "merge" else str(max(30.0, 3 * delay))
-    lh = subprocess.Popen([PY, "-m", "distkit", "lighthouse", "--port", str(port), "--join-timeout", join,
-                           "--min-replicas", str(max(1, args.groups - 1)), "--quiet"], cwd=ROOT,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the lighthouse did not start")
-            time.sleep(0.1)
+    lh, port = start_lighthouse("--join-timeout", join, "--min-replicas", str(max(1, args.groups - 1)), "--quiet")
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
     extra = f", 'late': 'merge', 'grace_s': {args.grace}" if late == "merge" else ""

@@ -480,7 +480,7 @@ class _Lighthouse(str):
 @full_tier("a torchft lighthouse")
 def lighthouse(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A real lighthouse (``distkit lighthouse``) on a free port; its URL. min_replicas from the test's mark,
-    --quiet with the quiet_lighthouse mark.
+    --quiet with the quiet_lighthouse mark, further flags from the lighthouse_args mark.
 
     Its output goes to a file (``lighthouse.log`` in the test's tmp_path), not a pipe: the lighthouse logs every
     quorum request and status (about 1 KB per sync of three groups), and a pipe nobody reads fills at 64 KiB,
@@ -489,8 +489,10 @@ def lighthouse(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     log = tmp_path / "lighthouse.log"
     with log.open("w") as sink:
-        quiet = ["--quiet"] if request.node.get_closest_marker("quiet_lighthouse") else []
-        proc = subprocess.Popen(lighthouse_cmd(port, mark.args[0] if mark else 1, *quiet), env=base_env(), cwd=ROOT,
+        extra = ["--quiet"] if request.node.get_closest_marker("quiet_lighthouse") else []
+        flags = request.node.get_closest_marker("lighthouse_args")
+        extra += list(flags.args) if flags else []
+        proc = subprocess.Popen(lighthouse_cmd(port, mark.args[0] if mark else 1, *extra), env=base_env(), cwd=ROOT,
                                 stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -397,31 +396,12 @@ def test_a_late_group_heals_from_the_live_ones_on_every_engine(lighthouse: str, 
     assert [m["groups"] for m in sums[0]["fault_tolerance"]["membership"]][-1] == 3
 
 
-@pytest.fixture
-def grace_lighthouse(tmp_path: Path) -> Iterator[str]:
-    """A lighthouse for ``late = 'merge'``: its quorums need 2 groups, and one whose members are not all those of
-    the last waits 1 s for the rest (--join-timeout 1: the grace window is the groups' own, distkit.ft.late). Its
-    log: ``lighthouse.log`` in the test's tmp_path."""
-    port, log = free_port(), tmp_path / "lighthouse.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(lighthouse_cmd(port, 2, "--join-timeout", "1"), env=base_env(), cwd=ROOT, stdout=sink,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, f"the lighthouse did not start: {log.read_text()}"
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
+# late = 'merge': the lighthouse's quorums need 2 groups, and one whose members are not all those of the last waits
+# 1 s for the rest (--join-timeout 1: the grace window is the groups' own, distkit.ft.late)
+@pytest.mark.min_replicas(2)
+@pytest.mark.lighthouse_args("--join-timeout", "1")
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_a_sync_goes_ahead_without_a_late_group_and_merges_its_pseudo_gradient_at_the_next(grace_lighthouse: str,
+def test_a_sync_goes_ahead_without_a_late_group_and_merges_its_pseudo_gradient_at_the_next(lighthouse: str,
                                                                                           tmp_path: Path,
                                                                                           ranks: int) -> None:
     # Issue 60 item 3 (Decoupled DiLoCo): late = 'merge', grace 2 s, 3 groups of 1 rank, a sync every 5 steps.
@@ -434,7 +414,7 @@ def test_a_sync_goes_ahead_without_a_late_group_and_merges_its_pseudo_gradient_a
     # their last quorum's store (its dump dir says), so it is in their sync at step 15 on any machine. ranks 2: 2
     # ranks per group (each rank exchanges with the same rank of the others, meets them under its own key, heals).
     out, pg = tmp_path / "ft", tmp_path / "pg"
-    procs = [_group(grace_lighthouse, i, 3, out, "++max_steps", "20", *(["--nprocs", "2"] if ranks == 2 else []),
+    procs = [_group(lighthouse, i, 3, out, "++max_steps", "20", *(["--nprocs", "2"] if ranks == 2 else []),
                     ft_extra=", 'late': 'merge', 'grace_s': 2",
                     DISTKIT_FAULT="0:4:delay=120," + ("0:9:delay=120" if i == 2 else "0:14:delay=120"),
                     DISTKIT_FAULT_UNTIL=str(tmp_path / "go-{step}"), DISTKIT_FAULT_STAMP=str(tmp_path / f"at{i}-{{step}}"),
