@@ -74,7 +74,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
 # The overhead guard (issues 37, 61): every engine (fsdp too) and path against its hand-written loop, failing when a
-# ratio's 95 % interval lies above 1.03; its last line is the verdict. About 30 minutes on the 2-core machine; an
+# ratio's 95 % interval lies above 1.03; its last line is the verdict. About 33 minutes on the quiet 2-core machine
+# (engines about 28, the four bridges about 5: benchmarks/bench_check.py's PAIRS); an
 # engine's own change: `make bench-check BENCH_CHECK="--engines fsdp --quick"`. Not part of `make test` (timing
 # never goes into a test); run it on a quiet machine.
 bench-check: $(STAMP) horovod

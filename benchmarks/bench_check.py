@@ -10,11 +10,10 @@ the same processes, alternating blocks of 10 steps; the median of the per-pair r
 interval; both sides must end with the same parameters) and reads the result. Then, for each bridge,
 ``interleaved_bridges.py --bridge B --pin`` the same way (the Fabric, the Lightning Trainer, Accelerate's
 ``LocalSGD`` loop and the transformers Trainer, each against its framework's own DDP; ``--bridges ''`` for none).
-``N`` is ``--pairs`` where given, else the engine's own default (:data:`PAIRS`: 120, fsdp 80, whose 10-step block
-takes about twice as long), or with ``--quick`` :data:`QUICK_PAIRS` (a first look for an engine's own change:
-``--engines fsdp --quick``). A check
-fails when the interval's lower end is above ``--bound`` for the wall time per block or rank 0's CPU time
-per block: the engine is then slower than its hand-written loop by more than the bound, beyond what the
+``N`` is ``--pairs`` where given, else the engine's own default (:data:`PAIRS`: ddp, mpi and horovod 110,
+ZeRO-2 100, fsdp 64, about the same minutes each; about 33 minutes in all), or with ``--quick``
+:data:`QUICK_PAIRS` (a first look for an engine's own change: ``--engines fsdp --quick``). A check fails
+when the interval's lower end is above ``--bound`` for the wall time per block or rank 0's CPU time per block: the engine is then slower than its hand-written loop by more than the bound, beyond what the
 measurement's noise explains. An interval that straddles the bound passes and is marked: the measurement could
 not tell (more ``--pairs`` narrow it). ``--target`` (issue 61's 1.01) fails nothing: the verdict line counts the
 intervals whose upper end lies above it.
@@ -40,12 +39,21 @@ from typing import Any, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINES = ("ddp", "mpi", "horovod", "deepspeed", "fsdp")
 PATHS = ("cli", "byo")
-#: pairs per engine and path by default (warm-up pairs included); 120 pairs of 10-step blocks take about 2.5-3
-#: minutes on the 2-core machine for ddp, mpi, horovod and ZeRO-2; fsdp's block takes about twice as long (three
-#: gloo collectives per unit and step), so 80 of its pairs take about as long as 120 of the others
-PAIRS: dict[str, int] = {"ddp": 120, "mpi": 120, "horovod": 120, "deepspeed": 120, "fsdp": 80,
-                         # the bridges (interleaved_bridges.py): a framework's loop per side, 3-6 s a pair with
-                         # a Trainer's (measured under load: 236 s for the Lightning Trainer's 40)
+#: seconds one pair takes on the quiet 2-core machine, the job's start left out ((job wall - START_S) / pairs, from
+#: benchmarks/results/bench_check_interleaved_20261129, issue61_20261206 and issue61_20261206_quiet, and
+#: benchmarks/README.md's timings; horovod's since its polling thread yields: 172 s a job at 120 pairs). fsdp's
+#: three gloo collectives per unit and step make its pair about twice the others'; a bridge's pair runs a framework's
+#: loop on each side. At the old counts (120, fsdp 80) this gives 36.3 minutes; about 36 were measured
+PAIR_S: dict[str, float] = {"ddp": 1.33, "mpi": 1.24, "horovod": 1.31, "deepspeed": 1.47, "fsdp": 2.8,
+                            "fabric": 1.33, "lightning": 1.43, "paramsync": 1.7, "trainer": 1.43}
+#: seconds a job spends outside its pairs (launch, imports, the two models, the final parameter check)
+START_S = 15.0
+#: issue 61, item 5: the whole default check must fit this many minutes on the quiet machine
+BUDGET_MIN = 35.0
+#: pairs per engine and path by default (warm-up pairs included), sized so that every case takes about the same
+#: minutes and the whole check fits :data:`BUDGET_MIN` by :func:`planned_minutes`: about 32.5 minutes (each 95 %
+#: interval about 5 % wider than at 120 pairs, fsdp's about 12 % wider than at 80)
+PAIRS: dict[str, int] = {"ddp": 110, "mpi": 110, "horovod": 110, "deepspeed": 100, "fsdp": 64,
                          "fabric": 40, "lightning": 40, "paramsync": 40, "trainer": 40}
 #: the bridges against their framework's own way (interleaved_bridges.py --bridge)
 BRIDGES = ("fabric", "lightning", "paramsync", "trainer")
@@ -79,6 +87,12 @@ def pairs_for(engine: str, pairs: Optional[int], quick: bool) -> int:
     if pairs is not None:
         return pairs
     return QUICK_PAIRS if quick else PAIRS[engine]
+
+
+def planned_minutes(jobs: list[tuple[str, int]]) -> float:
+    """Minutes the check's ``jobs`` (engine or bridge, pairs) take on the quiet machine, by :data:`PAIR_S` and
+    :data:`START_S`: an estimate printed before the first job (a loaded machine stretches it)."""
+    return sum(START_S + n * PAIR_S[name] for name, n in jobs) / 60
 
 
 Row = tuple[str, str, str, str, Optional[dict[str, Any]]]
@@ -137,6 +151,9 @@ def main(argv: Optional[list[str]] = None) -> int:
              for engine in engines for path in paths]
     cases += [("bridge", bridge, [os.path.join(HERE, "interleaved_bridges.py"), "--bridge", bridge, "--pairs",
                                   str(pairs_for(bridge, args.pairs, args.quick))]) for bridge in bridges]
+    plan = [(engine if engine != "bridge" else path, int(job[-1])) for engine, path, job in cases]
+    print(f"bench_check: {len(cases)} case(s), about {planned_minutes(plan):.0f} minutes on a quiet machine",
+          flush=True)
     for engine, path, job in cases:
         dest = os.path.join(out, f"{engine}_{path}.json")
         cmd = [sys.executable, *job, "--pin", "--size", args.size, "--out", dest]

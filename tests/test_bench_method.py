@@ -84,8 +84,8 @@ def test_the_verdict_line_names_the_interval_nearest_to_failing_and_counts_those
 
 def test_pairs_per_engine_quick_and_explicit() -> None:
     """``--pairs`` wins; else ``--quick``'s count; else the engine's own (fsdp's blocks are about twice as long)."""
-    assert bench_check.pairs_for("ddp", None, False) == 120
-    assert bench_check.pairs_for("fsdp", None, False) == bench_check.PAIRS["fsdp"] < 120
+    assert bench_check.pairs_for("ddp", None, False) == bench_check.PAIRS["ddp"]
+    assert bench_check.pairs_for("fsdp", None, False) == bench_check.PAIRS["fsdp"] < bench_check.PAIRS["ddp"]
     assert bench_check.pairs_for("fsdp", None, True) == bench_check.QUICK_PAIRS
     assert bench_check.pairs_for("fsdp", 20, True) == 20
     assert set(bench_check.PAIRS) == set(bench_check.ENGINES) | set(bench_check.BRIDGES)
@@ -94,6 +94,19 @@ def test_pairs_per_engine_quick_and_explicit() -> None:
 
     assert set(bench_check.ENGINES) <= set(overhead.BACKENDS)
     assert bench_check.QUICK_PAIRS > 4 + 4 and bench_check.QUICK_PAIRS - 4 >= bench_check.MIN_PAIRS
+
+
+def test_the_default_check_fits_its_budget() -> None:
+    """Issue 61, item 5: every engine's two paths and the four bridges at their default pairs fit 35 minutes by the
+    per-pair costs measured on the quiet machine (the estimate's closed form: starts + pairs x seconds), and no case
+    takes more than twice another's minutes (the pairs follow the cost)."""
+    assert bench_check.planned_minutes([("ddp", 100), ("fsdp", 10)]) == (
+        2 * bench_check.START_S + 100 * bench_check.PAIR_S["ddp"] + 10 * bench_check.PAIR_S["fsdp"]) / 60
+    jobs = ([(e, bench_check.PAIRS[e]) for e in bench_check.ENGINES for _ in bench_check.PATHS]
+            + [(b, bench_check.PAIRS[b]) for b in bench_check.BRIDGES])
+    assert bench_check.planned_minutes(jobs) <= bench_check.BUDGET_MIN == 35.0
+    each = [bench_check.planned_minutes([job]) for job in jobs[:2 * len(bench_check.ENGINES)]]
+    assert max(each) < 2 * min(each), each
 
 
 def test_raw_fsdp_shards_the_units_distkit_picks() -> None:
