@@ -3,6 +3,7 @@
     python benchmarks/goodput.py [--groups 3] [--steps 800] [--sync 25] [--every 15,30] [--restart-after 5]
                                  [--checkpoint-every 100] [--size small] [--rounds 3] [--budget 600]
                                  [--out results/goodput.json]
+    python benchmarks/goodput.py --slow D [--slow-every K] [--grace S] [--same-samples] [--steps 400] [--sync 25]
 
 Workload: the charlm task (``--size``), ``--groups`` groups of 1 rank, ``--steps`` optimizer steps each, param
 mode with a sync every ``--sync`` steps. Two ways to run it, each first without failures and then with a failure
@@ -24,7 +25,9 @@ pseudo-gradient is merged at the next sync it joins, weighted by its samples). G
 (every step a group executed that reached the final model: with ``merge`` the slowed group skips the others'
 steps while it waits for their next sync, and nothing it trained is dropped unless it healed without merging,
 counted as ``dropped``) over the reference's; with it the eval loss, the steps executed and the syncs that went ahead
-without a group.
+without a group. ``--same-samples`` adds a fourth run: the merge run lengthened by whole periods until it executes at
+least the steps (samples) waiting for everyone executed, so that the two compare at the same samples: its wall time
+and eval loss over waiting's.
 
 Goodput = useful samples per second with failures / samples per second without. The restarted job recomputes
 what it lost, so all its samples are useful: its goodput is the time without failures / the time with. In the
@@ -63,9 +66,10 @@ PY = sys.executable
 LAST_FAILURE = 0.7
 
 
-def _common(args: argparse.Namespace) -> list[str]:
+def _common(args: argparse.Namespace, steps: Optional[int] = None) -> list[str]:
+    """``distkit train``'s command line for one group (``steps``: its ``max_steps``, default ``--steps``)."""
     return ["train", os.path.join(ROOT, "configs", "returnn_ddp.py"), "++task", "charlm", "++charlm_size", args.size,
-            "++max_steps", str(args.steps), "++log_every", "50", "++progress_bar", "False",
+            "++max_steps", str(steps or args.steps), "++log_every", "50", "++progress_bar", "False",
             "++distributed", f"{{'reduce_type': 'param', 'param_sync_step': {args.sync}}}"]
 
 
@@ -174,20 +178,23 @@ def fault_tolerant(args: argparse.Namespace, work: str, every: Optional[float]) 
             "membership": sums[0]["fault_tolerance"]["membership"]}
 
 
-def slowed(args: argparse.Namespace, work: str, name: str, late: str, delay: float) -> dict[str, Any]:
+def slowed(args: argparse.Namespace, work: str, name: str, late: str, delay: float,
+           steps: Optional[int] = None) -> dict[str, Any]:
     """One run of ``--slow``: ``late`` 'heal' (wait for everyone) or 'merge', the last group delayed ``delay`` s
-    before every ``--slow-every``-th sync from the second on (0: no delay)."""
+    before every ``--slow-every``-th sync from the second on (0: no delay), ``steps`` steps per group (default
+    ``--steps``)."""
+    steps = steps or args.steps
     join = "1" if late == "merge" else str(max(30.0, 3 * delay))
     lh, port = start_lighthouse("--join-timeout", join, "--min-replicas", str(max(1, args.groups - 1)), "--quiet")
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
     extra = f", 'late': 'merge', 'grace_s': {args.grace}" if late == "merge" else ""
     slow = args.groups - 1
-    fault = ",".join(f"0:{k * args.sync - 1}:delay={delay:g}" for k in range(2, args.steps // args.sync + 1, args.slow_every))
+    fault = ",".join(f"0:{k * args.sync - 1}:delay={delay:g}" for k in range(2, steps // args.sync + 1, args.slow_every))
     procs, logs = [], []
     t0 = time.monotonic()
     for i in range(args.groups):
-        cmd = [*_common(args), "++log_every", "1", "++output_dir", out, "++fault_tolerance",
+        cmd = [*_common(args, steps), "++log_every", "1", "++output_dir", out, "++fault_tolerance",
                f"{{'lighthouse': 'http://127.0.0.1:{port}', 'replica_id': {i}, 'num_replicas': {args.groups}{extra}}}"]
         logs.append(os.path.join(out, f"group-{i}.log"))
         env = {"DISTKIT_FAULT": fault} if i == slow and delay > 0 and fault else {}
@@ -208,14 +215,14 @@ def slowed(args: argparse.Namespace, work: str, name: str, late: str, delay: flo
     for i in range(args.groups):
         with open(os.path.join(out, f"group-{i}", "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
-        steps = {r["step"] for r in records if "loss" in r and "event" not in r}
-        executed += len(steps)
+        trained = {r["step"] for r in records if "loss" in r and "event" not in r}
+        executed += len(trained)
         syncs = [r for r in records if r.get("event") == "sync"]
         # a heal that merged nothing (late = 'heal', or no anchor): the group's period since its last sync is lost
         dropped += sum(args.sync for r in syncs if r.get("healed") and not r.get("late"))
         syncs0 = syncs0 or syncs
     sums = [_summary(os.path.join(out, f"group-{i}")) for i in range(args.groups)]
-    return {"wall_s": wall, "executed_steps": executed, "useful_steps": executed - dropped, "dropped_steps": dropped,
+    return {"steps": steps, "wall_s": wall, "executed_steps": executed, "useful_steps": executed - dropped, "dropped_steps": dropped,
             "eval_loss": sums[0]["eval_loss"], "same_model": len({s["param_checksum"] for s in sums}) == 1,
             # group 0's counts (its sync records: written at each sync whose groups changed)
             "syncs_ahead_without_a_group": max([r.get("ahead_without", 0) for r in syncs0], default=0),
@@ -237,6 +244,16 @@ def slow_main(args: argparse.Namespace) -> None:
                "goodput_merge": (merge["useful_steps"] / merge["wall_s"]) / (ref["useful_steps"] / ref["wall_s"]),
                "eval_loss_ratio_wait": wait["eval_loss"] / ref["eval_loss"],
                "eval_loss_ratio_merge": merge["eval_loss"] / ref["eval_loss"]}
+        if args.same_samples:
+            # the merged run executes fewer steps (the slowed group skips the others' steps while it waits for
+            # their next sync): run it again, longer by that share (whole periods, constant learning rate), so
+            # that it trains on at least the samples waiting for everyone did; compared: wall time and eval loss
+            steps = -(-args.steps * wait["executed_steps"] // (merge["executed_steps"] * args.sync)) * args.sync
+            same = slowed(args, rwork, "merge_same_samples", "merge", args.slow, steps)
+            row.update(merge_same_samples=same,
+                       wall_ratio_same_samples=same["wall_s"] / wait["wall_s"],
+                       executed_ratio_same_samples=same["executed_steps"] / wait["executed_steps"],
+                       eval_loss_ratio_same_samples=same["eval_loss"] / wait["eval_loss"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"args": vars(args), "rounds": rows, "load": os.getloadavg(),
@@ -247,6 +264,11 @@ def slow_main(args: argparse.Namespace) -> None:
         json.dump(result, f, indent=2)
     print(f"slowed group, {args.slow:g} s before every {args.slow_every} sync(s): goodput wait for everyone "
           f"{result['goodput_wait']['median']:.3f}, merge the late {result['goodput_merge']['median']:.3f}")
+    if args.same_samples:
+        print("same samples (merge run longer, whole periods): wall / waiting's "
+              + ", ".join(f"{x['wall_ratio_same_samples']:.3f}" for x in rows) + "; eval loss / waiting's "
+              + ", ".join(f"{x['eval_loss_ratio_same_samples']:.5f}" for x in rows) + "; steps executed / waiting's "
+              + ", ".join(f"{x['executed_ratio_same_samples']:.3f}" for x in rows))
     print(f"wrote {out}")
 
 
@@ -393,6 +415,9 @@ def main() -> None:
     p.add_argument("--slow-every", dest="slow_every", type=int, default=1, metavar="K",
                    help="--slow: the delay before every K-th sync (default every one)")
     p.add_argument("--grace", type=float, default=1.0, help="--slow: fault_tolerance.grace_s of the merge run")
+    p.add_argument("--same-samples", dest="same_samples", action="store_true",
+                   help="--slow: also the merge run lengthened (whole periods) to at least the samples of waiting for "
+                        "everyone; its wall time and eval loss against waiting's")
     args = p.parse_args()
     if args.slow is not None:
         if args.slow <= 0 or args.slow_every < 1 or args.groups < 3:
