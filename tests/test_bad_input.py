@@ -42,9 +42,9 @@ CASES = [
      ["'distributed.param_sync_topk_bits' must be 2, 4 or 8, got 3"]),
     ("topk_chunk_beyond_int16", "", ["++distributed.param_sync_topk_chunk", "65536"],
      ["'distributed.param_sync_topk_chunk' must be an integer from 1 to 32768, got 65536"]),
-    ("compression_with_fault_tolerance", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'bf16'}\n"
-     "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 2}\n", [],
-     ["param_sync_compression' is not available with fault_tolerance yet"]),
+    ("compression_with_late_merge", "torch_distributed = {'reduce_type': 'param', 'param_sync_compression': 'int4'}\n"
+     "fault_tolerance = {'lighthouse': 'http://127.0.0.1:9', 'replica_id': 0, 'num_replicas': 3, 'late': 'merge'}\n",
+     [], ["'distributed.param_sync_compression' is not available with fault_tolerance.late = 'merge'"]),
     ("overlap_not_below_period", "torch_distributed = {'reduce_type': 'param', 'param_sync_step': 8, "
      "'param_sync_fragments': 4, 'param_sync_overlap': 2}\n", [],
      ["param_sync_overlap' (2) must be less than param_sync_step / param_sync_fragments (8 / 4)"]),

@@ -11,8 +11,12 @@ checked against what was sent); a preempted group alone leaves with a checkpoint
 ``++resume auto``; every membership change is in each group's summary and metrics.jsonl; with ``late = 'merge'``
 a sync goes ahead without a group slowed past the grace window, whose pseudo-gradient is merged at the next sync
 with its sample weight (the closed form from each group's logged pseudo-gradients, every group bit-identical, 1 and 2
-ranks per group), and a whole-job restart mid-period ends as the uninterrupted run. Bad input is one line, exit 2,
-nothing written.
+ranks per group), and a whole-job restart mid-period ends as the uninterrupted run. With param_sync_compression
+(issue 60, distkit.ft.codec_exchange) the groups exchange the codec's payload (2 slots of its encoded size), the
+result is the closed form from the gathered payloads in every group, bit-identical, error feedback carries
+``delta - sent`` to the next sync, a group resumed from its checkpoint continues the run (bit-identical to one job
+with top-k), a healed group starts with zero error feedback, and a failed sync changes nothing (the survivors stay
+one model under the outer optimizer). Bad input is one line, exit 2, nothing written.
 """
 from __future__ import annotations
 
@@ -471,6 +475,149 @@ def test_a_sync_goes_ahead_without_a_late_group_and_merges_its_pseudo_gradient_a
         assert float((at15[0]["result"].double() - expected).abs().max()) <= 1e-6
         # the model each group holds after the sync is the result (its next record's anchor)
         assert all(torch.equal(record(i, 20)["anchor"], at15[0]["result"]) for i in range(3))
+
+
+#: param mode with SparseLoCo's codec (top-k: 1/32 of each 4096-element chunk, 2-bit values) and error feedback
+TOPK = ("{'backend': '%s', 'reduce_type': 'param', 'param_sync_step': 5, 'param_sync_compression': 'topk', "
+        "'param_sync_topk_bits': 2}")
+
+
+@pytest.mark.min_replicas(2)  # every sync has both groups (the one-job parity below needs the same syncs)
+def test_compressed_syncs_across_groups_are_the_closed_form_and_a_resumed_group_continues_the_run(lighthouse: str,
+                                                                                                tmp_path: Path) -> None:
+    """Issue 60 item 1, fault-tolerant groups (distkit.ft.codec_exchange): 2 groups of 1 rank, top-k with 2-bit values
+    and error feedback, a sync every 5 of 20 steps, a checkpoint every 10. Group 1 is SIGKILLed at step 15 (before
+    its sync there) and restarted with ++resume auto while group 0 waits in that sync's quorum: its checkpoint of step
+    10 holds its error feedback, so it rejoins at the same sync count (no heal) and sends what the uninterrupted run
+    sends. Compared, from what each group's rank logged at every sync (DISTKIT_FT_PAYLOADS):
+
+    * what crossed torchft is the codec's payload: the gathered buffer is 2 slots of ``encoded_size`` bytes (uint8),
+      slot j group j's encoding, the same bytes in both groups;
+    * the result is the closed form ``anchor - (decode(slot 0) + decode(slot 1)) / 2``, bit-identical in both groups;
+      the pseudo-gradient sent is ``anchor - local + error``; error feedback keeps ``kept = delta - sent`` (sent +
+      kept = delta within fp32 rounding) and is the next sync's ``error`` (group 1's at step 15 through its
+      checkpoint); the model after a sync is the next sync's anchor;
+    * ``sync_bytes`` in metrics.jsonl is 2 slots per sync (against 4 bytes per element for fp32);
+    * both groups end bit-identical to one job of 2 ranks with the same codec (whose top-k exchange is the same
+      one-phase all-gather): a resumed group that lost its error feedback, or a mean taken otherwise, would not."""
+    from distkit.sync.compression import decode, encoded_size
+
+    out, payloads = tmp_path / "ft", tmp_path / "payloads"
+    steps = ["++max_steps", "20", "++checkpoint_every", "10"]
+    env = {"DISTKIT_FT_PAYLOADS": str(payloads)}
+    procs = [_group(lighthouse, i, 2, out, *steps, distributed=TOPK, **env,
+                    **({"DISTKIT_FAULT": "0:14:kill"} if i == 1 else {})) for i in range(2)]
+    assert _wait(procs[1]).returncode == -9
+    restart = _group(lighthouse, 1, 2, out, *steps, "++resume", "auto", distributed=TOPK, **env)
+    assert "at step 10" in ok(_wait(restart)).stdout
+    ok(_wait(procs[0]))
+    ref = tmp_path / "one_job"
+    ok(distkit(*TRAIN, *steps[:2], "--nprocs", "2", "++output_dir", str(ref), "++distributed", TOPK % "ddp"))
+    for i in range(2):
+        assert max_abs_diff(final_params(out / f"group-{i}"), final_params(ref)) == 0.0, i
+        ft = summary(out / f"group-{i}")["fault_tolerance"]
+        assert ft["heals"] == 0 and ft["manager_step"] == 4, ft
+
+    def record(i: int, step: int) -> dict[str, Any]:
+        return torch.load(payloads / f"group{i}-rank0-step{step}.pt", weights_only=True)
+
+    n = sum(t.numel() for t in final_params(ref).values())  # (the digits MLP: parameters only, no buffers)
+    padded = -(-n // 4096) * 4096  # (the chunks of 4096 over the concatenated parameters, the last one padded)
+    size = encoded_size(padded, "topk:0.03125:2:4096")
+    for step in (5, 10, 15, 20):
+        got = [record(i, step) for i in range(2)]
+        assert [g["slot"] for g in got] == [0, 1] and not any(g["healed"] for g in got)
+        for g in got:
+            assert g["slots"].dtype == torch.uint8 and tuple(g["slots"].shape) == (2, size) == (2, g["encoded_size"])
+            assert torch.equal(g["slots"], got[0]["slots"]) and torch.equal(g["slots"][g["slot"]], g["payload"])
+            assert torch.equal(g["delta"], (g["anchor"] - g["local"]) + g["error"])
+            assert torch.equal(g["kept"], g["delta"] - g["sent"]) and float(g["kept"].abs().max()) > 0
+            assert float((g["sent"] + g["kept"] - g["delta"]).abs().max()) <= 1e-6 * float(g["delta"].abs().max())
+            decoded = [decode(row, padded, g["codec"])[:n] for row in g["slots"]]
+            assert torch.equal(decoded[g["slot"]], g["sent"])
+            assert torch.equal(g["result"], g["anchor"] - (decoded[0] + decoded[1]) / 2)
+        assert torch.equal(got[0]["result"], got[1]["result"]), step
+        if step < 20:  # what the next sync starts from: this result, and this sync's kept error
+            for i in range(2):
+                after = record(i, step + 5)
+                assert torch.equal(after["anchor"], got[i]["result"]) and torch.equal(after["error"], got[i]["kept"])
+    syncs = [(r["step"], r["syncs"], r["sync_bytes"]) for r in map(json.loads, (out / "group-0" / "metrics.jsonl")
+             .read_text().splitlines()) if "loss" in r and r["step"] % 5 == 0]
+    assert syncs == [(s, s // 5, 2 * size * s // 5) for s in (5, 10, 15, 20)], syncs
+    assert 2 * size < 4 * n
+
+
+@pytest.mark.min_replicas(2)  # group 0's sync at step 20 waits for the restarted group 1 (and heals it there)
+def test_a_group_that_heals_under_compression_starts_with_zero_error_feedback(lighthouse: str, tmp_path: Path) -> None:
+    """The heal rule of distkit.ft.codec_exchange: 2 groups, top-k 2-bit with error feedback, a sync every 5 of 25
+    steps. Group 1 is SIGKILLed after its sync at step 15 and restarted from its checkpoint of step 10: one sync
+    behind group 0, it heals at its first sync (group 0's of step 20), where it sends nothing (its slot is empty: one
+    participant) and takes group 0's state, but not group 0's error feedback: its own is zero after the heal (the
+    live group's, kept, would be sent twice), group 0 keeps its own. At step 25 both send again; both groups hold
+    the same result after every sync and end with one model."""
+    out, payloads = tmp_path / "ft", tmp_path / "payloads"
+    steps = ["++max_steps", "25", "++checkpoint_every", "10"]
+    env = {"DISTKIT_FT_PAYLOADS": str(payloads)}
+    procs = [_group(lighthouse, i, 2, out, *steps, distributed=TOPK, **env,
+                    **({"DISTKIT_FAULT": "0:15:kill"} if i == 1 else {})) for i in range(2)]
+    assert _wait(procs[1]).returncode == -9
+    restart = _group(lighthouse, 1, 2, out, *steps, "++resume", "auto", distributed=TOPK, **env)
+    ok(_wait(restart))
+    ok(_wait(procs[0]))
+    assert max_abs_diff(final_params(out / "group-1"), final_params(out / "group-0")) == 0.0
+    ft1 = summary(out / "group-1")["fault_tolerance"]
+    assert ft1["heals"] == 1 and ft1["membership"][0]["healed"] is True, ft1
+
+    def record(i: int, step: int) -> dict[str, Any]:
+        return torch.load(payloads / f"group{i}-rank0-step{step}.pt", weights_only=True)
+
+    live, healed = record(0, 20), record(1, 20)  # (the heal moved group 1's step count to group 0's)
+    assert healed["healed"] and healed["slot"] is None and live["slot"] == 0 and live["slots"].shape[0] == 1
+    assert torch.equal(healed["result"], live["result"]) and torch.equal(healed["base"], live["anchor"])
+    assert float(healed["error"].abs().max()) > 0  # (what it had kept of its own period, discarded by the heal)
+    assert float(healed["kept"].abs().max()) == 0.0 and float(live["kept"].abs().max()) > 0
+    after = [record(i, 25) for i in range(2)]
+    assert float(after[1]["error"].abs().max()) == 0.0 and torch.equal(after[0]["error"], live["kept"])
+    assert [a["slot"] for a in after] == [0, 1] and torch.equal(after[0]["result"], after[1]["result"])
+    assert all(torch.equal(a["anchor"], live["result"]) for a in after)
+
+
+@pytest.mark.min_replicas(2)
+def test_a_failed_sync_changes_nothing_and_the_survivors_stay_one_model_under_the_outer_optimizer(lighthouse: str,
+                                                                                                tmp_path: Path) -> None:
+    """3 groups, int4 with error feedback under the outer Nesterov optimizer, a sync every 5 of 20 steps. Group 2
+    dies inside the exchange of step 10 (SIGKILL after the quorum formed): groups 0 and 1 both fail that sync. A
+    failed sync changes nothing: each survivor keeps its model, its anchor and momentum (no outer step) and its error
+    feedback, so at the sync of step 15 both send from the same anchor with the error feedback of step 5, and the
+    survivors end with one model. (The bug this pins, on plain fp32 syncs too: the averager took its outer step
+    after a failed sync with its own local pseudo-gradient; each survivor's anchor went its own way, and the
+    survivors ended 2e-2 apart, 2e-1 with int4.) All three pause after step 4 until all are there, so all three
+    are in the syncs of steps 5 and 10."""
+    out, payloads = tmp_path / "ft", tmp_path / "payloads"
+    dist = PARAM_NESTEROV.replace("'param_sync_step': 5,", "'param_sync_step': 5, 'param_sync_compression': 'int4',")
+    env = {"DISTKIT_FT_PAYLOADS": str(payloads), "DISTKIT_FAULT_UNTIL": str(tmp_path / "go-{step}")}
+    procs = [_group(lighthouse, i, 3, out, "++max_steps", "20", distributed=dist, **env,
+                    DISTKIT_FAULT="0:4:delay=120" + (",0:10:kill:exchange" if i == 2 else ""),
+                    DISTKIT_FAULT_STAMP=str(tmp_path / f"at{i}-{{step}}")) for i in range(3)]
+    for i in range(3):
+        _until_exists(tmp_path / f"at{i}-4", procs)
+    (tmp_path / "go-4").touch()
+    assert _wait(procs[2]).returncode == -9
+    for p in procs[:2]:
+        ok(_wait(p))
+    for i in range(2):
+        committed = {m["step"]: m["committed"] for m in summary(out / f"group-{i}")["fault_tolerance"]["membership"]}
+        assert committed[5] and not committed[10] and committed[15], committed
+    assert max_abs_diff(final_params(out / "group-1"), final_params(out / "group-0")) == 0.0
+
+    def record(i: int, step: int) -> dict[str, Any]:
+        return torch.load(payloads / f"group{i}-rank0-step{step}.pt", weights_only=True)
+
+    assert not (payloads / "group0-rank0-step10.pt").exists()  # (a failed sync is not applied, nor logged)
+    at5, at15 = [record(i, 5) for i in range(2)], [record(i, 15) for i in range(2)]
+    assert torch.equal(at15[0]["anchor"], at15[1]["anchor"]) and torch.equal(at15[0]["result"], at15[1]["result"])
+    assert all(torch.equal(a["error"], b["kept"]) for a, b in zip(at15, at5))
+    assert at15[0]["slots"].shape[0] == 2
 
 
 @pytest.mark.min_replicas(2)

@@ -333,10 +333,12 @@ class Strategy(ABC):
             for t, v in zip(tensors, values, strict=True):
                 t.copy_(v)
 
-    def average_parameters(self, params: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> None:
+    def average_parameters(self, params: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> bool:
         """Collective: every rank must call it, in the same order. Sets each tensor to its mean over ranks.
         ``is_param``: which of ``params`` are parameters rather than floating buffers, where they are views
-        (fragments of param_sync_fragments); None = ``isinstance(t, nn.Parameter)``.
+        (fragments of param_sync_fragments); None = ``isinstance(t, nn.Parameter)``. Returns whether the mean was
+        applied: always, except under fault_tolerance at a sync that did not commit (the tensors are left as they
+        were; the parameter averager then skips its outer step too).
 
         One flat all-reduce (torch ``model_averaging/utils.py`` pattern); costs one extra copy
         of the tensors' total size, temporarily. With replica groups the ranks of a group hold the same
@@ -351,11 +353,10 @@ class Strategy(ABC):
         if self.ft is not None:  # across groups through torchft; the buffers first over this group's ranks
             if self.world_size > 1:
                 flat_mean(buffers, lambda flat: self.all_reduce(flat, op="mean"))
-            self.ft.average(params)
-            return
+            return bool(self.ft.average(params))
         if self.replicas is None:
             flat_mean(params, lambda flat: self.all_reduce(flat, op="mean"))
-            return
+            return True
         # The parameters over the cross group. The floating buffers (BatchNorm statistics) over every rank, in two
         # stages: each rank's own forward updated them, so the ranks of a group hold different ones. One average
         # over every rank would be the same mean rounded differently from a fault-tolerant group's, which averages
@@ -364,6 +365,7 @@ class Strategy(ABC):
         flat_mean([t for t, p in zip(params, kinds, strict=True) if p], self.cross_group_mean)
         flat_mean(buffers, self.group_mean)
         flat_mean(buffers, self.cross_group_mean)
+        return True
 
     # -- param mode's compressed exchange (param_sync_compression, distkit.sync.compression) ---------------------
     def averaging_size(self) -> int:

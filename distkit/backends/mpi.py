@@ -317,9 +317,9 @@ class MPIStrategy(Strategy):
             return self.all_reduce(tensor, op)
         return self._allreduce(self.group_comm, self.replicas.size, tensor, op, " in the replica group")
 
-    def average_parameters(self, params: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> None:
+    def average_parameters(self, params: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> bool:
         """Collective: every rank must call it, in the same order. One flat ``Allreduce`` of all ``params``."""
-        super().average_parameters(params, is_param)  # cat -> all_reduce(mean) (one Allreduce) -> copy back
+        return super().average_parameters(params, is_param)  # cat -> all_reduce(mean) (one Allreduce) -> copy back
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Collective: every rank must call it, in the same order. Returns ``src``'s object."""

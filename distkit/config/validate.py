@@ -104,8 +104,8 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(f"'distributed.param_sync_topk_bits' must be 2, 4 or 8, got {d.param_sync_topk_bits!r}")
     _int("distributed.param_sync_topk_chunk", d.param_sync_topk_chunk, 1, maximum=32768)
     _int("distributed.param_sync_overlap", d.param_sync_overlap, 0)
-    # param mode's exchange (issue 26): the three keys apply to param mode only, and not yet with fault_tolerance
-    # (torchft's Manager syncs the whole model at once, in fp32, blocking); each set -> how to unset it
+    # param mode's exchange (issue 26): the three keys apply to param mode only; with fault_tolerance only the codec
+    # (distkit.ft.codec_exchange: torchft's Manager syncs the whole model at once, blocking); each set -> how to unset it
     exchange = {"param_sync_overlap": (d.param_sync_overlap > 0, "param_sync_overlap = 0"),
                 "param_sync_compression": (d.param_sync_compression != "none", "param_sync_compression = 'none'"),
                 "param_sync_fragments": (d.param_sync_fragments > 1, "param_sync_fragments = 1")}
@@ -113,9 +113,14 @@ def _validate(cfg: RunConfig) -> None:
         if is_set and d.reduce_type != "param":
             raise ConfigError(f"'distributed.{key}' only applies to reduce_type 'param' (it shapes the exchange at a "
                               f"sync): remove it or set reduce_type = 'param'")
-        if is_set and cfg.fault_tolerance is not None:
+        if is_set and cfg.fault_tolerance is not None and key == "param_sync_compression":
+            if isinstance(cfg.fault_tolerance, dict) and cfg.fault_tolerance.get("late") == "merge":
+                raise ConfigError("'distributed.param_sync_compression' is not available with fault_tolerance.late = "
+                                  "'merge' (its merge sums fp32 weighted pseudo-gradients): set "
+                                  "param_sync_compression = 'none' or remove 'late'")
+        elif is_set and cfg.fault_tolerance is not None:
             raise ConfigError(f"'distributed.{key}' is not available with fault_tolerance yet (torchft syncs the whole "
-                              f"model, in fp32, blocking): set {unset}")
+                              f"model at once, blocking): set {unset}")
     if d.param_sync_overlap > 0:
         if d.param_sync_time_diff is not None:
             raise ConfigError("'distributed.param_sync_overlap' needs the step rule (param_sync_step): remove "

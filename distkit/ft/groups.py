@@ -8,7 +8,8 @@ position in the other groups, through torchft's :class:`torchft.manager.Manager`
 
 * the Manager asks the lighthouse (``torchft_lighthouse``, ``distkit lighthouse``) for a *quorum* of the
   groups alive at that sync; a group that died is not in it, so the others average without it;
-* the average goes over torchft's reconfigurable gloo group of the quorum; the Manager's
+* the average goes over torchft's reconfigurable gloo group of the quorum (with ``param_sync_compression``, the
+  parameters as each group's encoded pseudo-gradient, :mod:`distkit.ft.codec_exchange`); the Manager's
   ``should_commit`` then agrees whether every participant completed it. A sync that failed (a group died
   mid-exchange) is not applied: every group keeps its own model and tries again at the next sync;
 * a group that (re)starts, or that fell behind (missed a sync), *heals* at its first quorum: it receives
@@ -47,9 +48,11 @@ from torch.distributed import ReduceOp
 
 from distkit.health import faults
 from distkit.sync.averager import unflatten_into
+from distkit.sync.compression import codec_of
 from distkit.errors import LighthouseLost
 from distkit.ft import checks, gate
 from distkit.ft.checks import CONNECT_TIMEOUT_S
+from distkit.ft.codec_exchange import CodecExchange
 from distkit.ft.late import LateMerge
 from distkit.ft.state import load_training_state, training_state
 from distkit.ft.torchft_parts import (QuorumsSeen, TorchftLines, groups_of, heal_transport, manager_server_on,
@@ -170,6 +173,9 @@ class FaultTolerance:
         self.late = (LateMerge(self.manager, samples_of, ft, strategy.rank, final_of)
                      if ft.get("late", "heal") == "merge" else None)
         self._quorum_timeout_s = float(ft.get("quorum_timeout_s", 600))
+        #: ``param_sync_compression``: the compressed exchange of the averager's parameters across the groups
+        #: (:mod:`distkit.ft.codec_exchange`; set by :func:`join`), None: the fp32 average
+        self.codec: Optional[CodecExchange] = None
 
     def average(self, tensors: list[torch.Tensor]) -> bool:
         """Collective: set ``tensors`` to their mean over the groups in this sync's quorum, if every participant
@@ -177,7 +183,9 @@ class FaultTolerance:
         A rank that heals at this sync takes no part in the average, receives it, and gets the rest of a live
         group's state once the whole group committed (``load_state_dict``, collective over the group; ``heals``
         then grows); a heal that failed on any rank of the group is undone on all of them and retried at the
-        next sync."""
+        next sync. With :attr:`codec` the averager's parameters among ``tensors`` are exchanged encoded instead
+        (:mod:`distkit.ft.codec_exchange`: their result is ``anchor - mean`` of the decoded pseudo-gradients), the
+        rest averaged in fp32, both in this sync's quorum."""
         if not tensors:
             return True
         t0, heals = time.perf_counter(), self.heals
@@ -192,16 +200,26 @@ class FaultTolerance:
             self.manager.start_quorum()
             if self.late is not None:
                 self.late.asked()
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            pending = self.codec.prepare(tensors) if self.codec is not None else None
+            plain = tensors if pending is None else [tensors[k] for k in pending.plain]
+            flat = torch.cat([t.detach().reshape(-1) for t in plain]) if plain else None
             self.manager.wait_quorum()  # (allreduce's first act; here so that a test can freeze a group after it)
             faults.maybe_fire(self._rank, self._step_of(), "exchange")
-            merging = self.late.payload(flat, self._quorums.last, before["step"]) if self.late is not None else None
-            if merging is None:
-                work = self.manager.allreduce(flat)  # AVG: sum over the participants, divided by their number
-            else:  # late = 'merge': the weighted pseudo-gradients summed (a late group's counted too, see LateMerge)
-                with self.late.participating():
-                    work = self.manager.allreduce(merging, reduce_op=ReduceOp.SUM)
-            gave_up = self._wait_exchange(work, watch)
+            merging = (self.late.payload(flat, self._quorums.last, before["step"])
+                       if self.late is not None and flat is not None else None)
+            works: list[Any] = []
+            if merging is not None:  # late = 'merge': the weighted pseudo-gradients summed (a late group's counted too)
+                with self.late.participating():  # type: ignore[union-attr]
+                    works.append(self._allreduce(merging, ReduceOp.SUM))
+            elif flat is not None:
+                works.append(self._allreduce(flat, ReduceOp.AVG))  # AVG: sum over the participants, / their number
+            if pending is not None:  # the encodings all-gathered: each participant's in its slot, summed
+                slot = self.manager.participating_rank() if self.manager.is_participating() else None
+                works.append(self._allreduce(self.codec.slots(pending, slot, self.manager.num_participants()),  # type: ignore[union-attr]
+                                             ReduceOp.SUM))
+            gave_up = None
+            for work in works:  # (once one is given up, the sync fails: the rest is not waited for)
+                gave_up = self._wait_exchange(work, watch) if gave_up is None else gave_up
             if gave_up is not None:  # the sync fails on every rank of this group (should_commit agrees so)
                 self.manager.report_error(RuntimeError(gave_up))
                 self._pg.keep_alive()
@@ -232,7 +250,11 @@ class FaultTolerance:
                     flat, groups, late = self.late.merged(merging, received is not None, quorum)
                     self.late.dump(self.replica_id, self._rank, self._step_of(), members, flat)
             if committed:
-                unflatten_into(flat, tensors)
+                if flat is not None:
+                    unflatten_into(flat, plain)
+                if pending is not None:
+                    self.codec.committed(pending, tensors, received is not None, self.replica_id, self._rank,  # type: ignore[union-attr]
+                                         self._step_of())
                 if groups < self.num_replicas:
                     self.ahead_without += 1
                 self.late_merged += late
@@ -244,6 +266,13 @@ class FaultTolerance:
                            **({"late": bool(merging is not None and self.late.was_late),
                                "grace_wait_s": round(graced, 3)} if self.late is not None else {})})
         return committed
+
+    def _allreduce(self, tensor: torch.Tensor, op: Any) -> Any:
+        """torchft's all-reduce of ``tensor`` over this sync's participants, started; its bytes counted in the
+        engine's ``comm_bytes`` (what the averager's ``sync_bytes`` sums): the whole buffer, as every engine counts
+        what it hands to a collective."""
+        self._strategy.comm_bytes += tensor.numel() * tensor.element_size()
+        return self.manager.allreduce(tensor, reduce_op=op)
 
     def _wait_exchange(self, work: Any, watch: "Watch") -> Optional[str]:
         """Wait for this sync's exchange across the groups to complete, or give it up: None when it completed
@@ -359,4 +388,7 @@ def join(session: "SessionView") -> FaultTolerance:
                         lambda: session.num_steps + 1, lambda: session.num_samples,
                         lambda: session.cfg.max_steps is not None and session.num_steps + 1 >= session.cfg.max_steps)
     session._strategy.ft = ft
+    codec = codec_of(session.cfg.distributed)
+    if codec != "none" and session._strategy.averager is not None:
+        ft.codec = CodecExchange(session._strategy.averager, codec)
     return ft

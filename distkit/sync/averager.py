@@ -40,10 +40,11 @@ class Reducer(Protocol):
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Collective: every rank must call it, in the same order. In place; op is sum|mean|max|min."""
 
-    def average_parameters(self, params: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> None:
+    def average_parameters(self, params: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> Optional[bool]:
         """Collective: every rank must call it, in the same order. Sets each tensor to its mean over ranks.
         ``is_param``: which of ``params`` are parameters rather than floating buffers, where they are views
-        (fragments of param_sync_fragments); None = ``isinstance(t, nn.Parameter)``.
+        (fragments of param_sync_fragments); None = ``isinstance(t, nn.Parameter)``. Returns False where the mean
+        was not applied (a fault-tolerant sync that did not commit: the tensors are as they were), else True or None.
 
         With replica groups the ranks of a group hold the same tensors, so the mean over ranks is the mean over
         groups: it is taken over this rank's cross group, one copy of the model per link instead of one per rank;
@@ -266,9 +267,13 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
             self._sync_fragments(fragments)
             return
         t0 = time.perf_counter()
-        self._average(list(range(len(self.tensors))))
+        applied = self._average(list(range(len(self.tensors))))
         self.wait_s += time.perf_counter() - t0  # the exchange, counted as waiting on communication
-        if self._outer is not None:
+        # a fault-tolerant sync that did not commit left every tensor as it was: no outer step either, so that every
+        # group keeps its anchor and momentum (the same in all of them) and the next sync's pseudo-gradient holds the
+        # whole period. (Stepped with its own local pseudo-gradient, each surviving group's anchor went its own way
+        # and the groups never held one model again.)
+        if self._outer is not None and applied:
             outer_step(self._outer, self._anchor, self.tensors, [self.is_parameter(i) for i in range(len(self.tensors))])
         self._synced(None)
         self._updated()
@@ -304,23 +309,24 @@ class ParamAverager(PseudoGradientExchanges, AveragerState):
         every sync from now on, with the model."""
         self.extra.extend(tensors)
 
-    def _average(self, index: list[int]) -> None:
+    def _average(self, index: list[int]) -> bool:
         """Collective: average ``self.tensors[i]`` for ``i`` in ``index`` and the kept modules
         (``dk.keep_in_sync``) in one :meth:`Strategy.average_parameters` call. The kept modules go in as one
         float32 buffer: averaged over every rank, with replica groups over the group then across the groups, and
         under fault_tolerance across the groups in the same torchft exchange as the model (a second exchange would
         be a second quorum); their shards, where a kept module is sharded, as a second one averaged as the model's
         parameters (across the groups only: the ranks of a group hold different shards). They are averaged at
-        every sync, whatever fragment is due."""
+        every sync, whatever fragment is due. Returns whether the mean was applied (False: a fault-tolerant sync
+        that did not commit, the tensors as they were)."""
         tensors = [self.tensors[i] for i in index]
         kinds = [self.is_parameter(i) for i in index]
         kept = [(into, kind) for into, kind in ((self.extra, False), (self.extra_shards, True)) if into]
         flats = [_flat(into) for into, _ in kept]
         tensors, kinds = [*tensors, *flats], [*kinds, *(kind for _, kind in kept)]
-        if tensors:
-            self.strategy.average_parameters(tensors, kinds)
+        applied = self.strategy.average_parameters(tensors, kinds) if tensors else True
         for flat, (into, _) in zip(flats, kept, strict=True):
             unflatten_into(flat, into)
+        return applied is not False
 
     def _synced(self, fragments: Optional[list[int]]) -> None:
         """The counters after a sync of ``fragments`` (None: the whole model), or the start of its exchange."""

@@ -164,7 +164,7 @@ class _MasterAverager(ParamAverager):
     def is_parameter(self, index: int) -> bool:
         return index < self._n_masters  # the masters stand for the parameters; the rest are floating buffers
 
-    def average_parameters(self, tensors: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> None:
+    def average_parameters(self, tensors: list[torch.Tensor], is_param: Optional[list[bool]] = None) -> bool:
         s = self._ds
         assert s.mpu is not None
         kinds = is_param if is_param is not None else [i < self._n_masters for i in range(len(tensors))]
@@ -172,12 +172,12 @@ class _MasterAverager(ParamAverager):
         buffers = [t for t, p in zip(tensors, kinds, strict=True) if not p]
         if s.ft is not None:  # fault-tolerant groups: this launch is one group, the average across goes via torchft
             s.average_over(buffers, None, s.world_size)
-            s.ft.average(tensors)
-            return
+            return bool(s.ft.average(tensors))
         s.average_over(masters, s.mpu.cross_group, s.mpu.cross_size)
         # the buffers over the group's ranks, then across the groups: Strategy.average_parameters' rule
         s.average_over(buffers, s.mpu.dp_group, s.mpu.size)
         s.average_over(buffers, s.mpu.cross_group, s.mpu.cross_size)
+        return True
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self._ds.all_reduce(tensor, op)
