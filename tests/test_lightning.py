@@ -18,6 +18,44 @@ import pytest
 
 from conftest import BIN, ROOT, ok, run
 
+#: Fabric's loop with accumulation, clipping and a per-step LR schedule, and ``maxdiff``: one text in the scripts of
+#: L2 (COMMON's fabric_extras) and L5 (FABRIC's extras), each against its own reference
+FABRIC_LOOP = r'''
+def maxdiff(a, b):
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+def fabric_loop(strategy, make, data, epochs, finish=False, on_batch=None):
+    """Fabric's loop on the module ``make()`` builds (after seed_everything(SEED)) and the DataLoader ``data``:
+    accumulation over 2 batches (``fabric.no_backward_sync`` on the first), ``fabric.clip_gradients`` (norm 0.05),
+    a per-step LambdaLR the loop steps; ``on_batch(fabric, model, x)`` before each batch; ``finish``: then
+    ``dk.finish()``. The Fabric, the set-up model and the rate each step ran with."""
+    from lightning.fabric import Fabric, seed_everything
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+    fabric.launch()
+    seed_everything(SEED)
+    model = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer = fabric.setup(model, optimizer)
+    lrs, batches = [], fabric.setup_dataloaders(data)
+    for _ in range(epochs):
+        for i, x in enumerate(batches):
+            if on_batch is not None:
+                on_batch(fabric, model, x)
+            stepping = i % 2 == 1
+            with fabric.no_backward_sync(model, enabled=not stepping):
+                fabric.backward(model(x).pow(2).mean() / 2)
+            if stepping:
+                fabric.clip_gradients(model, optimizer, max_norm=0.05)
+                lrs.append(optimizer.param_groups[0]["lr"])
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+    if finish:
+        strategy.dk.finish()
+    return fabric, model, lrs
+'''
+
 #: the LightningModule of Lightning's bug report template (BoringModel, RandomDataset), its loss a mean square so that
 #: training moves it, logged with sync_dist; used by every case below
 COMMON = r'''
@@ -56,6 +94,15 @@ class BoringModel(LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+class Dropped(BoringModel):
+    """BoringModel with dropout before its layer: a resume ends where its reference ends only if it draws the same
+    masks (param mode: the uninterrupted run's, from the sidecar's RNG state; grad mode: DDPStrategy's resume's)."""
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+    def forward(self, x):
+        return self.layer(self.drop(x))
+
 class BNModel(LightningModule):
     """Lightning's imagenet template's shape: BatchNorm, and steps that call a submodule (self.model(x)), not self;
     a torchmetrics MeanMetric of the rank (rank r: r; DDP logs 0.5, the mean over both ranks)."""
@@ -74,8 +121,8 @@ class BNModel(LightningModule):
 
 def bn_fit(strategy, best):
     """A fit with validation after each epoch and ModelCheckpoint(monitor="valid_loss", save_top_k=1) writing to
-    ``best``: the last epoch's logged valid_loss, the parameters, the logged MeanMetric, the best checkpoint's file
-    name and score, and the state_dict in that file."""
+    ``best``: the last epoch's logged valid_loss, the parameters (and the whole state_dict, BatchNorm's statistics
+    included), the logged MeanMetric, the best checkpoint's file name and score, and the state_dict in that file."""
     pl.seed_everything(SEED)
     model = BNModel()
     cb = ModelCheckpoint(dirpath=best, monitor="valid_loss", mode="min", save_top_k=1, filename="{epoch}")
@@ -85,6 +132,7 @@ def bn_fit(strategy, best):
     best_state = torch.load(cb.best_model_path, map_location="cpu", weights_only=False)["state_dict"]
     return dict(valid_loss=float(t.callback_metrics["valid_loss"]), rank_mean=float(t.callback_metrics["rank_mean"]),
                 params={k: v.detach().clone() for k, v in model.named_parameters()},
+                state={k: v.detach().clone() for k, v in model.state_dict().items()},
                 best=(os.path.basename(cb.best_model_path), float(cb.best_model_score)), best_state=best_state)
 
 class StepScheduled(BoringModel):
@@ -183,14 +231,13 @@ def fit(strategy, out=None, ckpt_path=None, evaluate=True, module=BoringModel, p
     if "rank_mean" in t.callback_metrics:
         res["rank_mean"] = float(t.callback_metrics["rank_mean"])
     return state, res
-
-def maxdiff(a, b):
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-def fabric_fit(strategy, epochs=1, finish=False, save=None, load=None):
+''' + FABRIC_LOOP + r'''
+def fabric_fit(strategy, epochs=1, finish=False, save=None, load=None, evaluated=None):
     """Fabric's loop on the same layer and data: setup, setup_dataloaders (DistributedSampler), backward, step;
     ``finish``: then ``dk.finish()`` (param mode's final average, as distkit's own loop ends); ``save``:
-    ``fabric.save`` after the first epoch; ``load``: ``fabric.load`` of that file, then the epochs after it."""
+    ``fabric.save`` after the first epoch; ``load``: ``fabric.load`` of that file, then the epochs after it;
+    ``evaluated``: gets, after the first epoch, the loss of this rank's set-up model (eval mode, no gradients) on its
+    share of VAL, averaged over the ranks by ``fabric.all_reduce``."""
     from lightning.fabric import Fabric
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()
@@ -206,6 +253,12 @@ def fabric_fit(strategy, epochs=1, finish=False, save=None, load=None):
             optimizer.zero_grad()
             fabric.backward(model(x).pow(2).mean())
             optimizer.step()
+        if evaluated is not None and epoch == 0:
+            model.eval()
+            with torch.no_grad():
+                loss = model(VAL.data[fabric.global_rank::fabric.world_size]).pow(2).mean()
+            model.train()
+            evaluated.append(float(fabric.all_reduce(loss)))
         if save and epoch == 0:
             fabric.save(save, {"model": model, "optimizer": optimizer})
     if finish:
@@ -213,32 +266,10 @@ def fabric_fit(strategy, epochs=1, finish=False, save=None, load=None):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 def fabric_extras(strategy, epochs=1, finish=False):
-    """Fabric's loop with accumulation over 2 batches (``fabric.no_backward_sync`` on the first),
-    ``fabric.clip_gradients`` (norm 0.05), a per-step LambdaLR the loop steps (``finish``: then ``dk.finish()``), then
-    ``fabric.all_reduce`` (mean, sum, an integer mean): the final parameters, the rate each step ran with, the
-    reduced values."""
-    from lightning.fabric import Fabric
-    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
-    fabric.launch()
-    pl.seed_everything(SEED)
-    model = torch.nn.Linear(32, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    model, optimizer = fabric.setup(model, optimizer)
-    lrs, data = [], fabric.setup_dataloaders(loader(TRAIN, shuffle=True))
-    for _ in range(epochs):
-        for i, x in enumerate(data):
-            stepping = i % 2 == 1
-            with fabric.no_backward_sync(model, enabled=not stepping):
-                fabric.backward(model(x).pow(2).mean() / 2)
-            if stepping:
-                fabric.clip_gradients(model, optimizer, max_norm=0.05)
-                lrs.append(optimizer.param_groups[0]["lr"])
-                optimizer.step()
-                optimizer.zero_grad()
-                scheduler.step()
-    if finish:
-        strategy.dk.finish()
+    """fabric_loop on a Linear (``finish``: then ``dk.finish()``), then ``fabric.all_reduce`` (mean, sum, an integer
+    mean): the final parameters, the rate each step ran with, the reduced values."""
+    fabric, model, lrs = fabric_loop(strategy, lambda: torch.nn.Linear(32, 2), loader(TRAIN, shuffle=True), epochs,
+                                     finish)
     r = fabric.global_rank
     x, n, m = torch.tensor([r + 1.0, 0.25 * r]), torch.tensor([r + 2]), torch.tensor([r + 2])
     y = fabric.all_reduce(x)
@@ -251,8 +282,26 @@ def plain(state):
     """A BoringModel's state_dict with the keys of its bare Linear (Fabric's model)."""
     return {k.removeprefix("layer."): v for k, v in state.items()}
 
-def own_loop(source):
-    """distkit's own-loop param mode on the same model, data order (Lightning's DistributedSampler, seed, set_epoch)."""
+def evaluate_own(dk, module, forward=None):
+    """distkit's own loop's evaluation between syncs (distkit.evaluation.evaluate's rule): this rank's own replica
+    (``module`` in eval mode, its ``forward`` or itself, no gradients) on its share of VAL as the unshuffled
+    DistributedSampler deals it (samples r, r + 2, ...), the loss then averaged over the ranks (as a sync_dist value
+    or fabric.all_reduce is)."""
+    module.eval()
+    with torch.no_grad():
+        loss = (forward or module)(VAL.data[dk.rank::dk.world_size]).pow(2).mean()
+    module.train()
+    return float(dk.all_reduce(loss.reshape(1), op="mean"))
+
+def spread_of(dk, tensor):
+    """How far apart the ranks' copies of ``tensor`` are (collective): > 0 between syncs in param mode."""
+    copies = dk.all_gather_object(tensor.detach().clone())
+    return float((copies[0] - copies[1]).abs().max())
+
+def own_loop(source, evaluated=None):
+    """distkit's own-loop param mode on the same model, data order (Lightning's DistributedSampler, seed, set_epoch).
+    ``evaluated``: gets, after the first epoch (8 steps: between syncs), evaluate_own's loss and the replicas'
+    spread."""
     dk = distkit.init(source)
     pl.seed_everything(SEED)
     model = BoringModel()
@@ -263,6 +312,8 @@ def own_loop(source):
         for x in loader(TRAIN, sampler=sampler):
             dk.backward(model(x).pow(2).mean())
             dk.step()
+        if evaluated is not None and epoch == 0:
+            evaluated += [evaluate_own(dk, model), spread_of(dk, model.layer.weight)]
     dk.finish()
     return {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}, dk.num_steps
 
@@ -326,6 +377,106 @@ def sched_fit(strategy, out=None, ckpt_path=None):
     t.fit(model, loader(TRAIN, shuffle=True), ckpt_path=ckpt_path)
     return LRS, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
+def own_bn(source):
+    """distkit's own loop doing what bn_fit does in param mode: BNModel's steps (self.model(x)) on the same data
+    order, after each epoch evaluate_own (each rank's own replica and BatchNorm statistics: param mode has no
+    buffer rule, as it has no wrapper), then dk.finish(): per epoch that loss, the replicas' spread and rank 0's
+    state (what rank 0 writes into Lightning's file); the final state."""
+    dk = distkit.init(source)
+    pl.seed_everything(SEED)
+    model = BNModel()
+    model, optimizer = dk.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    sampler = DistributedSampler(TRAIN, num_replicas=dk.world_size, rank=dk.rank, shuffle=True, seed=SEED)
+    losses, spreads, rank0 = [], [], []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for x in loader(TRAIN, sampler=sampler):
+            dk.backward(model.model(x).pow(2).mean())
+            dk.step()
+        losses.append(evaluate_own(dk, model, model.model))
+        spreads.append(spread_of(dk, model.model[1].running_var))
+        rank0.append(dk.broadcast_object({k: v.detach().clone() for k, v in model.state_dict().items()}))
+    dk.finish()
+    return dict(losses=losses, spreads=spreads, rank0=rank0,
+                state={k: v.detach().clone() for k, v in model.state_dict().items()})
+
+def bn_param(source, tag):
+    """bn_fit on DistkitStrategy(source) in param mode against own_bn: the logged valid_loss of each epoch's
+    validation (both between syncs), the final state, the best checkpoint (file, score, the state in it)."""
+    own = own_bn(source)
+    got = bn_fit(DistkitStrategy(source), best_dir(tag))
+    best = min(range(EPOCHS), key=lambda e: own["losses"][e])
+    return dict(valid_loss=[got["valid_loss"], own["losses"][-1]], spreads=own["spreads"],
+                max_diff=maxdiff(own["state"], got["state"]), rank_mean=got["rank_mean"],
+                best=[got["best"][0], f"epoch={best}.ckpt"], best_score_diff=abs(got["best"][1] - own["losses"][best]),
+                best_state_diff=maxdiff(own["rank0"][best], got["best_state"]))
+
+def own_sched(source):
+    """distkit's own loop doing what sched_fit does: 3 epochs, Scheduled's StepLR stepped by the loop after each
+    epoch: the rate each step ran with, the final state."""
+    dk = distkit.init(source)
+    pl.seed_everything(SEED)
+    model = Scheduled()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer = dk.setup(model, optimizer)
+    sampler, lrs = DistributedSampler(TRAIN, num_replicas=dk.world_size, rank=dk.rank, shuffle=True, seed=SEED), []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        for x in loader(TRAIN, sampler=sampler):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            dk.backward(model(x).pow(2).mean())
+            dk.step()
+        scheduler.step()
+    dk.finish()
+    return lrs, {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}
+
+def sched_param(source, tag):
+    """Param mode with a per-epoch StepLR, uninterrupted (a checkpoint each epoch) and resumed from the first
+    epoch's file and sidecar (mid-period: 8 steps, syncs every 3), against own_sched: the rates (own loop's,
+    uninterrupted, resumed) and both runs' distance to the own loop's final state."""
+    own_lrs, own = own_sched(source)
+    out = os.path.join(args.out, f"sched-{tag}")
+    lrs, full = sched_fit(DistkitStrategy(source), out=out)
+    resumed_lrs, resumed = sched_fit(DistkitStrategy(source), ckpt_path=os.path.join(out, "epoch=0.ckpt"))
+    return dict(lrs=[own_lrs, lrs, resumed_lrs], max_diff=maxdiff(own, full), resume_diff=maxdiff(own, resumed))
+
+#: dropout, and ModelCheckpoint writing at the end of validation (Lightning resumes such a file by finishing its epoch)
+DROP = dict(evaluate=False, module=Dropped, ckpt={"save_on_train_epoch_end": False})
+
+def drop_reference():
+    """Grad mode's reference for a resume with dropout: Lightning's checkpoints hold no random state there, so a
+    resumed run is not the uninterrupted one, under DDPStrategy either; DDP's result is DDPStrategy's resume from
+    the same file. DDPStrategy's run writing the first epoch's file, and its resume from it: the file, the resumed
+    state, and how far that is from the uninterrupted run (> 0: why it is the reference)."""
+    out = os.path.join(args.out, "drop-ddpstrategy")
+    full, _ = fit(DDPStrategy(), out=out, **DROP)
+    ckpt = os.path.join(out, "epoch=0.ckpt")
+    resumed, _ = fit(DDPStrategy(), ckpt_path=ckpt, **DROP)
+    return ckpt, resumed, maxdiff(full, resumed)
+
+class Data(pl.LightningDataModule):
+    def train_dataloader(self):
+        return loader(TRAIN, shuffle=True)
+
+def cli(*strategy):
+    """LightningCLI fit of BoringModel with ``strategy``'s flags: the final state, and the strategy's class, engine
+    and seed (DDPStrategy: its class only)."""
+    from lightning.pytorch.cli import LightningCLI
+    flags = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_epochs", str(EPOCHS),
+             "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    c = LightningCLI(BoringModel, Data, args=["fit", "--seed_everything", str(SEED), *strategy, *flags],
+                     save_config_callback=None)
+    s = c.trainer.strategy
+    state = {k: v.detach().clone() for k, v in c.model.state_dict().items()}
+    return state, [type(s).__name__] + ([s.dk.backend, s.dk.cfg.seed] if hasattr(s, "dk") else [])
+
+def cli_path(source):
+    """The class path form with ``--trainer.strategy.source`` (a JSON dict)."""
+    return cli("--trainer.strategy", "distkit.lightning.DistkitStrategy", "--trainer.strategy.source",
+               json.dumps(source))
+
 parser = argparse.ArgumentParser()
 parser.add_argument("case")
 parser.add_argument("out")
@@ -364,8 +515,15 @@ if args.case == "horovod_too":
         state, lrs, reduced = fabric_extras(s)
         return dict(engine=s.dk.backend, max_diff=maxdiff(extras_ref[0], state), lrs=lrs, reduced=reduced)
     result["fabric_extras"]["mpi"] = extras(args)
+    # LightningCLI on the mpi engine (the class path; the registered name takes distkit's defaults, the ddp engine)
+    # against the CLI's --trainer.strategy ddp (DDPStrategy) in the same ranks; Horovod's below
+    cli_ddp, _ = cli("--trainer.strategy", "ddp")
+    cli_mpi, cli_mpi_strategy = cli_path({"distributed": {"backend": "mpi"}})
+    result["cli"] = {"mpi": [cli_mpi_strategy, maxdiff(cli_ddp, cli_mpi)]}
     # --nprocs recorded the engine it launched for (mpi), which distkit.init checks; this job runs a second one on purpose
     os.environ.pop("DISTKIT_LAUNCH_ENGINE")
+    cli_hvd, cli_hvd_strategy = cli_path(HVD)
+    result["cli"]["horovod"] = [cli_hvd_strategy, maxdiff(cli_ddp, cli_hvd)]
     hvd = DistkitStrategy(HVD)
     hvd_got, res = fit(hvd, out=os.path.join(args.out, "ckpt-hvd"), **KW)
     result["horovod"] = dict(engine=hvd.dk.backend, mode=hvd.dk.cfg.distributed.reduce_type,
@@ -385,6 +543,13 @@ if args.case == "horovod_too":
         resumed = DistkitStrategy(source)
         got_lrs, sched_got = sched_fit(resumed, ckpt_path=os.path.join(ckpt, "epoch=0.ckpt"))
         result["sched"][name] = dict(engine=resumed.dk.backend, lrs=got_lrs, max_diff=maxdiff(ddp, sched_got))
+    # dropout, a checkpoint written at the end of validation: DDPStrategy's resume from the same file, by each engine
+    drop_ckpt, drop_ref, drop_ddp = drop_reference()
+    result["drop"] = {"ddpstrategy_vs_uninterrupted": drop_ddp}
+    for name, source in (("mpi", args), ("horovod", HVD)):
+        resumed = DistkitStrategy(source)
+        diff = maxdiff(drop_ref, fit(resumed, ckpt_path=drop_ckpt, **DROP)[0])
+        result["drop"][name] = [resumed.dk.backend, diff]
     # each engine resumed from its own first-epoch ModelCheckpoint file (the fits above) against its uninterrupted
     # run; trainer.validate without fit on a fresh strategy
     result["resume"], result["validate_only"] = {}, {}
@@ -405,7 +570,8 @@ if args.case == "horovod_too":
               "param_sync_overlap": 1, "outer_optimizer": {"class": "nesterov", "lr": 0.7, "momentum": 0.9}}
     for name, source in (("mpi", {"distributed": {"backend": "mpi"}}), ("horovod", HVD)):
         cfg = {"distributed": {**source["distributed"], "reduce_type": "param", "param_sync_step": 3}}
-        own, steps = own_loop(cfg)
+        own_evaluated, fab_evaluated = [], []  # evaluation between syncs, after the first epoch
+        own, steps = own_loop(cfg, evaluated=own_evaluated)
         s = DistkitStrategy(cfg)
         out = os.path.join(args.out, f"param-{name}")
         got_p, res_p = fit(s, out=out, predict=True)
@@ -416,7 +582,7 @@ if args.case == "horovod_too":
         with torch.no_grad():  # this rank's share of VAL as the (unshuffled) DistributedSampler deals it
             own_pred = model(VAL.data[strategy.global_rank::2])
         fab, fab_file = DistkitStrategy(cfg), os.path.join(args.out, f"fabric-param-{name}.ckpt")
-        fab_state = fabric_fit(fab, epochs=EPOCHS, finish=True, save=fab_file)
+        fab_state = fabric_fit(fab, epochs=EPOCHS, finish=True, save=fab_file, evaluated=fab_evaluated)
         fab_again = fabric_fit(DistkitStrategy(cfg), epochs=EPOCHS, finish=True, load=fab_file)  # + the sidecar
         result["param"][name] = dict(
             engines=[s.dk.backend, s.dk.cfg.distributed.reduce_type, fab.dk.backend, fab.dk.cfg.distributed.reduce_type],
@@ -424,7 +590,16 @@ if args.case == "horovod_too":
             sidecar=os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit")), predicted=len(pred),
             predict_diff=float((pred - own_pred).abs().max()), fabric_diff=maxdiff(plain(own), fab_state),
             fabric_resume=[maxdiff(fab_state, fab_again), os.path.isdir(fab_file + ".distkit")],
-            validate_only=validate_only(cfg))
+            validate_only=validate_only(cfg), fabric_evaluated=fab_evaluated + own_evaluated)
+        # BatchNorm, steps calling self.model(x): validation between syncs, the best checkpoint; a per-epoch StepLR
+        # across a resume; dropout across a resume from a file written at the end of validation (as L3 on ddp)
+        result["param"][name]["bn"] = bn_param(cfg, f"param-{name}")
+        result["param"][name]["sched"] = sched_param(cfg, name)
+        out = os.path.join(args.out, f"dropped-{name}")
+        run_d, res_d = fit(DistkitStrategy(cfg), out=out, **DROP)
+        again_d, _ = fit(DistkitStrategy(cfg), ckpt_path=os.path.join(out, "epoch=0.ckpt"), **DROP)
+        result["param"][name]["dropout"] = {"resume_diff": maxdiff(run_d, again_d), "spread": res_d["spread"],
+                                            "sidecar": os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit"))}
         # accumulation, clipping, a per-step LR schedule: the Trainer's and Fabric's against the own loop's
         result["param"][name]["extras"], own_x = param_extras(cfg)
         fab = DistkitStrategy(cfg)
@@ -443,28 +618,26 @@ if args.case == "resume":
     # validate without fit on a fresh strategy: rank 0's weights go everywhere first (each rank made its own here)
     result["validate_only"] = validate_only(args)
     # LightningCLI (issue 57 J): --trainer.strategy by its registered name, and by class path with an init arg (a
-    # config whose seed Lightning's seed_everything overrides, as in DDPStrategy): the same fit
-    from lightning.pytorch.cli import LightningCLI
-
-    class Data(pl.LightningDataModule):
-        def train_dataloader(self):
-            return loader(TRAIN, shuffle=True)
-
-    def cli(*strategy):
-        flags = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_epochs", str(EPOCHS),
-                 "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-        c = LightningCLI(BoringModel, Data, args=["fit", "--seed_everything", str(SEED), *strategy, *flags],
-                         save_config_callback=None)
-        s = c.trainer.strategy
-        state = {k: v.detach().clone() for k, v in c.model.state_dict().items()}
-        return state, [type(s).__name__, s.dk.backend, s.dk.cfg.seed]
+    # config whose seed Lightning's seed_everything overrides, as in DDPStrategy): the same fit as the CLI's
+    # --trainer.strategy ddp (DDPStrategy)
+    by_ddp, ddp_strategy = cli("--trainer.strategy", "ddp")
     by_name, name_strategy = cli("--trainer.strategy", "distkit")
-    by_path, path_strategy = cli("--trainer.strategy", "distkit.lightning.DistkitStrategy",
-                                 "--trainer.strategy.source", json.dumps({"seed": 123}))
+    by_path, path_strategy = cli_path({"seed": 123})
     pl.seed_everything(SEED)
-    result["cli"] = dict(name=name_strategy, path=path_strategy, max_diff=maxdiff(by_name, by_path),
+    result["cli"] = dict(name=name_strategy, path=path_strategy, ddp=ddp_strategy,
+                         max_diff=[maxdiff(by_ddp, by_name), maxdiff(by_ddp, by_path)],
                          moved=maxdiff(BoringModel().state_dict(), by_name))
+    # a per-epoch StepLR resumed from DDPStrategy's first-epoch checkpoint, by DDPStrategy and by the ddp engine
+    # (L2 does the MPI engines): the rates every resumed step ran with, and the final weights
+    ckpt = os.path.join(args.out, "sched")
+    lrs, full = sched_fit(DDPStrategy(), out=ckpt)
+    ddp_lrs, ddp = sched_fit(DDPStrategy(), ckpt_path=os.path.join(ckpt, "epoch=0.ckpt"))
+    got_lrs, sched_got = sched_fit(DistkitStrategy(args), ckpt_path=os.path.join(ckpt, "epoch=0.ckpt"))
+    result["sched"] = dict(full=lrs, ddp=ddp_lrs, ddp_vs_full=maxdiff(full, ddp),
+                           ddp_engine=dict(lrs=got_lrs, max_diff=maxdiff(ddp, sched_got)))
+    # dropout, a checkpoint written at the end of validation, resumed: DDPStrategy's resume from the same file
+    drop_ckpt, drop_ref, drop_ddp = drop_reference()
+    result["drop"] = [maxdiff(drop_ref, fit(DistkitStrategy(args), ckpt_path=drop_ckpt, **DROP)[0]), drop_ddp]
 '''
 
 #: param mode: distkit's own loop, then DistkitStrategy on the same settings, each config in turn; the first also
@@ -489,21 +662,15 @@ for i, cfg in enumerate(configs):
         row["predicted"] = len(pred)
         row["validate_only"] = validate_only(cfg)  # trainer.validate without fit, param mode's strategy
         row["extras"] = param_extras(cfg)[0]  # accumulation, clipping, a per-step LR schedule
+        row["bn"] = bn_param(cfg, "param")  # BatchNorm, self.model(x): validation between syncs, the best file
+        row["sched"] = sched_param(cfg, "param")  # a per-epoch StepLR across a resume
     result[str(i)] = row
-
-class Dropped(BoringModel):
-    def __init__(self):
-        super().__init__()
-        self.drop = torch.nn.Dropout(0.1)
-    def forward(self, x):
-        return self.layer(self.drop(x))
 
 # issue 57 D: dropout, and ModelCheckpoint writing at the end of validation (Lightning resumes such a file by finishing
 # its epoch); the first config, resumed from the first epoch's file, against its uninterrupted run
 out = os.path.join(args.out, "dropped")
-kw = dict(evaluate=False, module=Dropped, ckpt={"save_on_train_epoch_end": False})
-run, res = fit(DistkitStrategy(configs[0]), out=out, **kw)
-again, _ = fit(DistkitStrategy(configs[0]), ckpt_path=os.path.join(out, "epoch=0.ckpt"), **kw)
+run, res = fit(DistkitStrategy(configs[0]), out=out, **DROP)
+again, _ = fit(DistkitStrategy(configs[0]), ckpt_path=os.path.join(out, "epoch=0.ckpt"), **DROP)
 result["dropout"] = {"resume_diff": maxdiff(run, again), "spread": res["spread"],
                      "sidecar": os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit"))}
 '''
@@ -560,6 +727,34 @@ def _check_param_extras(extras: dict) -> None:
     assert extras["rank_mean"] == 0.5, extras  # its MeanMetric of the rank, logged: DDP's value
 
 
+def _check_bn_param(bn: dict) -> None:
+    """Param mode, a BatchNorm model whose steps call a submodule, validation after each epoch (both between syncs:
+    8 and 16 steps, syncs every 3): as distkit's own loop, each rank evaluates its own replica with its own
+    statistics (they differ then: the spreads) and the logged valid_loss is the mean over the ranks; the final
+    parameters and buffers are the own loop's (dk.finish's average), the MeanMetric logs DDP's 0.5, and
+    ModelCheckpoint(monitor="valid_loss") keeps the own loop's best epoch, its loss as the score and rank 0's
+    replica of that epoch in the file."""
+    assert abs(bn["valid_loss"][0] - bn["valid_loss"][1]) <= 1e-6 and min(bn["spreads"]) > 1e-6, bn
+    assert bn["max_diff"] <= 1e-6 and bn["rank_mean"] == 0.5, bn
+    assert bn["best"][0] == bn["best"][1] and bn["best_score_diff"] <= 1e-6 and bn["best_state_diff"] <= 1e-6, bn
+
+
+def _check_sched_param(sched: dict) -> None:
+    """Param mode with a per-epoch StepLR (halving each epoch, 8 steps an epoch): the uninterrupted fit runs the own
+    loop's rates and ends at its weights, and so does the fit resumed from the first epoch's file and sidecar, from
+    the second epoch's rate on (issue 57 C's frozen rate would show as 0.05 twice)."""
+    want = [0.1 * 0.5 ** (i // 8) for i in range(24)]
+    assert sched["lrs"] == [want, want, want[8:]], sched
+    assert sched["max_diff"] <= 1e-6 and sched["resume_diff"] <= 1e-6, sched
+
+
+def _check_evaluated(evaluated: list) -> None:
+    """Fabric's evaluation between syncs (after the first epoch's 8 steps, syncs every 3: the replicas ``spread``
+    apart) is the own loop's: each rank's own replica on its share, the loss's mean over the ranks."""
+    got, own, spread = evaluated
+    assert abs(got - own) <= 1e-6 and spread > 1e-3, evaluated
+
+
 def _check_validate_only(fresh: dict) -> None:
     """trainer.validate without fit, each rank's weights its own: rank 0's everywhere, then the loss of those over
     the whole set (closed form)."""
@@ -570,8 +765,12 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
     """Trainer(devices=2) starts the ranks (Lightning's own launcher); ddp grad mode equals DDPStrategy's run
     (measured: 0.0), validate/test equal their closed forms, fit(ckpt_path=epoch 0) ends where the run ended, and
     validate without fit on ranks that built different weights evaluates rank 0's. Under LightningCLI (issue 57 J)
-    ``--trainer.strategy distkit`` and the class path with ``--trainer.strategy.source '{"seed": 123}'`` train the
-    same weights (0.0); that source reaches the config (before: jsonargparse made it an argparse.Namespace, ignored).
+    ``--trainer.strategy distkit`` and the class path with ``--trainer.strategy.source '{"seed": 123}'`` train
+    the weights of the CLI's ``--trainer.strategy ddp`` (0.0); that source reaches the config (before: jsonargparse
+    made it an argparse.Namespace, ignored). Resumed from DDPStrategy's first-epoch checkpoint, a per-epoch StepLR
+    runs DDPStrategy's resumed rates to its weights (0.0), and a model with dropout whose file was written at the end
+    of validation ends where DDPStrategy's resume from that file ends (0.0; which is not the uninterrupted run:
+    Lightning's grad-mode checkpoint holds no random state).
     Against DDPStrategy in the same ranks also (issue 57): a torchmetrics MeanMetric logs 0.5, the best checkpoint of
     ModelCheckpoint(monitor=...) is the same file with the same score and weights, a per-step LR schedule runs the
     same rates to the same weights, and trainer.predict gives the same outputs."""
@@ -587,8 +786,15 @@ def test_grad_mode_ddp_under_lightnings_launcher_equals_ddpstrategy_and_resumes(
         # --trainer.strategy.source: the same 2-rank fit
         cli = row["cli"]
         assert cli["name"] == ["DistkitStrategy", "ddp", 42] and cli["path"] == ["DistkitStrategy", "ddp", 123], cli
-        assert cli["max_diff"] == 0.0 and cli["moved"] > 1e-3, cli
+        assert cli["ddp"] == ["DDPStrategy"] and cli["max_diff"] == [0.0, 0.0] and cli["moved"] > 1e-3, cli
         _check_bn_and_predict(row["bn"])
+        # a per-epoch StepLR resumed from DDPStrategy's first-epoch file: DDPStrategy's rates and weights
+        sched, want = row["sched"], [0.1 * 0.5 ** (i // 8) for i in range(24)]
+        assert sched["full"] == want and sched["ddp"] == want[8:] and sched["ddp_vs_full"] <= 1e-6, sched
+        assert sched["ddp_engine"]["lrs"] == want[8:] and sched["ddp_engine"]["max_diff"] <= 1e-6, sched
+        # dropout, a file written at the end of validation: DDPStrategy's resume from it (which is not the
+        # uninterrupted run: Lightning's grad-mode checkpoint holds no random state)
+        assert row["drop"][0] <= 1e-6 and row["drop"][1] > 1e-3, row["drop"]
     assert rows[0]["got"] == rows[1]["got"] and rows[0]["validate_only"] == rows[1]["validate_only"]
 
 
@@ -605,7 +811,13 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
     "ddp" results. Param mode on each engine equals distkit's own loop on that engine (plain and DiLoCo; with
     accumulation, clipping and a per-step schedule; under Fabric too), its validate/test their closed forms, predict
     the own loop's model's outputs, and its resumes (Lightning's file or fabric.save's, + each rank's sidecar) the
-    uninterrupted runs."""
+    uninterrupted runs. Also on both engines: LightningCLI's class path naming the engine in
+    ``--trainer.strategy.source`` trains the CLI's ``--trainer.strategy ddp`` weights; dropout resumed from
+    DDPStrategy's file (written at the end of validation) ends where DDPStrategy's resume ends; and in param mode a
+    BatchNorm model whose steps call ``self.model(x)`` validates between syncs as the own loop evaluates (each rank's
+    own replica and statistics, the mean of the losses), ends at its parameters and buffers and keeps its best
+    checkpoint, a per-epoch StepLR runs the own loop's rates and weights uninterrupted and across a resume, dropout
+    resumes bit for bit, and Fabric's evaluation between syncs is the own loop's."""
     rows = _job(tmp_path, GRAD, "horovod_too", "--nprocs", "2", "++distributed.backend", "mpi", timeout=300)
     for row in rows:
         for got in (row, row["horovod"]):
@@ -631,6 +843,13 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
             fab = row["resume"][engine]["fabric"]  # Fabric: fabric.load of epoch 1's fabric.save, then epoch 2
             assert fab[0] == engine and fab[1] <= 1e-6, (engine, fab)
             _check_validate_only(row["validate_only"][engine])
+            # LightningCLI with the class path and the engine in --trainer.strategy.source: the CLI's DDPStrategy
+            assert row["cli"][engine][0] == ["DistkitStrategy", engine, 42], row["cli"]
+            assert row["cli"][engine][1] <= 1e-6, row["cli"]
+            # dropout, resumed from DDPStrategy's file written at the end of validation: DDPStrategy's resume (which
+            # is not its uninterrupted run: Lightning's grad-mode checkpoint holds no random state)
+            assert row["drop"][engine][0] == engine and row["drop"][engine][1] <= 1e-6, row["drop"]
+            assert row["drop"]["ddpstrategy_vs_uninterrupted"] > 1e-3, row["drop"]
         # Fabric with accumulation (no_backward_sync), clip_gradients, a per-step LR schedule and all_reduce: Fabric's
         # "ddp" rates, parameters and reduced values
         extras = row["fabric_extras"]
@@ -660,6 +879,11 @@ def test_grad_mode_mpi_engines_under_nprocs_equal_ddpstrategy(tmp_path: Path) ->
             assert fab["engines"] == [engine, "param"] and fab["max_diff"] <= 1e-6, (engine, fab)
             assert fab["lrs"] == [0.1 * (1.0 / (1 + step)) for step in range(8)], (engine, fab)
             assert fab["reduced"] == extras["ddp"]["reduced"], (engine, fab)
+            _check_evaluated(got["fabric_evaluated"])  # Fabric: evaluation between syncs
+            _check_bn_param(got["bn"])
+            _check_sched_param(got["sched"])
+            drop = got["dropout"]  # dropout, resumed from a file written at the end of validation (L3 on ddp)
+            assert drop["sidecar"] and drop["resume_diff"] == 0.0 and drop["spread"] > 1e-3, (engine, drop)
             diloco = got["diloco"]  # L3's DiLoCo config (Nesterov outer step, 2 fragments, int8, overlap 1)
             assert diloco["steps"] == 16 and diloco["max_diff"] <= 1e-6 and diloco["spread"] > 1e-3, (engine, diloco)
 
@@ -671,7 +895,10 @@ def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) 
     written at the end of validation too, bit for bit (issue 57 D). The plain config also: trainer.predict gives the
     own loop's final model's outputs, validate without fit evaluates rank 0's weights, and with accumulation,
     clipping and a per-step LR schedule it equals the own loop doing the same (rates and weights), its MeanMetric
-    logged at DDP's 0.5."""
+    logged at DDP's 0.5. A BatchNorm model whose steps call ``self.model(x)`` validates between syncs as the own
+    loop evaluates (each rank's own replica and statistics, the mean of the losses; the replicas' mean would be
+    3.7e-3 away), ends at its parameters and buffers and keeps its best checkpoint; a per-epoch StepLR runs the own
+    loop's rates and weights, uninterrupted and resumed from the first epoch's file and sidecar."""
     plain = {"distributed": {"reduce_type": "param", "param_sync_step": 3}}
     diloco = {"distributed": {"reduce_type": "param", "param_sync_step": 4, "param_sync_fragments": 2,
                               "param_sync_compression": "int8", "param_sync_overlap": 1,
@@ -688,6 +915,8 @@ def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) 
         assert row["0"]["predicted"] == 8 and row["0"]["predict_diff"] <= 1e-6, row
         _check_validate_only(row["0"]["validate_only"])  # validate without fit: rank 0's weights, the closed form
         _check_param_extras(row["0"]["extras"])
+        _check_bn_param(row["0"]["bn"])  # BatchNorm, self.model(x): validation between syncs, the best file
+        _check_sched_param(row["0"]["sched"])  # a per-epoch StepLR across a resume
         # issue 57 D: with dropout the resume is the same run, bit for bit (before: 0.58 apart; the resumed fit made
         # one DataLoader iterator more than the run before its first step, each drawing from the global RNG)
         drop = row["dropout"]
@@ -787,11 +1016,14 @@ from distkit.lightning import DistkitFabricStrategy, DistkitStrategy
 SEED, EPOCHS = 7, 2
 torch.manual_seed(1)
 DATA = RandomDataset(32, 64)
+VAL = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))  # a validation set
 REDUCED = []  # per train(): what fabric.all_reduce gave
 
-def train(strategy, start_epoch=0, save=None, load=None):
+def train(strategy, start_epoch=0, save=None, load=None, evaluated=None):
     """Fabric's loop on Lightning's BoringModel layer: setup, setup_dataloaders (DistributedSampler), backward, step;
-    fabric.save after the first epoch (save), or fabric.load and the second epoch only (load)."""
+    fabric.save after the first epoch (save), or fabric.load and the second epoch only (load); evaluated: gets,
+    after the first epoch, the loss of this rank's set-up model (eval mode, no gradients) on its share of VAL
+    (samples r, r + 2, ...), averaged over the ranks by fabric.all_reduce."""
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
     fabric.launch()
     seed_everything(SEED)
@@ -807,6 +1039,12 @@ def train(strategy, start_epoch=0, save=None, load=None):
             optimizer.zero_grad()
             fabric.backward(model(x).pow(2).mean())
             optimizer.step()
+        if evaluated is not None and epoch == 0:
+            model.eval()
+            with torch.no_grad():
+                loss = model(VAL[fabric.global_rank::2]).pow(2).mean()
+            model.train()
+            evaluated.append(float(fabric.all_reduce(loss)))
         if save and epoch == 0:
             fabric.save(save, {"model": model, "optimizer": optimizer})
     # fabric.all_reduce with no group (Fabric passes torch.distributed's WORLD): in place, as Fabric's ddp reduces
@@ -819,10 +1057,7 @@ def train(strategy, start_epoch=0, save=None, load=None):
     if hasattr(strategy, "dk"):
         strategy.dk.finish()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, fabric
-
-def maxdiff(a, b):
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
+''' + FABRIC_LOOP + r'''
 class Net(torch.nn.Module):
     """The same Linear, and a torchmetrics MeanMetric the loop updates with the rank (rank r: r; DDP: 0.5)."""
     def __init__(self):
@@ -833,31 +1068,11 @@ class Net(torch.nn.Module):
         return self.layer(x)
 
 def extras(strategy, finish=False):
-    """Fabric's loop with accumulation over 2 batches (fabric.no_backward_sync on the first), fabric.clip_gradients
-    (norm 0.05), a per-step LambdaLR the loop steps and the MeanMetric of the set-up module (finish: then
-    dk.finish()): the final parameters, each step's rate, the metric's compute()."""
-    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
-    fabric.launch()
-    seed_everything(SEED)
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    model, optimizer = fabric.setup(model, optimizer)
-    loader, lrs = fabric.setup_dataloaders(DataLoader(DATA, batch_size=4, shuffle=True)), []
-    for epoch in range(EPOCHS):
-        for i, x in enumerate(loader):
-            model.rank_mean.update(torch.full((len(x),), float(fabric.global_rank)))
-            stepping = i % 2 == 1
-            with fabric.no_backward_sync(model, enabled=not stepping):
-                fabric.backward(model(x).pow(2).mean() / 2)
-            if stepping:
-                fabric.clip_gradients(model, optimizer, max_norm=0.05)
-                lrs.append(optimizer.param_groups[0]["lr"])
-                optimizer.step()
-                optimizer.zero_grad()
-                scheduler.step()
-    if finish:
-        strategy.dk.finish()
+    """fabric_loop on Net with its MeanMetric updated with the rank before each batch (finish: then dk.finish()): the
+    final parameters, each step's rate, the metric's compute()."""
+    def count(fabric, model, x):
+        model.rank_mean.update(torch.full((len(x),), float(fabric.global_rank)))
+    _, model, lrs = fabric_loop(strategy, Net, DataLoader(DATA, batch_size=4, shuffle=True), EPOCHS, finish, count)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, lrs, float(model.rank_mean.compute())
 
@@ -894,7 +1109,8 @@ grad_resumed, _ = train(DistkitStrategy(), start_epoch=1, load=GRAD_CKPT)  # gra
 grad_engine = grad_strategy.dk.backend
 param_strategy = DistkitStrategy({"distributed": {"reduce_type": "param", "param_sync_step": 3}})
 CKPT = os.path.join(sys.argv[1], "e0.ckpt")
-param, _ = train(param_strategy, save=CKPT)
+EVALUATED = []  # evaluation between syncs (after 8 steps, syncs every 3): Fabric's param mode, then the own loop's
+param, _ = train(param_strategy, save=CKPT, evaluated=EVALUATED)
 resumed, _ = train(DistkitFabricStrategy({"distributed": {"reduce_type": "param", "param_sync_step": 3}}), start_epoch=1,
                    load=CKPT)
 # distkit's own loop, same sampler order
@@ -908,6 +1124,13 @@ for epoch in range(EPOCHS):
     for x in DataLoader(DATA, batch_size=4, sampler=sampler):
         dk.backward(model(x).pow(2).mean())
         dk.step()
+    if epoch == 0:  # distkit's own loop's evaluation between syncs: this rank's own replica, the loss's mean
+        model.eval()
+        with torch.no_grad():
+            loss = model(VAL[dk.rank::2]).pow(2).mean()
+        model.train()
+        copies = dk.all_gather_object(model.weight.detach().clone())  # the replicas differ here
+        EVALUATED += [float(dk.all_reduce(loss.reshape(1), op="mean")), float((copies[0] - copies[1]).abs().max())]
 dk.finish()
 own = {k: v.detach().clone() for k, v in dk.unwrap().state_dict().items()}
 # accumulation, clipping, a per-step LR schedule and a torchmetrics Metric: Fabric's ddp, then distkit's grad mode;
@@ -924,7 +1147,7 @@ with open(os.path.join(sys.argv[1], f"result-{fabric.global_rank}.json"), "w") a
                           "param_vs_grad": maxdiff(grad_x[0], param_x[0]),
                           "lrs": [ref_x[1], grad_x[1], param_x[1], own_x[1]],
                           "metric": [ref_x[2], grad_x[2], param_x[2]]},
-               "resume": maxdiff(param, resumed), "sidecar": os.path.isdir(CKPT + ".distkit"),
+               "evaluated": EVALUATED, "resume": maxdiff(param, resumed), "sidecar": os.path.isdir(CKPT + ".distkit"),
                "engines": [grad_engine, param_strategy.dk.cfg.distributed.reduce_type],
                "classes": [type(grad_strategy).__name__, type(param_strategy).__name__], "reduced": REDUCED}, f)
 '''
@@ -939,7 +1162,8 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
     fabric.save (param mode: + each rank's sidecar; grad mode too) then the second epoch ends where the run ended
     (0.0). With accumulation (fabric.no_backward_sync), fabric.clip_gradients, a per-step LR schedule the loop steps
     and a torchmetrics MeanMetric of the set-up module: grad mode Fabric's ddp's parameters, rates and 0.5, param mode
-    distkit's own loop's."""
+    distkit's own loop's. An evaluation between syncs (after the first epoch: the set-up model in eval mode on this
+    rank's share, fabric.all_reduce of the loss) is the own loop's: each rank's own replica (0.0)."""
     script = tmp_path / "fabric_boring.py"
     script.write_text(FABRIC)
     ok(run([sys.executable, str(script), str(tmp_path)], timeout=170))
@@ -949,6 +1173,7 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
         assert row["classes"] == ["DistkitFabricStrategy"] * 2, row
         assert row["param_vs_grad"] > 1e-2, row
         assert row["sidecar"] and row["resume"] <= 1e-6, row  # fabric.save/load mid-period, each rank's own state
+        _check_evaluated(row["evaluated"])  # param mode's evaluation between syncs: the own loop's
         assert row["grad_resume"] <= 1e-6, row  # grad mode: fabric.load of epoch 1's file + epoch 2
         # accumulation (no_backward_sync), clip_gradients, a per-step LR schedule, a MeanMetric of the set-up module:
         # grad mode as Fabric's ddp, param mode as distkit's own loop (the modes apart: local steps)
