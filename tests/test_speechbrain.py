@@ -11,7 +11,9 @@ model (tests/sb_recipes/run.py: after ``evaluate`` loaded the best checkpoint) a
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +156,9 @@ def test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends(engine: 
 
 #: param mode, every 4th step averaged; dropout off: SpeechBrain's LiGRU draws its recurrent dropout masks from a pool
 #: whose position (``drop_mask_cnt``, speechbrain/nnet/RNN.py) is no buffer, so no checkpoint holds it (SpeechBrain's
-#: own neither) and a resumed run draws other masks
-PARAM = ("++distributed.reduce_type", "param", "++distributed.param_sync_step", "4", "--dropout", "0.0")
+#: own neither) and a resumed run draws other masks; SpeechBrain's clipping off (NO_CLIP), so that ZeRO-2 ends bit
+#: for bit as the other engines (with it: 9.2e-3, DeepSpeed's norm as in grad mode)
+PARAM = ("++distributed.reduce_type", "param", "++distributed.param_sync_step", "4", "--dropout", "0.0", *NO_CLIP)
 
 
 def param_args(data: Path, out: Path, *extra: str) -> list[str]:
@@ -175,15 +178,64 @@ def param_ddp(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_param_mode_inside_a_brain_is_the_same_on_ddp_and_mpi(data: Path, param_ddp: Path, tmp_path: Path) -> None:
     """Param mode (local steps, every 4th averaged) in ASR_CTC: the ranks hold one model at the end (the final
-    sync), and ddp (``--nprocs 2``) and mpi (under mpirun) end bit for bit alike: every rank's final model and the
-    checkpoint SpeechBrain's Checkpointer wrote (its module files: the mean of the replicas)."""
+    sync), and ddp (``--nprocs 2``) and mpi (under mpirun) end bit for bit alike: every rank's final model, the
+    checkpoint SpeechBrain's Checkpointer wrote (its module files: the mean of the replicas) and the train log
+    (:func:`assert_ends_as_param_ddp`)."""
     out = tmp_path / "mpi"
-    ok(run([*MPIRUN, RUN, str(converted("asr_ctc", tmp_path)), *param_args(data, out, "++distributed.backend", "mpi")],
-           timeout=240))
-    assert in_sync(out) == [True, True]
-    assert max_diff(final(param_ddp, 0), final(out, 0)) == 0.0
+    ok(run(param_command("mpi", converted("asr_ctc", tmp_path), data, out), timeout=240))
     assert max_diff(final(param_ddp, 0), final(param_ddp, 1)) == 0.0
-    assert max_diff(last_checkpoint(param_ddp), last_checkpoint(out)) == 0.0
+    assert_ends_as_param_ddp(out, param_ddp, "mpi")
+
+
+#: engine -> the command line of a param-mode run on it (SpeechBrain's launchers: mpirun for Horovod; FSDP's
+#: ``--nprocs 2``, as the ddp reference's)
+PARAM_ENGINES = {
+    "ddp": ([sys.executable], ("--nprocs", "2")),
+    "mpi": (MPIRUN, ("++distributed.backend", "mpi")),
+    "horovod": (MPIRUN, ("++use_horovod", "True")),
+    "deepspeed": ([sys.executable], ("--nprocs", "2", *ZERO2)),
+    "fsdp": ([sys.executable], ("--nprocs", "2", "++distributed.backend", "fsdp")),
+}
+
+
+def param_command(engine: str, script: Path, data: Path, out: Path) -> list[str]:
+    """The param-mode ASR_CTC command line on ``engine``, writing to ``out``."""
+    launcher, extra = PARAM_ENGINES[engine]
+    return [*launcher, RUN, str(script), *param_args(data, out, *extra)]
+
+
+def assert_ends_as_param_ddp(out: Path, param_ddp: Path, engine: str) -> None:
+    """The run in ``out`` ran on ``engine`` and ends bit for bit as the param-mode run on the ddp engine: the ranks
+    in sync, every rank's final model, every file of the checkpoint SpeechBrain's Checkpointer wrote last (its
+    module files: the mean of the replicas, epoch 3 ending 2 steps after a sync; the optimizer's where the engine
+    keeps it whole, ZeRO and FSDP keeping their partitions in the ``distkit`` recoverable only) and the train log
+    (every epoch's validation, run on the mean of the replicas where they differ: after epochs 1 and 3)."""
+    assert json.loads((out / "summary-0.json").read_text())["backend"] == engine
+    assert in_sync(out) == [True, True]
+    for rank in (0, 1):
+        assert max_diff(final(out, rank), final(param_ddp, 0)) == 0.0, rank
+    ours, theirs = last_checkpoint(out), last_checkpoint(param_ddp)
+    if engine in ("deepspeed", "fsdp"):
+        assert "optimizer.ckpt" not in ours
+        theirs.pop("optimizer.ckpt")
+    assert max_diff(ours, theirs) == 0.0
+    assert (out / "train_log.txt").read_text() == (param_ddp / "train_log.txt").read_text()
+
+
+def test_param_mode_inside_a_brain_on_horovod_zero2_and_fsdp_is_ddps(data: Path, param_ddp: Path,
+                                                                      tmp_path: Path) -> None:
+    """Param mode in ASR_CTC (as the test above) under mpirun on Horovod, and under ``--nprocs 2`` on ZeRO-2 (whose
+    averaged tensors are DeepSpeed's fp32 masters: the replicas' mean reaches the weights validation runs on) and
+    FSDP (whose Checkpointer module files are gathered whole, from the mean of the replicas while they differ), the
+    three runs side by side: each ends bit for bit as the ddp engine's run (:func:`assert_ends_as_param_ddp`)."""
+    script = converted("asr_ctc", tmp_path)
+    engines = ("horovod", "deepspeed", "fsdp")
+    with ThreadPoolExecutor(len(engines)) as pool:
+        runs = {e: pool.submit(run, param_command(e, script, data, tmp_path / e), timeout=240) for e in engines}
+        for engine, future in runs.items():
+            ok(future.result())
+    for engine in engines:
+        assert_ends_as_param_ddp(tmp_path / engine, param_ddp, engine)
 
 
 def test_a_brain_killed_mid_epoch_in_param_mode_resumes_the_same_run(data: Path, param_ddp: Path,
@@ -191,37 +243,69 @@ def test_a_brain_killed_mid_epoch_in_param_mode_resumes_the_same_run(data: Path,
     """A rank killed with SIGKILL at step 9 (mid-epoch 2), after SpeechBrain's intra-epoch checkpoint at step 8
     (``--ckpt_interval_steps 2``), and the same command again (SpeechBrain's ``recover_if_possible``: each rank's
     replica, optimizer moments, averager and random streams from the ``distkit`` recoverable) ends bit for bit where
-    the run that was not stopped ends."""
+    the run that was not stopped ends (:func:`assert_ends_as_param_ddp`)."""
     out = tmp_path / "killed"
-    args = [sys.executable, RUN, str(converted("asr_ctc", tmp_path)), *param_args(data, out, "--nprocs", "2")]
+    args = param_command("ddp", converted("asr_ctc", tmp_path), data, out)
     killed = run(args, timeout=240, DISTKIT_FAULT="1:9:kill")
     assert killed.returncode != 0 and not (out / "final-0.pt").exists(), killed.stderr[-2000:]
     assert any((out / "save").glob("CKPT+*/distkit.ckpt")), "no checkpoint before the kill"
     ok(run(args, timeout=240))
-    assert max_diff(final(out, 0), final(param_ddp, 0)) == 0.0
-    assert max_diff(last_checkpoint(out), last_checkpoint(param_ddp)) == 0.0
-    assert in_sync(out) == [True, True]
+    assert_ends_as_param_ddp(out, param_ddp, "ddp")
 
 
 def test_speaker_id_on_horovod_in_param_mode_with_diloco_keeps_speechbrains_helpers_on_one_rank(
         data: Path, tmp_path: Path) -> None:
     """speaker_id (x-vector TDNN with BatchNorm, Fbank, InputNormalization) in DiLoCo (an outer Nesterov step at
     every sync) under mpirun on Horovod, the mode from a ``distributed:`` block in the recipe's hparams YAML (plain
-    values beside HyperPyYAML's tags), the engine from the command line (``++use_horovod True``): ranks in sync at
-    the end; SpeechBrain's main-process helpers (the experiment directory, the train logger, the checkpointer) wrote
-    once: one log line per epoch."""
-    hparams = tmp_path / "hparams.yaml"
-    hparams.write_text((RECIPES / "speaker_id" / "hparams.yaml").read_text() + "\ndistributed:\n  reduce_type: param\n"
-                       "  param_sync_step: 1\n  outer_optimizer: {class: nesterov, lr: 0.7, momentum: 0.9}\n")
+    values beside HyperPyYAML's tags), the engine from the command line (``++use_horovod True``): as
+    :func:`assert_speaker_id_in_diloco` says."""
+    script, hparams = speaker_id_in_diloco(tmp_path)
     out = tmp_path / "out"
     args = recipe_args("speaker_id", data, out, "++use_horovod", "True")
-    ok(run([*MPIRUN, RUN, str(converted("speaker_id", tmp_path)), str(hparams), *args[1:]], timeout=240))
+    ok(run([*MPIRUN, RUN, str(script), str(hparams), *args[1:]], timeout=240))
+    assert_speaker_id_in_diloco(out, "horovod")
+
+
+def speaker_id_in_diloco(where: Path) -> tuple[Path, Path]:
+    """The converted speaker_id recipe and its hparams file with a ``distributed:`` block: DiLoCo, every step a
+    sync with an outer Nesterov step (lr 0.7, momentum 0.9)."""
+    hparams = where / "hparams.yaml"
+    hparams.write_text((RECIPES / "speaker_id" / "hparams.yaml").read_text() + "\ndistributed:\n  reduce_type: param\n"
+                       "  param_sync_step: 1\n  outer_optimizer: {class: nesterov, lr: 0.7, momentum: 0.9}\n")
+    return converted("speaker_id", where), hparams
+
+
+def assert_speaker_id_in_diloco(out: Path, engine: str) -> None:
+    """The run in ``out`` took the engine from the command line and the mode from the hparams block; the ranks are
+    in sync at the end (every rank's final model the same); SpeechBrain's main-process helpers (the experiment
+    directory, the train logger, the checkpointer) wrote once: one log line per epoch."""
     summary = json.loads((out / "summary-0.json").read_text())
-    assert (summary["backend"], summary["reduce_type"], summary["param_sync_step"]) == ("horovod", "param", 1)
+    assert (summary["backend"], summary["reduce_type"], summary["param_sync_step"]) == (engine, "param", 1)
     assert summary["outer_optimizer"] == {"class": "nesterov", "lr": 0.7, "momentum": 0.9}, summary
     assert in_sync(out) == [True, True]
     assert max_diff(final(out, 0), final(out, 1)) == 0.0
     assert len((out / "train_log.txt").read_text().splitlines()) == 3
+
+
+def test_speaker_id_in_diloco_from_the_hparams_block_on_ddp_mpi_zero2_and_fsdp(data: Path, tmp_path: Path) -> None:
+    """The test above on the other engines, each on its own command line (torchrun for ddp, mpirun for mpi,
+    ``--nprocs 2`` for ZeRO-2 and FSDP), the four runs side by side: each as :func:`assert_speaker_id_in_diloco`
+    says."""
+    script, hparams = speaker_id_in_diloco(tmp_path)
+    engines = {"ddp": (TORCHRUN, ()), "mpi": (MPIRUN, ("++distributed.backend", "mpi")),
+               "deepspeed": ([sys.executable], ("--nprocs", "2", *ZERO2)),
+               "fsdp": ([sys.executable], ("--nprocs", "2", "++distributed.backend", "fsdp"))}
+
+    def diloco(launcher: list[str], extra: tuple[str, ...], out: Path) -> subprocess.CompletedProcess[str]:
+        args = recipe_args("speaker_id", data, out, *extra)
+        return run([*launcher, RUN, str(script), str(hparams), *args[1:]], timeout=240)
+
+    with ThreadPoolExecutor(len(engines)) as pool:
+        runs = {e: pool.submit(diloco, launcher, extra, tmp_path / e) for e, (launcher, extra) in engines.items()}
+        for engine, future in runs.items():
+            ok(future.result())
+    for engine in engines:
+        assert_speaker_id_in_diloco(tmp_path / engine, engine)
 
 
 @pytest.mark.parametrize("flag, expected", [
@@ -230,11 +314,53 @@ def test_speaker_id_on_horovod_in_param_mode_with_diloco_keeps_speechbrains_help
 ])
 def test_what_a_brain_cannot_do_stops_before_training_in_one_line(flag: tuple[str, ...], expected: str, data: Path,
                                                                   tmp_path: Path) -> None:
-    """Refusals, exit 2, one line naming the fix, before the first step."""
+    """Refusals, exit 2, one line naming the fix, before the first step (see :func:`assert_refused`)."""
     out = tmp_path / "out"
     res = run([sys.executable, str(converted("asr_ctc", tmp_path)),
                *recipe_args("asr_ctc", data, out, "--nprocs", "2", *flag)], timeout=240)
-    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
-    errors = [line for line in res.stderr.splitlines() if line.startswith("distkit: error")]
-    assert errors and expected in errors[0], res.stderr[-3000:]
-    assert not list((out / "save").glob("CKPT+*")) if (out / "save").exists() else True
+    assert_refused(res, expected, out)
+
+
+def assert_refused(res: subprocess.CompletedProcess[str], expected: str, out: Path) -> None:
+    """A refusal as documented: exit 2, one ``distkit: error`` line holding ``expected`` (under mpirun a refusal
+    before the job exists, when the recipe joins, is each rank's: the same line, once per rank that printed it
+    before mpirun ended the job; after, every rank agrees and rank 0 prints it once); no traceback (SpeechBrain's
+    excepthook on the main process logs one to stdout: distkit's hook must come first) and no MPI abort (Open MPI's
+    banner, where a rank aborts the others); no checkpoint written."""
+    assert res.returncode == 2, (expected, res.returncode, res.stderr[-3000:])
+    errors = {line for line in res.stderr.splitlines() if line.startswith("distkit: error")}
+    assert len(errors) == 1 and expected in next(iter(errors)), (expected, res.stderr[-3000:])
+    assert "Traceback" not in res.stdout + res.stderr and "MPI_ABORT" not in res.stderr, \
+        (expected, res.stdout[-3000:], res.stderr[-3000:])
+    assert not list(out.glob("save/CKPT+*")), expected
+
+
+#: engine -> the command line a SpeechBrain user runs for it: ENGINES's, without the accumulation (the refusals'
+#: own flags set it)
+REFUSING = {engine: (launcher, extra[:-len(ACCUM)] if extra[-len(ACCUM):] == ACCUM else extra)
+            for engine, (launcher, extra) in ENGINES.items()}
+
+
+@pytest.mark.parametrize("engine", ["mpi", "horovod", "deepspeed", "fsdp"])
+def test_what_a_brain_cannot_do_stops_before_training_in_one_line_on_every_engine(engine: str, data: Path,
+                                                                                  tmp_path: Path) -> None:
+    """The two refusals of the test above, and fp16's, on the other engines' own command lines (mpirun for mpi and
+    Horovod, ``--nprocs 2`` for ZeRO-2 and FSDP): ``--data_parallel_backend`` (refused when the recipe joins,
+    before any rank starts), an epoch of 6 batches per rank with ``--grad_accumulation_factor 4`` (refused by every rank
+    together when ``fit`` makes the training loader, after the engine started, before the first step) and
+    ``--precision fp16`` (refused by every rank when the Brain is made), each as :func:`assert_refused` says. The
+    runs go side by side (each is mostly imports and start-up)."""
+    launcher, extra = REFUSING[engine]
+    cases = {"--data_parallel_backend": ("--data_parallel_backend",),
+             "grad_accumulation_factor 4 with 6 training batches": ("--grad_accumulation_factor", "4"),
+             "--precision fp16 (a GradScaler steps the optimizer itself)": ("--precision", "fp16")}
+    script = str(converted("asr_ctc", tmp_path))
+
+    def refused(flag: tuple[str, ...], out: Path) -> subprocess.CompletedProcess[str]:
+        return run([*launcher, script, *recipe_args("asr_ctc", data, out, *extra, *flag)], timeout=240)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = {expected: (pool.submit(refused, flag, tmp_path / f"out{i}"), tmp_path / f"out{i}")
+                   for i, (expected, flag) in enumerate(cases.items())}
+        for expected, (future, out) in results.items():
+            assert_refused(future.result(), expected, out)

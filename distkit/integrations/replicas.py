@@ -37,7 +37,8 @@ class ReplicaMean:
     if nothing had happened. A no-op in grad mode, on one rank, right after a sync, and after :meth:`finished`.
 
     Cross-rank contract: :meth:`block` is collective when it averages (the sync schedule, and so the answer of
-    "do the replicas differ", is the same on every rank); :meth:`own` is not.
+    "do the replicas differ", is the same on every rank); :meth:`own` is not, except on DeepSpeed inside a block
+    (the weights are rewritten from the fp32 masters: an all-gather), where every rank calls it (a save's).
     """
 
     def __init__(self, dk: Session) -> None:
@@ -64,6 +65,9 @@ class ReplicaMean:
             return
         self._own = [t.detach().clone() for t in averager.tensors]  # one copy of the model, for the block's length
         self.dk._strategy.average_parameters(averager.tensors, [averager.is_parameter(i) for i in range(len(self._own))])
+        # where the averaged tensors are copies of the weights (DeepSpeed's fp32 masters), the weights from them: else
+        # the forward would still see this rank's own replica (ZeRO-2: validation and the checkpoint's files rank 0's)
+        averager._updated()
         try:
             yield
         finally:
@@ -71,11 +75,12 @@ class ReplicaMean:
             with torch.no_grad():
                 for t, mine in zip(averager.tensors, own, strict=True):
                     t.copy_(mine)
+            averager._updated()
 
     @contextlib.contextmanager
     def own(self) -> Iterator[None]:
         """This rank's own replica inside (e.g. to save it per rank from within a :meth:`block`), the block's mean
-        again after it. Not collective; a no-op outside a block."""
+        again after it. Not collective but on DeepSpeed (see the class); a no-op outside a block."""
         if self._own is None:
             yield
             return
@@ -84,9 +89,11 @@ class ReplicaMean:
         with torch.no_grad():
             for t, mine in zip(averager.tensors, self._own, strict=True):
                 t.copy_(mine)
+        averager._updated()  # (the weights from the tensors, as in block)
         try:
             yield
         finally:
             with torch.no_grad():
                 for t, m in zip(averager.tensors, mean, strict=True):
                     t.copy_(m)
+            averager._updated()

@@ -60,8 +60,8 @@ from torch import nn
 from distkit.errors import BackendUnavailable, UnsupportedCombination, UsageError
 from distkit.health import faults
 from distkit.integrations.replicas import ReplicaMean
-from distkit.integrations.speechbrain_job import (ddp_init_group, given_option, join, options_dict, parse_arguments,
-                                                  refuse_data_parallel, run_option)
+from distkit.integrations.speechbrain_job import (ddp_init_group, distkit_errors_first, given_option, join,
+                                                  options_dict, parse_arguments, refuse_data_parallel, run_option)
 
 
 __all__ = ["Brain", "ddp_init_group", "join", "parse_arguments"]
@@ -106,9 +106,10 @@ class Brain(_sb.Brain):
                  run_opts: Any = None, checkpointer: Optional[Checkpointer] = None) -> None:
         refuse_data_parallel(run_opts)
         dk = join(run_opts, hparams)
+        distkit_errors_first()  # (the recipe made its experiment directory by now, as SpeechBrain's recipes do)
         if run_option(run_opts, "precision") == "fp16" or run_option(run_opts, "eval_precision") == "fp16":
-            raise UnsupportedCombination("distkit.speechbrain.Brain with --precision fp16 (a GradScaler steps the "
-                                         "optimizer itself): use --precision bf16 or fp32")
+            raise _refusal("distkit.speechbrain.Brain with --precision fp16 (a GradScaler steps the optimizer "
+                           "itself): use --precision bf16 or fp32")
         if not given_option(run_opts, "device") and (hparams is None or "device" not in hparams):
             run_opts = dict(options_dict(run_opts), device=str(dk.device))
         super().__init__(modules, opt_class, hparams, run_opts, checkpointer)
@@ -147,9 +148,9 @@ class Brain(_sb.Brain):
             return
         optimizers = dict(self.optimizers_dict or ({"optimizer": self.optimizer} if self.opt_class else {}))
         if len(optimizers) > 1:
-            raise UnsupportedCombination(f"distkit.speechbrain.Brain steps one optimizer (one distkit Session), "
-                                         f"init_optimizers made {len(optimizers)} ({', '.join(optimizers)}): use one "
-                                         "optimizer with several param groups, or speechbrain.Brain under torchrun")
+            raise _refusal(f"distkit.speechbrain.Brain steps one optimizer (one distkit Session), init_optimizers "
+                           f"made {len(optimizers)} ({', '.join(optimizers)}): use one optimizer with several param "
+                           "groups, or speechbrain.Brain under torchrun")
         trainable = {k: m for k, m in self.modules.items() if any(p.requires_grad for p in m.parameters())}
         if not optimizers or not trainable:
             return  # nothing to train here (an evaluation-only Brain): the modules stay as they are
@@ -159,10 +160,9 @@ class Brain(_sb.Brain):
         groups = len(optimizer.param_groups)
         if self.max_grad_norm and not self.dk._strategy.grads_in_params:
             if groups > 1:
-                raise UnsupportedCombination(f"max_grad_norm on {self.dk._strategy.backend_impl()} with "
-                                             f"{groups} param groups: SpeechBrain clips the first group "
-                                             "only, which this engine (it clips inside its step) cannot: "
-                                             "--max_grad_norm 0, or one param group")
+                raise _refusal(f"max_grad_norm on {self.dk._strategy.backend_impl()} with {groups} param groups: "
+                               "SpeechBrain clips the first group only, which this engine (it clips inside its "
+                               "step) cannot: --max_grad_norm 0, or one param group")
             self.dk.cfg.gradient_clip = float(self.max_grad_norm)  # the engine clips the one group in its step
         if self.find_unused_parameters:  # SpeechBrain's run option: DDP's own keyword (distributed.options)
             self.dk.cfg.distributed.options.setdefault("find_unused_parameters", True)
@@ -213,11 +213,15 @@ class Brain(_sb.Brain):
         """SpeechBrain's; the training loader's batch count must be a multiple of ``grad_accumulation_factor``."""
         loader = super().make_dataloader(dataset, stage, ckpt_prefix, **loader_kwargs)
         factor = int(self.grad_accumulation_factor)
-        if stage == _sb.Stage.TRAIN and factor > 1 and hasattr(loader, "__len__") and len(loader) % factor:
-            raise UnsupportedCombination(f"grad_accumulation_factor {factor} with {len(loader)} training batches per "
-                                         f"epoch on this rank: SpeechBrain drops the gradients of the last "
-                                         f"{len(loader) % factor} batches, which distkit's engines cannot; choose a "
-                                         "batch size or drop_last so the count is a multiple of the factor")
+        if stage == _sb.Stage.TRAIN and factor > 1 and hasattr(loader, "__len__"):
+            tail = len(loader) % factor
+            if self.dk.world_size > 1:  # agreed by every rank (collective): they stop together, one line for all
+                tail = int(self.dk.all_reduce(torch.tensor(float(tail)), "max").item())
+            if tail:
+                raise _refusal(f"grad_accumulation_factor {factor} with {len(loader)} training batches per epoch on "
+                               f"this rank: SpeechBrain drops the gradients of the last {tail} batches, which "
+                               "distkit's engines cannot; choose a batch size or drop_last so the count is a "
+                               "multiple of the factor")
         return loader
 
     def _train_loader_specifics(self, dataset: Any, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -315,6 +319,7 @@ class Brain(_sb.Brain):
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
         """SpeechBrain's ``fit``, then in param mode the final sync (collective): every rank holds one model."""
+        distkit_errors_first()  # (an experiment directory made after the Brain)
         super().fit(*args, **kwargs)
         if self._forward is not None and self.dk._strategy.averager is not None and not self._replicas.finished:
             self.dk.finish()
@@ -343,6 +348,15 @@ class Brain(_sb.Brain):
         first batch on, as in the run that was stopped."""
         state, self._rng_at_batch = self._rng_at_batch, None
         super()._fit_train(_StreamsAfterIter(train_set, state) if state is not None else train_set, epoch, enable)
+
+
+def _refusal(text: str) -> UnsupportedCombination:
+    """A Brain's refusal, raised by every rank at the same point (from the same run options and recipe, or agreed
+    by a collective): marked agreed, so that rank 0 prints its one line and the ranks leave together with exit 2,
+    where an error of one rank would abort the others (MPI_Abort under mpirun: Open MPI's banner and no line)."""
+    error = UnsupportedCombination(text)
+    error.agreed = True
+    return error
 
 
 def _rng_state() -> tuple[Any, Any, Any]:
@@ -394,9 +408,16 @@ def _load_optimizer(optimizer: Any, path: Any, end_of_epoch: bool = True) -> Non
 
 def _whole_saver(brain: Brain, prefix: str) -> Callable[[Any, Any], None]:
     def save(obj: Any, path: Any) -> None:
-        whole = brain.dk.state_dict()  # collective: every rank gathers, SpeechBrain calls save hooks on all
-        if brain.dk.is_main:
-            torch.save({k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}, str(path))
+        dk = brain.dk
+        # Collective: every rank gathers (SpeechBrain calls save hooks on all of them). In param mode the replicas
+        # differ between syncs, so the file holds their mean (the block SpeechBrain's saves already run in, or
+        # this one): dk.state_dict() refuses while they differ (it cannot know a block holds one model), so the
+        # engine's gather is called as dk.state_dict() calls it.
+        with brain._replicas.block(), dk._collective("the checkpoint's module files (dk.state_dict())"):
+            whole, _, _ = dk._strategy.portable_state(dk._model, None, lambda name: True)
+        if dk.is_main:
+            torch.save({k[len(prefix):]: v.detach().cpu() for k, v in whole.items() if k.startswith(prefix)},
+                       str(path))
     return save
 
 

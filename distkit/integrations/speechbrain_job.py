@@ -13,7 +13,7 @@ import torch
 
 from distkit.config.arguments import CONFIGS_DEST, OVERRIDES_DEST
 from distkit.config.loader import split_overrides
-from distkit.errors import BackendUnavailable, ConfigError, UnsupportedCombination, UsageError
+from distkit.errors import BackendUnavailable, ConfigError, DistkitError, UnsupportedCombination, UsageError
 from distkit.health.guards import install_excepthook
 from distkit.integrations.replicas import rng_kept
 from distkit.session import Session
@@ -100,10 +100,11 @@ def join(run_opts: Any = None, hparams: Optional[dict[str, Any]] = None) -> Sess
     file's ``distributed:`` block (or ``hparams["distributed"]``) and SpeechBrain's ``--distributed_backend``;
     the random streams stay the recipe's. Under plain ``python`` with ``--nprocs N`` this does not return in the
     launching process (as :func:`distkit.init`). Then SpeechBrain's helpers run on the engine's collectives."""
-    global _SESSION
+    global _SESSION, _DISTKIT_HOOK
     if _SESSION is not None:
         return _SESSION
     install_excepthook(lambda: Session.current)  # (distkit.init's own: the refusals below come before it)
+    _DISTKIT_HOOK = sys.excepthook
     import distkit
 
     block = dict(hparams["distributed"]) if hparams and isinstance(hparams.get("distributed"), dict) else \
@@ -117,6 +118,28 @@ def join(run_opts: Any = None, hparams: Optional[dict[str, Any]] = None) -> Sess
         _SESSION = distkit.init(ns)
     _route(_SESSION)
     return _SESSION
+
+
+#: distkit's excepthook, as :func:`join` found it installed (a DistkitError: its one line and exit status)
+_DISTKIT_HOOK: Optional[Callable[..., Any]] = None
+
+
+def distkit_errors_first() -> None:
+    """On SpeechBrain's main process ``create_experiment_directory`` replaces ``sys.excepthook`` with its own
+    (``_logging_excepthook``, speechbrain/core.py), which logs a traceback and leaves with exit 1, so a refusal
+    after it (a Brain's) would be a traceback on rank 0 instead of distkit's one line and exit 2. Puts a hook in
+    front: DistkitErrors to distkit's hook, everything else to the hook in place (SpeechBrain's logging).
+    Idempotent; nothing to do before :func:`join` or while distkit's hook is still the one."""
+    current = sys.excepthook
+    if _DISTKIT_HOOK is None or current is _DISTKIT_HOOK or getattr(current, "distkit_errors_first", False):
+        return
+    distkit_hook = _DISTKIT_HOOK
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        (distkit_hook if isinstance(exc, DistkitError) else current)(kind, exc, tb)
+
+    hook.distkit_errors_first = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def refuse_data_parallel(run_opts: Any) -> None:
