@@ -673,6 +673,18 @@ run, res = fit(DistkitStrategy(configs[0]), out=out, **DROP)
 again, _ = fit(DistkitStrategy(configs[0]), ckpt_path=os.path.join(out, "epoch=0.ckpt"), **DROP)
 result["dropout"] = {"resume_diff": maxdiff(run, again), "spread": res["spread"],
                      "sidecar": os.path.isdir(os.path.join(out, "epoch=0.ckpt.distkit"))}
+
+# the same file without its sidecar (each rank its own copy): the resume must stop, not start every rank from rank 0's
+# replica (0.51 apart, unseen, before the refusal); the last fit of the job (the strategy ends in the error)
+import shutil
+bare = os.path.join(args.out, f"bare-{strategy.global_rank}")
+os.makedirs(bare)
+shutil.copy(os.path.join(out, "epoch=0.ckpt"), bare)
+try:
+    fit(DistkitStrategy(configs[0]), ckpt_path=os.path.join(bare, "epoch=0.ckpt"), **DROP)
+    result["no_sidecar"] = "resumed"
+except Exception as e:
+    result["no_sidecar"] = [type(e).__name__, str(e), bool(getattr(e, "agreed", False))]
 '''
 
 END = r'''
@@ -921,6 +933,10 @@ def test_param_mode_equals_own_loop_and_resumes_from_checkpoint(tmp_path: Path) 
         # one DataLoader iterator more than the run before its first step, each drawing from the global RNG)
         drop = row["dropout"]
         assert drop["sidecar"] and drop["resume_diff"] == 0.0 and drop["spread"] > 1e-3, drop
+        # a param-mode checkpoint whose sidecar is missing: one agreed line on every rank, no resume from rank 0's
+        name, text, agreed = row["no_sidecar"]
+        assert name == "CheckpointError" and agreed and "\n" not in text, row["no_sidecar"]
+        assert "epoch=0.ckpt.distkit" in text and "beside the checkpoint where every rank reads it" in text, text
 
 
 #: what cannot work, each refused in one line before training starts; the last one uncaught (exit 2, one line)
@@ -1140,6 +1156,16 @@ ref_x, grad_x = extras("ddp"), extras(DistkitStrategy())
 param_strategy = DistkitStrategy(PARAM)
 param_x = extras(param_strategy, finish=True)
 own_x = own_extras(PARAM, param_strategy.dk.env)
+# the param-mode file without its sidecar (each rank its own copy): fabric.load must stop on every rank in one line,
+# not resume every rank from rank 0's replica; the job's last train (it ends in the error)
+import shutil
+BARE = os.path.join(sys.argv[1], f"bare-{fabric.global_rank}.ckpt")
+shutil.copy(CKPT, BARE)
+try:
+    train(DistkitFabricStrategy(PARAM), start_epoch=1, load=BARE)
+    NO_SIDECAR = "resumed"
+except Exception as e:
+    NO_SIDECAR = [type(e).__name__, str(e), bool(getattr(e, "agreed", False))]
 with open(os.path.join(sys.argv[1], f"result-{fabric.global_rank}.json"), "w") as f:
     json.dump({"grad": maxdiff(ref, grad), "param": maxdiff(own, param), "param_vs_grad": maxdiff(grad, param),
                "grad_resume": maxdiff(grad, grad_resumed),
@@ -1149,7 +1175,8 @@ with open(os.path.join(sys.argv[1], f"result-{fabric.global_rank}.json"), "w") a
                           "metric": [ref_x[2], grad_x[2], param_x[2]]},
                "evaluated": EVALUATED, "resume": maxdiff(param, resumed), "sidecar": os.path.isdir(CKPT + ".distkit"),
                "engines": [grad_engine, param_strategy.dk.cfg.distributed.reduce_type],
-               "classes": [type(grad_strategy).__name__, type(param_strategy).__name__], "reduced": REDUCED}, f)
+               "classes": [type(grad_strategy).__name__, type(param_strategy).__name__], "reduced": REDUCED,
+               "no_sidecar": NO_SIDECAR}, f)
 '''
 
 
@@ -1173,6 +1200,8 @@ def test_fabric_grad_mode_equals_fabric_ddp_and_param_mode_equals_own_loop(tmp_p
         assert row["classes"] == ["DistkitFabricStrategy"] * 2, row
         assert row["param_vs_grad"] > 1e-2, row
         assert row["sidecar"] and row["resume"] <= 1e-6, row  # fabric.save/load mid-period, each rank's own state
+        name, text, agreed = row["no_sidecar"]  # the same file without its sidecar: one agreed line, no resume
+        assert name == "CheckpointError" and agreed and f"bare-{r}.ckpt.distkit" in text and "\n" not in text, text
         _check_evaluated(row["evaluated"])  # param mode's evaluation between syncs: the own loop's
         assert row["grad_resume"] <= 1e-6, row  # grad mode: fabric.load of epoch 1's file + epoch 2
         # accumulation (no_backward_sync), clip_gradients, a per-step LR schedule, a MeanMetric of the set-up module:

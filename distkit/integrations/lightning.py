@@ -40,8 +40,8 @@ from distkit.checkpoint.load import relink_given_optimizer
 from distkit.config import RunConfig
 from distkit.errors import UnsupportedCombination, UsageError
 from distkit.integrations.lightning_fabric import (  # noqa: F401 (DistkitFabricStrategy: imported from here)
-    SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _NoSync, _SessionStep, _Shared, _backward, _devices, _join,
-    _reduce, _resolve, _set_ranks, sync_metrics,
+    REPLICAS_KEY, SIDECAR, DistkitFabricStrategy, _FixedEnvironment, _NoSync, _SessionStep, _Shared, _backward,
+    _devices, _join, _reduce, _resolve, _set_ranks, load_sidecar, sync_metrics,
 )
 from distkit.session import Session
 
@@ -74,6 +74,7 @@ class DistkitStrategy(_Shared, ParallelStrategy):
         self.dk: Optional[Session] = None
         self._wrapped: Optional[nn.Module] = None
         self._resume_from: Optional[str] = None
+        self._resume_marked = False  # the checkpoint resumed from says every rank's own state is in its sidecar
         self._precision = None  # (read by Fabric's connector before it knows the frontend: see _set_world_ranks)
 
     # -- topology ------------------------------------------------------------------------------------------------
@@ -236,8 +237,10 @@ class DistkitStrategy(_Shared, ParallelStrategy):
         """Collective (Lightning calls it on every rank): rank 0 writes Lightning's file; in param mode after
         ``fit`` set up the Session, every rank also writes its replica, optimizer and averager state to
         ``FILE.distkit`` (``dk.save``), which :meth:`load_optimizer_state_dict` restores on resume."""
-        super().save_checkpoint(checkpoint, filepath, storage_options)
         own = self._param_state()
+        if own is not None:
+            checkpoint[REPLICAS_KEY] = True  # a resume must find every rank's own state (load_sidecar)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
         if own is not None:
             self.dk.save(str(filepath) + SIDECAR, own)  # type: ignore[union-attr]
 
@@ -248,7 +251,9 @@ class DistkitStrategy(_Shared, ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         self._resume_from = str(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume_marked = bool(checkpoint.get(REPLICAS_KEY, False))
+        return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Collective in param mode: Lightning's optimizer state (rank 0's), then this rank's own state from the
@@ -256,9 +261,9 @@ class DistkitStrategy(_Shared, ParallelStrategy):
         super().load_optimizer_state_dict(checkpoint)
         assert self.dk is not None
         relink_given_optimizer(self.dk)  # (dk.load's own relink: Horovod's optimizer got new param groups)
-        own, side = self._param_state(), (self._resume_from or "") + SIDECAR
-        if own is not None and os.path.isdir(side):
-            self.dk.load(side, own)  # type: ignore[union-attr]
+        own = self._param_state()
+        if own is not None:
+            load_sidecar(self.dk, self._resume_from or "", own, self._resume_marked)
 
     # -- the end ---------------------------------------------------------------------------------------------------
     def teardown(self) -> None:

@@ -38,7 +38,7 @@ from distkit.components import pick_device
 from distkit.config import RunConfig
 from distkit.config.arguments import Source, config_from
 from distkit.env import ClusterEnv, detect
-from distkit.errors import ConfigError, UnsupportedCombination, UsageError
+from distkit.errors import CheckpointError, ConfigError, UnsupportedCombination, UsageError
 from distkit.health.guards import install_excepthook
 from distkit.session import Session
 from distkit.integrations.session_optimizer import SessionOptimizer
@@ -49,6 +49,31 @@ _OWN = {"deepspeed": "lightning.pytorch.strategies.DeepSpeedStrategy (Trainer(st
 _OPS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 #: the per-rank state of a param-mode checkpoint (replicas, optimizer moments, averager) beside Lightning's file
 SIDECAR = ".distkit"
+#: the key a param-mode checkpoint of the Lightning bridges carries (``True``): every rank's own state is in
+#: ``PATH.distkit``, so a resume without that directory would start every rank from rank 0's replica
+REPLICAS_KEY = "distkit_replicas_in_sidecar"
+
+
+def load_sidecar(dk: Any, path: str, own: dict[str, Any], marked: bool) -> None:
+    """Collective where ``marked`` (the same on every rank: read from the one checkpoint file): this rank's own state
+    from ``path`` + :data:`SIDECAR` into ``own`` (``dk.load``). A checkpoint marked as written in param mode whose
+    directory any rank cannot find stops every rank with one line (:class:`~distkit.errors.CheckpointError`, agreed)
+    instead of resuming every replica from rank 0's: a different run, unseen (0.51 apart in a test). Unmarked (grad
+    mode, another strategy, or written before the mark): the directory is loaded if there, else the ranks start
+    from the file's one model, as Lightning's own strategies do."""
+    side = path + SIDECAR
+    here = os.path.isdir(side)
+    if marked:
+        missing = dk.all_reduce(torch.tensor([0.0 if here else 1.0]), op="max")
+        if float(missing[0]) > 0:
+            error = CheckpointError(f"{path} was saved in param mode with each rank's own replica, optimizer and "
+                                    f"averager state in {side}, which {'this' if not here else 'another'} rank cannot "
+                                    f"find: put that directory beside the checkpoint where every rank reads it, or "
+                                    f"resume from a checkpoint that has it")
+            error.agreed = True  # every rank raises it here, after the all-reduce
+            raise error
+    if here:
+        dk.load(side, own)
 
 
 class _FixedEnvironment(ClusterEnvironment):
@@ -409,8 +434,9 @@ class DistkitFabricStrategy(_Shared, ParallelStrategy):
                         filter: Optional[dict[str, Any]] = None) -> None:
         """Collective (``fabric.save``): rank 0 writes Fabric's file; in param mode every rank also writes its own
         replica, optimizer and averager state to ``PATH.distkit``, which :meth:`load_checkpoint` restores."""
-        super().save_checkpoint(path, state, storage_options, filter)
         own = self._param_state()
+        # (marked: a resume must find every rank's own state, load_sidecar)
+        super().save_checkpoint(path, state if own is None else {**state, REPLICAS_KEY: True}, storage_options, filter)
         if own is not None:
             self.dk.save(str(path) + SIDECAR, own)  # type: ignore[union-attr]
 
@@ -418,9 +444,10 @@ class DistkitFabricStrategy(_Shared, ParallelStrategy):
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Collective in param mode: Fabric's load (rank 0's state), then this rank's own state if saved."""
         rest = super().load_checkpoint(path, state, strict, weights_only)
-        own, side = self._param_state(), str(path) + SIDECAR
-        if own is not None and isinstance(state, dict) and os.path.isdir(side):
-            self.dk.load(side, own)  # type: ignore[union-attr]
+        marked = bool(rest.pop(REPLICAS_KEY, False)) if isinstance(rest, dict) else False
+        own = self._param_state()
+        if own is not None and isinstance(state, dict):
+            load_sidecar(self.dk, str(path), own, marked)
         return rest
 
     def close(self) -> None:
