@@ -3,15 +3,17 @@
 The own-loop suite (``tests/test_conformance.py``) runs one idioms script on every engine and mode. The front doors
 are the frameworks' own loops with distkit plugged in: Lightning's ``Trainer`` (``distkit.lightning.DistkitStrategy``),
 Lightning's ``Fabric`` (the same strategy), ``transformers.Trainer`` (``distkit.hf.DistkitTrainer``), Accelerate
-loops (``distkit.hf.ParamSync``) and SpeechBrain recipes (``distkit.speechbrain.Brain``, ``tests/test_speechbrain.py``). Their comparisons already run in real processes in ``tests/test_lightning.py`` and
-``tests/test_hf.py`` (a few jobs, each measuring many things in one start: the suite's time is spent); this module
-adds no process. It states, per front door, idiom, mode and engine, what those tests assert and which test
-asserts it:
+loops (``distkit.hf.ParamSync``) and SpeechBrain recipes (``distkit.speechbrain.Brain``, ``tests/test_speechbrain.py``). Their comparisons already run in real processes in ``tests/test_lightning.py``,
+``tests/test_hf.py`` and ``tests/test_bridge_kill.py`` (a few jobs, each measuring many things in one start: the
+suite's time is spent); this module adds no process. It states, per front door, idiom, mode and engine, what those
+tests assert and which test asserts it:
 
 - :data:`IDENTICAL`: asserted bit for bit (``torch.equal``, a difference ``== 0.0``, or ``==``) against the row's
   reference;
 - :data:`CLOSE`: asserted within 1e-6 of the row's reference (the largest difference of any tensor or value);
 - :data:`RUNS`: the engine is taken (the row "engine choice"), with the test of a run on it;
+- :data:`REFERENCE`: the row's reference itself (a row comparing the other engines with this one's run), with the
+  test that runs it;
 - a refusal: the documented one-line error, shown by phrases of it that the test asserts;
 - :data:`NOT_OFFERED`: the bridge does not take that engine or mode (:data:`OFFERED`, docs/integrations.md's
   "What each engine does inside each framework"); no result is claimed;
@@ -32,11 +34,12 @@ MODES: tuple[str, ...] = ("grad", "param")
 IDENTICAL = "identical"
 CLOSE = "Δ ≤ 1e-6"
 RUNS = "runs"
+REFERENCE = "the reference"
 REFUSED = "refused"
 NOT_OFFERED = "not offered"
 UNTESTED = "untested"
 #: the results that claim something, and so need a test
-CLAIMS: frozenset[str] = frozenset({IDENTICAL, CLOSE, RUNS, REFUSED})
+CLAIMS: frozenset[str] = frozenset({IDENTICAL, CLOSE, RUNS, REFERENCE, REFUSED})
 
 LIGHTNING = "Lightning `Trainer` (`DistkitStrategy`)"
 FABRIC = "Lightning `Fabric` (`DistkitStrategy`)"
@@ -82,6 +85,17 @@ TESTS: dict[str, str] = {
     "H9": "tests/test_hf.py::test_save_state_mid_period_resumes_bit_for_bit",
     "H10": "tests/test_hf.py::test_distkit_trainer_grad_mode_resumes_where_it_ended_with_dropout",
     "H11": "tests/test_hf.py::test_distkit_trainer_param_mode_accumulation_schedule_log_and_predict_equal_own_loop",
+    "K1": "tests/test_bridge_kill.py::"
+          "test_lightning_trainer_killed_during_fit_resumes_from_last_as_the_uninterrupted_run[ddp]",
+    "K2": "tests/test_bridge_kill.py::"
+          "test_lightning_trainer_killed_during_fit_resumes_from_last_as_the_uninterrupted_run[mpi]",
+    "K3": "tests/test_bridge_kill.py::"
+          "test_lightning_trainer_killed_during_fit_resumes_from_last_as_the_uninterrupted_run[horovod]",
+    "K4": "tests/test_bridge_kill.py::test_fabric_killed_resumes_from_its_last_save_as_the_uninterrupted_run[ddp]",
+    "K5": "tests/test_bridge_kill.py::test_fabric_killed_resumes_from_its_last_save_as_the_uninterrupted_run[mpi]",
+    "K6": "tests/test_bridge_kill.py::test_fabric_killed_resumes_from_its_last_save_as_the_uninterrupted_run[horovod]",
+    "K7": "tests/test_bridge_kill.py::test_distkit_trainer_killed_resumes_from_checkpoint_as_the_uninterrupted_run",
+    "K8": "tests/test_bridge_kill.py::test_param_sync_killed_resumes_from_load_state_as_the_uninterrupted_run",
     "S1": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[ddp]",
     "S2": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[mpi]",
     "S3": "tests/test_speechbrain.py::test_asr_ctc_with_one_changed_line_ends_where_speechbrains_ddp_ends[horovod]",
@@ -94,6 +108,17 @@ TESTS: dict[str, str] = {
     "S8": "tests/test_speechbrain.py::test_what_a_brain_cannot_do_stops_before_training_in_one_line[flag0---data_parallel_backend]",
     "S9": "tests/test_speechbrain.py::"
           "test_what_a_brain_cannot_do_stops_before_training_in_one_line[flag1-grad_accumulation_factor 4 with 6 training batches]",
+    "S11": "tests/test_speechbrain.py::test_what_a_brain_cannot_do_stops_before_training_in_one_line_on_every_engine[mpi]",
+    "S12": "tests/test_speechbrain.py::"
+           "test_what_a_brain_cannot_do_stops_before_training_in_one_line_on_every_engine[horovod]",
+    "S13": "tests/test_speechbrain.py::"
+           "test_what_a_brain_cannot_do_stops_before_training_in_one_line_on_every_engine[deepspeed]",
+    "S14": "tests/test_speechbrain.py::"
+           "test_what_a_brain_cannot_do_stops_before_training_in_one_line_on_every_engine[fsdp]",
+    "S15": "tests/test_speechbrain.py::test_param_mode_inside_a_brain_on_horovod_zero2_and_fsdp_is_ddps",
+    "S16": "tests/test_speechbrain.py::test_speaker_id_in_diloco_from_the_hparams_block_on_ddp_mpi_zero2_and_fsdp",
+    "S17": "tests/test_speechbrain.py::"
+           "test_a_brain_killed_mid_epoch_in_param_mode_on_mpi_horovod_zero2_and_fsdp_resumes_the_same_run",
 }
 
 
@@ -125,6 +150,11 @@ def close(*tests: str) -> Cell:
 def runs(*tests: str) -> Cell:
     """The engine is taken: ``tests`` run it."""
     return Cell(RUNS, tests)
+
+
+def reference(*tests: str) -> Cell:
+    """The row's reference: the other engines' cells are compared with this engine's run, which ``tests`` make."""
+    return Cell(REFERENCE, tests)
 
 
 def refused(phrases: tuple[str, ...], *tests: str) -> Cell:
@@ -179,8 +209,10 @@ ROWS: list[Row] = [
     row(LIGHTNING, "BatchNorm, steps calling `self.model(x)`: `valid_loss` logged during `fit` (rank 0's statistics "
         "before validation) and final parameters", "grad", DDPSTRATEGY, ddp=close("L1"), mpi=close("L2"),
         horovod=close("L2")),
-    row(LIGHTNING, "BatchNorm, steps calling `self.model(x)`: `valid_loss` logged during `fit` and final parameters",
-        "param", OWN_LOOP),
+    row(LIGHTNING, "BatchNorm, steps calling `self.model(x)`: `valid_loss` logged during `fit` (both validations "
+        "between syncs: each rank's own replica and statistics, the mean over the ranks) and final parameters and "
+        "buffers",
+        "param", OWN_LOOP, ddp=close("L3"), mpi=close("L2"), horovod=close("L2")),
     row(LIGHTNING, "torchmetrics `MeanMetric` logged with `self.log(name, metric)`", "grad",
         "DDP's value (0.5, the mean over both ranks)", ddp=identical("L1"), mpi=identical("L4"),
         horovod=identical("L4")),
@@ -208,23 +240,35 @@ ROWS: list[Row] = [
         horovod=close("L2")),
     row(LIGHTNING, "per-epoch `StepLR` resumed from `DDPStrategy`'s first-epoch checkpoint: every step's rate "
         "(asserted equal) and final parameters", "grad", "`DDPStrategy`'s resume from the same file",
-        mpi=close("L2"), horovod=close("L2")),
-    row(LIGHTNING, "per-epoch `StepLR` across a resume", "param", OWN_LOOP),
+        ddp=close("L1"), mpi=close("L2"), horovod=close("L2")),
+    row(LIGHTNING, "per-epoch `StepLR` across a resume (`fit(ckpt_path=epoch=0.ckpt)` + each rank's sidecar, "
+        "mid-period): every step's rate (asserted equal), the uninterrupted and the resumed run's final parameters",
+        "param", OWN_LOOP, ddp=close("L3"), mpi=close("L2"), horovod=close("L2")),
     row(LIGHTNING, "best checkpoint (`ModelCheckpoint(monitor=...)`, `best_model_path`)", "grad", DDPSTRATEGY,
         ddp=close("L1"), mpi=close("L2"), horovod=close("L2")),
-    row(LIGHTNING, "best checkpoint (`ModelCheckpoint(monitor=...)`, `best_model_path`)", "param", OWN_LOOP),
+    row(LIGHTNING, "best checkpoint (`ModelCheckpoint(monitor=...)`, `best_model_path`; the BatchNorm model above: "
+        "the best epoch, its score, rank 0's replica in the file)", "param", OWN_LOOP, ddp=close("L3"), mpi=close("L2"),
+        horovod=close("L2")),
     row(LIGHTNING, "`ModelCheckpoint` + `fit(ckpt_path=epoch=0.ckpt)` (param: + each rank's sidecar)", "grad",
         UNINTERRUPTED, ddp=close("L1"), mpi=close("L2"), horovod=close("L2")),
     row(LIGHTNING, "`ModelCheckpoint` + `fit(ckpt_path=epoch=0.ckpt)` (param: + each rank's sidecar)", "param",
         UNINTERRUPTED, ddp=close("L3"), mpi=close("L2"), horovod=close("L2")),
-    row(LIGHTNING, "dropout, `ModelCheckpoint(save_on_train_epoch_end=False)`, the same resume", "grad",
-        UNINTERRUPTED),
+    row(LIGHTNING, "dropout, `ModelCheckpoint(save_on_train_epoch_end=False)`, the same resume (from `DDPStrategy`'s "
+        "first-epoch file: grad mode's checkpoints hold no random state, and `DDPStrategy`'s own resume is not the "
+        "uninterrupted run)", "grad", "`DDPStrategy`'s resume from the same file", ddp=close("L1"), mpi=close("L2"),
+        horovod=close("L2")),
     row(LIGHTNING, "dropout, `ModelCheckpoint(save_on_train_epoch_end=False)`, the same resume", "param",
-        UNINTERRUPTED, ddp=identical("L3")),
-    row(LIGHTNING, "resume after a kill (a rank killed during `fit`)", "grad", UNINTERRUPTED),
-    row(LIGHTNING, "resume after a kill (a rank killed during `fit`)", "param", UNINTERRUPTED),
-    row(LIGHTNING, "LightningCLI: `--trainer.strategy distkit` and the class path with `--trainer.strategy.source`",
-        "grad", "each other", ddp=identical("L1")),
+        UNINTERRUPTED, ddp=identical("L3"), mpi=identical("L2"), horovod=identical("L2")),
+    row(LIGHTNING, "resume after a kill (a rank killed during `fit`): rank 1 SIGKILLed in epoch 3, then "
+        "`fit(ckpt_path=\"last\")` (`ModelCheckpoint(save_last=True)`; param: + each rank's sidecar, mid-period)",
+        "grad", UNINTERRUPTED, ddp=identical("K1"), mpi=identical("K2"), horovod=identical("K3")),
+    row(LIGHTNING, "resume after a kill (a rank killed during `fit`): rank 1 SIGKILLed in epoch 3, then "
+        "`fit(ckpt_path=\"last\")` (`ModelCheckpoint(save_last=True)`; param: + each rank's sidecar, mid-period)",
+        "param", UNINTERRUPTED, ddp=identical("K1"), mpi=identical("K2"), horovod=identical("K3")),
+    row(LIGHTNING, "LightningCLI: `--trainer.strategy distkit` (distkit's defaults: the ddp engine) and the class path "
+        "with `--trainer.strategy.source` (a JSON dict; mpi, horovod: naming the engine)", "grad",
+        "LightningCLI's `--trainer.strategy ddp` (`DDPStrategy`)", ddp=identical("L1"), mpi=close("L2"),
+        horovod=close("L2")),
     row(LIGHTNING, "engine choice (`distributed.backend`)", "grad", REFUSAL, ddp=runs("L1"), mpi=runs("L2"),
         horovod=runs("L2"), **_LIGHTNING_ENGINES),
     row(LIGHTNING, "engine choice (`distributed.backend`)", "param", REFUSAL, ddp=runs("L3"), mpi=runs("L2"),
@@ -261,13 +305,19 @@ ROWS: list[Row] = [
     row(FABRIC, "per-step LR scheduler stepped by the loop, with the accumulation and clipping above: every step's "
         "rate (asserted equal) and final parameters", "param", OWN_LOOP, ddp=close("L5"), mpi=close("L2"),
         horovod=close("L2")),
-    row(FABRIC, "evaluation between syncs", "param", OWN_LOOP),
+    row(FABRIC, "evaluation between syncs (after 8 steps, syncs every 3): the set-up model in `eval()` without "
+        "gradients on this rank's share, the loss's `fabric.all_reduce` (each rank's own replica)", "param", OWN_LOOP,
+        ddp=close("L5"), mpi=close("L2"), horovod=close("L2")),
     row(FABRIC, "`fabric.save` after epoch 1, `fabric.load` + epoch 2 (param: + each rank's sidecar)", "grad",
         UNINTERRUPTED, ddp=close("L5"), mpi=close("L2"), horovod=close("L2")),
     row(FABRIC, "`fabric.save` after epoch 1, `fabric.load` + epoch 2 (param: + each rank's sidecar)", "param",
         UNINTERRUPTED, ddp=close("L5"), mpi=close("L2"), horovod=close("L2")),
-    row(FABRIC, "resume after a kill", "grad", UNINTERRUPTED),
-    row(FABRIC, "resume after a kill", "param", UNINTERRUPTED),
+    row(FABRIC, "resume after a kill: rank 1 SIGKILLed in epoch 3, then `fabric.load` of the `fabric.save` of each "
+        "epoch's end (param: + each rank's sidecar, mid-period)", "grad", UNINTERRUPTED, ddp=identical("K4"),
+        mpi=identical("K5"), horovod=identical("K6")),
+    row(FABRIC, "resume after a kill: rank 1 SIGKILLed in epoch 3, then `fabric.load` of the `fabric.save` of each "
+        "epoch's end (param: + each rank's sidecar, mid-period)", "param", UNINTERRUPTED, ddp=identical("K4"),
+        mpi=identical("K5"), horovod=identical("K6")),
     row(FABRIC, "engine choice (`distributed.backend`; the `DistkitStrategy` Fabric is given)", "grad", REFUSAL,
         ddp=runs("L5"), mpi=runs("L2"), horovod=runs("L2"), **_LIGHTNING_ENGINES),
     row(FABRIC, "engine choice (`distributed.backend`; the `DistkitStrategy` Fabric is given)", "param", REFUSAL,
@@ -308,8 +358,12 @@ ROWS: list[Row] = [
         "flight)", "param", UNINTERRUPTED, ddp=identical("H2")),
     row(TRAINER, "dropout, the same resume", "grad", UNINTERRUPTED, ddp=identical("H10")),
     row(TRAINER, "dropout, the same resume", "param", UNINTERRUPTED, ddp=identical("H2")),
-    row(TRAINER, "resume after a kill", "grad", UNINTERRUPTED),
-    row(TRAINER, "resume after a kill", "param", UNINTERRUPTED),
+    row(TRAINER, "resume after a kill: rank 1 SIGKILLed at step 6, then `train(resume_from_checkpoint=True)` "
+        "(checkpoint-4; dropout; param: mid-period, an exchange in flight): final parameters, rank 0's `log_history`",
+        "grad", UNINTERRUPTED, ddp=identical("K7")),
+    row(TRAINER, "resume after a kill: rank 1 SIGKILLed at step 6, then `train(resume_from_checkpoint=True)` "
+        "(checkpoint-4; dropout; param: mid-period, an exchange in flight): final parameters, rank 0's `log_history`",
+        "param", UNINTERRUPTED, ddp=identical("K7")),
     row(TRAINER, "engine choice (`distkit=` or `++distributed.backend`)", "grad", REFUSAL, ddp=runs("H1"),
         mpi=refused(("not 'mpi'", _NOT_DDP), "H5", "H6"), horovod=refused(("not 'horovod'", _NOT_DDP), "H5", "H6"),
         deepspeed=refused(("TrainingArguments(deepspeed=...)",), "H5"),
@@ -334,27 +388,38 @@ ROWS: list[Row] = [
     row(PARAMSYNC, "`accelerator.save_state` mid-period (plain; extras with an exchange in flight), `load_state` in "
         "new processes", "param", UNINTERRUPTED, ddp=identical("H9")),
     row(PARAMSYNC, "dropout, the same resume", "param", UNINTERRUPTED, ddp=identical("H9")),
-    row(PARAMSYNC, "resume after a kill", "param", UNINTERRUPTED),
+    row(PARAMSYNC, "resume after a kill: rank 1 SIGKILLed at step 9, then `accelerator.load_state()` of the newest "
+        "automatically named `save_state` (an exchange in flight; dropout, BatchNorm): parameters and buffers", "param",
+        UNINTERRUPTED, ddp=identical("K8")),
     row(PARAMSYNC, "engine choice (`config=`)", "param", REFUSAL, ddp=runs("H7"),
         mpi=refused(("distributed.backend must be 'ddp'",), "H7")),
     # -- SpeechBrain Brain -------------------------------------------------------------------------------------------
+    # (ZeRO-2 is compared with SpeechBrain's clipping and accumulation off, against the reference run with them off:
+    # a row of its own would leave four cells that row 1 already holds with them on)
     row(SPEECHBRAIN, "SpeechBrain's ASR_CTC example (BatchNorm, LiGRU, dropout, InputNormalization, clipping at 5, "
-        "`grad_accumulation_factor` 2), `fit` + `evaluate`: the checkpoint files, `train_log.txt`, every rank's final "
-        "model", "grad", SB_DDP, ddp=identical("S1"), mpi=identical("S2"), horovod=identical("S3"),
-        fsdp=identical("S4")),
-    row(SPEECHBRAIN, "the same with SpeechBrain's clipping and accumulation off (ZeRO-2 clips and accumulates in its "
-        "partitions: 1.6e-2 and 9.2e-3 with them, docs/integrations.md)", "grad", SB_DDP, deepspeed=identical("S5")),
-    row(SPEECHBRAIN, "ASR_CTC in param mode (every 4th step averaged, intra-epoch checkpoints): every rank's final "
-        "model", "param", "the same recipe on the ddp engine", mpi=identical("S6")),
+        "`grad_accumulation_factor` 2; on ZeRO-2 both off, against the reference with both off: DeepSpeed clips and "
+        "accumulates in its partitions, 1.6e-2 and 9.2e-3 with them, docs/integrations.md), `fit` + `evaluate`: the "
+        "checkpoint files, `train_log.txt`, every rank's final model", "grad", SB_DDP, ddp=identical("S1"),
+        mpi=identical("S2"), horovod=identical("S3"), deepspeed=identical("S5"), fsdp=identical("S4")),
+    row(SPEECHBRAIN, "ASR_CTC in param mode (every 4th step averaged, intra-epoch checkpoints, SpeechBrain's clipping "
+        "off): every rank's final model, the last checkpoint's files, `train_log.txt` (validation on the replicas' "
+        "mean)", "param", "the same recipe on the ddp engine", ddp=reference("S6", "S15"), mpi=identical("S6"),
+        horovod=identical("S15"), deepspeed=identical("S15"), fsdp=identical("S15")),
     row(SPEECHBRAIN, "a rank killed mid-epoch, then the same command (`recover_if_possible`; dropout off: the LiGRU's "
-        "mask position is in no checkpoint)", "param", UNINTERRUPTED, ddp=identical("S10")),
+        "mask position is in no checkpoint)", "param", UNINTERRUPTED, ddp=identical("S10"), mpi=identical("S17"),
+        horovod=identical("S17"), deepspeed=identical("S17"), fsdp=identical("S17")),
     row(SPEECHBRAIN, "speaker_id in DiLoCo from a `distributed:` block in the hparams YAML: ranks in sync, one writer",
-        "param", REFUSAL, horovod=runs("S7")),
+        "param", REFUSAL, ddp=runs("S16"), mpi=runs("S16"), horovod=runs("S7"), deepspeed=runs("S16"),
+        fsdp=runs("S16")),
     row(SPEECHBRAIN, "engine choice (`++distributed.backend`, `++use_horovod True`, a `distributed:` block)", "grad",
         REFUSAL, ddp=runs("S1"), mpi=runs("S2"), horovod=runs("S3"), deepspeed=runs("S5"), fsdp=runs("S4")),
     row(SPEECHBRAIN, "`--data_parallel_backend`; an epoch's batch count not a multiple of "
         "`grad_accumulation_factor`", "grad", REFUSAL,
-        ddp=refused(("--data_parallel_backend", "grad_accumulation_factor"), "S8", "S9")),
+        ddp=refused(("--data_parallel_backend", "grad_accumulation_factor"), "S8", "S9"),
+        mpi=refused(("--data_parallel_backend", "grad_accumulation_factor"), "S11"),
+        horovod=refused(("--data_parallel_backend", "grad_accumulation_factor"), "S12"),
+        deepspeed=refused(("--data_parallel_backend", "grad_accumulation_factor"), "S13"),
+        fsdp=refused(("--data_parallel_backend", "grad_accumulation_factor"), "S14")),
 ]
 
 

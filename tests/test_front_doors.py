@@ -157,7 +157,7 @@ def test_every_test_the_table_names_exists() -> None:
 
 
 def test_no_cell_claims_a_result_without_a_test() -> None:
-    """A claim (identical, Δ ≤ 1e-6, runs, a refusal) cites a test; "untested" and "not offered" cite none; "not
+    """A claim (identical, Δ ≤ 1e-6, runs, the reference, a refusal) cites a test; "untested" and "not offered" cite none; "not
     offered" stands exactly where the bridge does not take the engine in that mode (unless the cell is that engine's
     refusal), and no result but a refusal is claimed there; a refusal's phrases are string text of each file citing
     it. Every row is one (front door, idiom, mode), every engine has its cell, and no text breaks the table (``|``)."""
@@ -178,7 +178,7 @@ def test_no_cell_claims_a_result_without_a_test() -> None:
                 bad.append(f"{where}: not a result of the table's vocabulary, or a test cited for no claim")
             if (cell.result == fd.NOT_OFFERED) == offered and cell.result != fd.REFUSED:
                 bad.append(f"{where}: OFFERED says the bridge {'takes' if offered else 'does not take'} it")
-            if cell.result in (fd.IDENTICAL, fd.CLOSE, fd.RUNS) and not offered:
+            if cell.result in (fd.IDENTICAL, fd.CLOSE, fd.RUNS, fd.REFERENCE) and not offered:
                 bad.append(f"{where}: a result claimed where the bridge does not take the engine")
             if (cell.result == fd.REFUSED) != bool(cell.phrases) or "|" in "".join(cell.phrases):
                 bad.append(f"{where}: a refusal shows its phrases, and only a refusal")

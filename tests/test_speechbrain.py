@@ -238,6 +238,9 @@ def test_param_mode_inside_a_brain_on_horovod_zero2_and_fsdp_is_ddps(data: Path,
         assert_ends_as_param_ddp(tmp_path / engine, param_ddp, engine)
 
 
+#: two launches, plus the param_ddp fixture's 50-94 s when this test is the first to use it (a -k selection): past
+#: setup.cfg's 180 s (which counts setup) at load 20
+@pytest.mark.timeout(400)
 def test_a_brain_killed_mid_epoch_in_param_mode_resumes_the_same_run(data: Path, param_ddp: Path,
                                                                      tmp_path: Path) -> None:
     """A rank killed with SIGKILL at step 9 (mid-epoch 2), after SpeechBrain's intra-epoch checkpoint at step 8
@@ -251,6 +254,43 @@ def test_a_brain_killed_mid_epoch_in_param_mode_resumes_the_same_run(data: Path,
     assert any((out / "save").glob("CKPT+*/distkit.ckpt")), "no checkpoint before the kill"
     ok(run(args, timeout=240))
     assert_ends_as_param_ddp(out, param_ddp, "ddp")
+
+
+def killed_then_resumed(engine: str, script: Path, data: Path, out: Path) -> None:
+    """S10's kill and resume on ``engine``'s own command line (:data:`PARAM_ENGINES`): rank 1 SIGKILLed at step 9
+    (``DISTKIT_FAULT``), which must end the job in epoch 2 (one train-log line) with no final model but leave the
+    step-8 intra-epoch checkpoint's ``distkit`` recoverable; then the same command again, which must exit 0. What
+    it ends with is compared by the caller."""
+    args = param_command(engine, script, data, out)
+    killed = run(args, timeout=240, DISTKIT_FAULT="1:9:kill")
+    assert killed.returncode != 0 and not (out / "final-0.pt").exists(), (engine, killed.stderr[-2000:])
+    assert any((out / "save").glob("CKPT+*/distkit.ckpt")), (engine, "no checkpoint before the kill")
+    # killed in epoch 2: epoch 1's line only (the resumed run adds epochs 2 and 3; a run that started over instead of
+    # recovering would write epoch 1's again, and its log would not be the reference's)
+    assert len((out / "train_log.txt").read_text().splitlines()) == 1, engine
+    ok(run(args, timeout=240))
+
+
+#: two launches per engine, four engines side by side: 83 s on a quieter machine, 152-172 s at load 20, plus the
+#: param_ddp fixture's 50-94 s when this test is the first to use it: past setup.cfg's 180 s (which counts setup)
+@pytest.mark.timeout(400)
+def test_a_brain_killed_mid_epoch_in_param_mode_on_mpi_horovod_zero2_and_fsdp_resumes_the_same_run(
+        data: Path, param_ddp: Path, tmp_path: Path) -> None:
+    """S10 (a rank SIGKILLed at step 9, mid-epoch 2, after the intra-epoch checkpoint at step 8; then the same
+    command) on mpi and Horovod under mpirun (where the killed rank makes mpirun end the job) and on ZeRO-2 and FSDP
+    under ``--nprocs 2`` (whose replicas and optimizer partitions come back from each rank's ``distkit`` recoverable),
+    the four side by side (:func:`killed_then_resumed`): each resumed run ends bit for bit where the uninterrupted
+    param-mode run on the ddp engine ends (:func:`assert_ends_as_param_ddp`: final models, the last checkpoint's
+    files, the train log) -- which S6 and S15 check each engine's uninterrupted run equals, so the kill changed
+    nothing."""
+    script = converted("asr_ctc", tmp_path)
+    engines = ("mpi", "horovod", "deepspeed", "fsdp")
+    with ThreadPoolExecutor(len(engines)) as pool:
+        runs = {e: pool.submit(killed_then_resumed, e, script, data, tmp_path / e) for e in engines}
+        for future in runs.values():
+            future.result()
+    for engine in engines:
+        assert_ends_as_param_ddp(tmp_path / engine, param_ddp, engine)
 
 
 def test_speaker_id_on_horovod_in_param_mode_with_diloco_keeps_speechbrains_helpers_on_one_rank(
