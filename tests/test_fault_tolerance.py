@@ -482,6 +482,19 @@ TOPK = ("{'backend': '%s', 'reduce_type': 'param', 'param_sync_step': 5, 'param_
         "'param_sync_topk_bits': 2}")
 
 
+def _topk_group_1_killed_and_resumed(lighthouse: str, out: Path, payloads: Path, steps: list[str],
+                                     kill_step: int) -> Any:
+    """Two groups on TOPK, each logging its payloads to ``payloads``; group 1 SIGKILLed at ``kill_step``
+    (DISTKIT_FAULT) and restarted with ``++resume auto``: the restart's completed run (both groups waited for)."""
+    env = {"DISTKIT_FT_PAYLOADS": str(payloads)}
+    procs = [_group(lighthouse, i, 2, out, *steps, distributed=TOPK, **env,
+                    **({"DISTKIT_FAULT": f"0:{kill_step}:kill"} if i == 1 else {})) for i in range(2)]
+    assert _wait(procs[1]).returncode == -9
+    restart = ok(_wait(_group(lighthouse, 1, 2, out, *steps, "++resume", "auto", distributed=TOPK, **env)))
+    ok(_wait(procs[0]))
+    return restart
+
+
 @pytest.mark.min_replicas(2)  # every sync has both groups (the one-job parity below needs the same syncs)
 def test_compressed_syncs_across_groups_are_the_closed_form_and_a_resumed_group_continues_the_run(lighthouse: str,
                                                                                                 tmp_path: Path) -> None:
@@ -504,13 +517,7 @@ def test_compressed_syncs_across_groups_are_the_closed_form_and_a_resumed_group_
 
     out, payloads = tmp_path / "ft", tmp_path / "payloads"
     steps = ["++max_steps", "20", "++checkpoint_every", "10"]
-    env = {"DISTKIT_FT_PAYLOADS": str(payloads)}
-    procs = [_group(lighthouse, i, 2, out, *steps, distributed=TOPK, **env,
-                    **({"DISTKIT_FAULT": "0:14:kill"} if i == 1 else {})) for i in range(2)]
-    assert _wait(procs[1]).returncode == -9
-    restart = _group(lighthouse, 1, 2, out, *steps, "++resume", "auto", distributed=TOPK, **env)
-    assert "at step 10" in ok(_wait(restart)).stdout
-    ok(_wait(procs[0]))
+    assert "at step 10" in _topk_group_1_killed_and_resumed(lighthouse, out, payloads, steps, 14).stdout
     ref = tmp_path / "one_job"
     ok(distkit(*TRAIN, *steps[:2], "--nprocs", "2", "++output_dir", str(ref), "++distributed", TOPK % "ddp"))
     for i in range(2):
@@ -556,14 +563,7 @@ def test_a_group_that_heals_under_compression_starts_with_zero_error_feedback(li
     live group's, kept, would be sent twice), group 0 keeps its own. At step 25 both send again; both groups hold
     the same result after every sync and end with one model."""
     out, payloads = tmp_path / "ft", tmp_path / "payloads"
-    steps = ["++max_steps", "25", "++checkpoint_every", "10"]
-    env = {"DISTKIT_FT_PAYLOADS": str(payloads)}
-    procs = [_group(lighthouse, i, 2, out, *steps, distributed=TOPK, **env,
-                    **({"DISTKIT_FAULT": "0:15:kill"} if i == 1 else {})) for i in range(2)]
-    assert _wait(procs[1]).returncode == -9
-    restart = _group(lighthouse, 1, 2, out, *steps, "++resume", "auto", distributed=TOPK, **env)
-    ok(_wait(restart))
-    ok(_wait(procs[0]))
+    _topk_group_1_killed_and_resumed(lighthouse, out, payloads, ["++max_steps", "25", "++checkpoint_every", "10"], 15)
     assert max_abs_diff(final_params(out / "group-1"), final_params(out / "group-0")) == 0.0
     ft1 = summary(out / "group-1")["fault_tolerance"]
     assert ft1["heals"] == 1 and ft1["membership"][0]["healed"] is True, ft1
