@@ -100,11 +100,10 @@ def _stall(engine: str, launcher: str, rank: int, tmp_path: Path) -> tuple[str, 
     """Run with ``rank`` stopping itself; check the contract; return (output, s from the stop to the exit)."""
     cmd, out = _command(engine, launcher, tmp_path)
     stamp = tmp_path / "stamp"
-    t0 = time.monotonic()
     # run() kills the whole process group at its own timeout: a hang fails the test, never the suite.
     res = run(cmd, timeout=STARTUP_S + LIMIT_S + 30, DISTKIT_FAULT=f"{rank}:{FAULT_STEP}:stop",
               DISTKIT_FAULT_STAMP=str(stamp))
-    ended, elapsed = time.time(), time.monotonic() - t0
+    ended = time.time()
     text = res.stdout + res.stderr
     assert res.returncode != 0, f"{engine}/{launcher} exited 0 although rank {rank} was stopped:\n{text[-4000:]}"
     assert stamp.exists(), f"the fault never fired (exit {res.returncode}):\n{text[-4000:]}"
@@ -115,7 +114,8 @@ def _stall(engine: str, launcher: str, rank: int, tmp_path: Path) -> tuple[str, 
     # timeout_s + 5 s
     limit = LIMIT_S + 5 if launcher == "deepspeed" else LIMIT_S
     assert waited < limit, f"{engine}/{launcher}: {waited:.1f}s from the stop to the exit:\n{text[-4000:]}"
-    assert elapsed < STARTUP_S + LIMIT_S, f"{engine}/{launcher} took {elapsed:.1f}s in all:\n{text[-4000:]}"
+    # (the start-up before the stop is not the contract: run()'s own timeout bounds it; at load 12-16 a ZeRO-2 job
+    # under DeepSpeed's launcher took 49 s to its first step, 2026-12-06)
     # Named: the stopped rank, by the rank that noticed (not "timed out", not the surviving rank).
     assert f"distkit: rank {rank} stopped responding: no heartbeat for " in res.stderr, text[-4000:]
     assert f"distkit: rank {1 - rank} failed" not in res.stderr, text[-4000:]
