@@ -57,7 +57,8 @@ class Pending:
 
     ``positions``: where the compressed tensors lie in the list handed to the sync; ``index``: their indices in the
     averager's tensors; ``plain``: the positions of the rest (floating buffers, kept modules), averaged in fp32;
-    ``local``: the compressed tensors, flat fp32, as this group trained them; ``delta``: the pseudo-gradient sent
+    ``local``: the compressed tensors, flat fp32, as this group trained them, and ``anchor`` theirs (both only
+    with ``DISTKIT_FT_PAYLOADS``, for the test record; else empty); ``delta``: the pseudo-gradient sent
     (``anchor - local`` plus the error feedback, padded to the codec's unit); ``payload``: its encoding;
     ``sent``: what the others read of ``delta`` (``payload`` decoded); ``slots``: the ``(P, m)`` buffer of the
     all-gather, filled once the quorum is known."""
@@ -105,11 +106,14 @@ class CodecExchange:
         index = [where[id(tensors[k])] for k in positions]
         plain = [k for k in range(len(tensors)) if k not in set(positions)]
         with torch.no_grad():
-            local = torch.cat([a.tensors[i].detach().reshape(-1).float() for i in index])
-            anchor = torch.cat([a._anchor[i].detach().reshape(-1).float() for i in index])
+            n = sum(a.tensors[i].numel() for i in index)
+            # the model and its anchor, flat, only for the test record (DISTKIT_FT_PAYLOADS): two copies of the model
+            # a sync need not make otherwise
+            local, anchor = ((torch.cat([a.tensors[i].detach().reshape(-1).float() for i in index]),
+                              torch.cat([a._anchor[i].detach().reshape(-1).float() for i in index]))
+                             if self.dump_dir is not None else (torch.empty(0), torch.empty(0)))
             error = (torch.cat([a._error[i].reshape(-1) for i in index]) if a.error_feedback and a._error is not None
-                     else torch.zeros_like(local))
-            n = local.numel()
+                     else torch.zeros(n, dtype=torch.float32, device=a.tensors[index[0]].device))
             # the averager's own operations (PseudoGradientExchanges._delta, then Exchange's padding), so that the
             # bytes sent are those one job of the same replica groups sends
             delta = torch.cat([(a._anchor[i] - a.tensors[i]).detach().reshape(-1).float() for i in index])
