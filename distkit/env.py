@@ -285,9 +285,37 @@ def derive_port(job_id: str | None, base: int = 20000, span: int = 10000) -> int
     return base + zlib.crc32(f"distkit:{job_id or ''}".encode()) % span
 
 
-def _free_port(host: str = "") -> int:
-    # The port is free now; the store binds it moments later (a small race we accept).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+#: the ports :func:`free_port` draws from, where the kernel's ephemeral range leaves them free
+PICK_PORTS = range(10000, 20000)
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nobody on ``host`` ("": every interface) is bound to now, for a rendezvous that a rank binds
+    moments later (a small race with other jobs picking ports the same way: accepted).
+
+    Drawn at random from :data:`PICK_PORTS` (below :func:`derive_port`'s 20000-29999 and Linux's ephemeral range,
+    32768-60999 by default), not by binding port 0: the kernel hands the port it just took back to the next
+    ``bind(0)``/``connect`` of any process on the host (the gloo pairs, stores and MPI links of every other job
+    draw from that range), and a CI run lost 7 tests to a rank 0 finding its spawner's port taken that way.
+    ``SystemRandom``: ranks forked from a script that seeded ``random`` would otherwise all draw the same port."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # (Linux's default; elsewhere a taken port is skipped by the bind below anyway)
+    ports = [p for p in PICK_PORTS if not lo <= p <= hi]
+    draw = random.SystemRandom()
+    for _ in range(64 if ports else 0):
+        port = draw.choice(ports)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))  # (no SO_REUSEADDR: a port in TIME_WAIT is passed over too)
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room outside the ephemeral range
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -313,7 +341,7 @@ def resolve_rendezvous(env: ClusterEnv) -> tuple[str, int]:
     if addr is not None and port is not None:
         return addr, port
     if not env.is_distributed:
-        return addr or "127.0.0.1", port or _free_port("127.0.0.1")
+        return addr or "127.0.0.1", port or free_port("127.0.0.1")
     one_node = env.num_nodes == 1 or env.local_world_size == env.world_size
     if env.launcher == "slurm":
         hosts = expand_slurm_nodelist(env.nodelist or "")
@@ -330,7 +358,7 @@ def resolve_rendezvous(env: ClusterEnv) -> tuple[str, int]:
             raise BackendUnavailable("multi-node DDP under mpirun needs mpi4py: pip install 'distkit[mpi]' "
                                      "(or export MASTER_ADDR and MASTER_PORT)") from None
         comm = MPI.COMM_WORLD
-        pair = (addr or _my_address(), port or _free_port()) if comm.Get_rank() == 0 else None
+        pair = (addr or _my_address(), port or free_port()) if comm.Get_rank() == 0 else None
         got = comm.bcast(pair, root=0)
         return str(got[0]), int(got[1])
     raise ConfigError(f"the {env.launcher} launcher gave no MASTER_ADDR/MASTER_PORT for {env.world_size} ranks; "

@@ -215,6 +215,33 @@ def test_derive_port() -> None:
     assert 20000 <= derive_port(None) < 30000
 
 
+def test_free_port_stays_out_of_the_kernels_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CI failure this prevents: the spawner's port, found free by a bind to port 0 and closed, was handed by the
+    kernel to another job's bind(0) before rank 0 bound it (PortInUse). Picks come from PICK_PORTS outside the
+    ephemeral range, skip a port someone holds, and differ across processes that seeded ``random`` alike."""
+    import random
+    import socket
+
+    from distkit import env as env_mod
+
+    lo, hi = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))  # what the kernel hands out for port 0 now
+        picks = []
+        for _ in range(40):
+            random.seed(0)  # (a script's seed, inherited by every forked rank)
+            picks.append(env_mod.free_port("127.0.0.1"))
+        assert held.getsockname()[1] not in picks
+    assert all(p in env_mod.PICK_PORTS and not lo <= p <= hi for p in picks)
+    assert len(set(picks)) > 30  # (40 draws from ~10,000 ports)
+    two = range(picks[0], picks[0] + 2)
+    monkeypatch.setattr(env_mod, "PICK_PORTS", two)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", two[0]))
+        held.listen()
+        assert {env_mod.free_port("127.0.0.1") for _ in range(20)} == {two[1]}
+
+
 def test_resolve_rendezvous_explicit_wins() -> None:
     assert resolve_rendezvous(detect(TORCHRUN)) == ("10.0.0.1", 29500)
 

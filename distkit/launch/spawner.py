@@ -20,7 +20,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
+from distkit.env import free_port as env_free_port
 from distkit.launch.failures import (  # noqa: F401  (the ranks, the watchdog and tests import them from here)
     FAILURE_DIR_VAR, SETTLE_S, _all_agreed, _culprit, _describe, _stalls, connection_lost, lost_a_peer, record_failure,
     record_stall, settle_if_peer, verdict)
@@ -40,9 +40,8 @@ GRACE_S = 5.0
 #: (schedulers kill a job some seconds after that signal: SLURM's KillWait is 30 s by default)
 PREEMPT_WAIT_S = 120.0
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port for a rendezvous (:func:`distkit.env.free_port`: outside the ephemeral range)."""
+    return env_free_port("127.0.0.1")
 
 
 def _stop(procs: list[Any], kill: frozenset[int] = frozenset()) -> None:
