@@ -162,8 +162,19 @@ class Watchdog(Heartbeat, LocalPeers):
 
     # -- the judge: clock only ---------------------------------------------------------------
     def end_startup(self) -> None:
-        """Judge by ``timeout_s`` from now on (start-up has ended: ``Job._end_startup``). Not collective."""
+        """Judge by ``timeout_s`` from now on (start-up has ended: ``Job._end_startup``), and learn where every rank
+        runs now if the beater has not yet. Not collective.
+
+        Why here: the ranks have just met, so every rank's ``who/`` record is written and every rank's beater thread,
+        whose name is the mark that lets a peer on this host trust a pid, is alive. Learned later, at the end of a
+        run shorter than a heartbeat interval (:meth:`stop`), a peer's beater may have ended already and its mark
+        with it: its pid was then dropped, the lowest rank of the host saw no peer to wait for and started no exit
+        watcher, and a peer stopped after it left the run kept ``MPI_Finalize`` and mpirun waiting forever (1 run in
+        6 of ``DISTKIT_FAULT=1:6:stop:left`` under mpirun, 6 steps)."""
         self.timeout_s, self.key = self._final_s, "distributed.timeout_s"
+        if len(self._where) < self.world_size:
+            with contextlib.suppress(Exception):  # (the store not answering is the judge's to report)
+                self._learn_where()
 
     def meet(self, what: str, timeout_s: float) -> None:
         """Collective: return once every rank has called it (the n-th call of each rank meets the others' n-th),
