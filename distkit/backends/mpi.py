@@ -65,7 +65,7 @@ class _Request:
 
     def wait(self) -> torch.Tensor:
         with self.strategy.watch(self.what):
-            self.request.Wait()
+            wait_all(self.strategy.MPI, [self.request])  # (Open MPI's Wait spins on a core while a peer is late)
         return self.buffers[1].to(self.device)
 
 
@@ -326,6 +326,7 @@ class MPIStrategy(Strategy):
         if self.world_size == 1:
             return obj
         with self.watch("bcast"):
+            self._meet()
             return self.comm.bcast(obj, root=src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -333,13 +334,24 @@ class MPIStrategy(Strategy):
         if self.world_size == 1:
             return [obj]
         with self.watch("allgather"):
+            self._meet()
             return list(self.comm.allgather(obj))
 
     def barrier(self) -> None:
         """Collective: every rank must call it, in the same order."""
         if self.world_size > 1:
             with self.watch("Barrier"):
-                self.comm.Barrier()
+                self._meet()
+
+    def _meet(self) -> None:
+        """Wait, sleeping, until every rank has come here (``Ibarrier`` tested with :func:`wait_all`'s backoff).
+
+        Before the object collectives and as the barrier: these are where one rank waits for another's slow work
+        (rank 0 writing a checkpoint, evaluating, a framework's first-fit set-up), and Open MPI's blocking calls
+        spin on a core while they wait, taking it from the ranks that compute when the cores are shared (measured
+        by the test suite's launches: an mpi launch of the conformance script cost twice a ddp one). The per-step
+        all-reduces stay blocking (the ranks arrive together; their latency counts)."""
+        wait_all(self.MPI, [self.comm.Ibarrier()])
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Collective: every rank must call it, in the same order. ``Bcast`` of each tensor's memory."""
