@@ -11,6 +11,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import resource
 import signal
 import socket
 import subprocess
@@ -109,6 +110,33 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     with contextlib.suppress(OSError), open(FAILURES_FILE, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n{report.longreprtext}\n{'-' * 80}\n")
     print(f"\n{line}", file=sys.stderr, flush=True)
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of every child it reaped (their reaped children too: mpirun's ranks, the
+    spawner's, torchrun's workers)."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
+_CPU_AT_SETUP: dict[str, float] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _CPU_AT_SETUP[item.nodeid] = _cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Each test's CPU seconds, its fixtures' set-up included, as the junit property ``cpu_s`` (``--junitxml``): what
+    a test costs the suite whatever the load, where its wall time on the 2 shared cores is mostly its neighbours'.
+    The suite's wall time is about its CPU over the cores, so this is what a cut of the suite must lower."""
+    outcome = yield
+    if call.when == "teardown":
+        start = _CPU_AT_SETUP.pop(item.nodeid, None)
+        if start is not None:
+            outcome.get_result().user_properties.append(("cpu_s", f"{_cpu_s() - start:.1f}"))
 
 
 # -- the two tiers (tests/tiers.py): `make check` runs `-m "not full"`, `make test` everything -------------------

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import BIN, ROOT, SHORT, base_env, distkit, final_params, max_abs_diff, ok, run, summary
+import tiers  # (a hand-written tier reason is one of its constants: an unknown one makes the test serial)
 
 from distkit.backends.deepspeed import consolidated_state_dict
 from distkit.launch.spawner import free_port
@@ -228,7 +229,7 @@ dk.save(os.path.join(out, "final"), state)
 """
 
 
-@pytest.mark.full("a save and a second run resuming it")
+@pytest.mark.full(tiers.FULL_FRAGMENTS["++resume"])
 @pytest.mark.parametrize("stage", [2])
 def test_two_param_groups_save_and_resume_on_zero_1_2(tmp_path: Path, stage: int) -> None:
     # Issue 22.1: ZeRO-1/2 step the groups one at a time and DeepSpeed links the optimizer state to the

@@ -134,9 +134,17 @@ def _until_synced(out: Path, procs: list["subprocess.Popen[str]"]) -> None:
     _until(lambda: (out / "metrics.jsonl").exists() and bool(_syncs(out)), procs, f"no sync in {out}")
 
 
+@pytest.fixture(scope="module")
+def one_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One job of 2 ranks in param mode on ddp, 20 steps: what two fault-tolerant groups of one rank each equal."""
+    ref = tmp_path_factory.mktemp("one_job")
+    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "2", "++output_dir", str(ref), "++distributed", PARAM % "ddp"))
+    return ref
+
+
 @pytest.mark.quiet_lighthouse
 @pytest.mark.min_replicas(2)  # the first quorum waits for both groups: the same syncs as one job
-def test_without_failures_two_groups_equal_one_job_bit_for_bit(lighthouse: str, tmp_path: Path) -> None:
+def test_without_failures_two_groups_equal_one_job_bit_for_bit(lighthouse: str, tmp_path: Path, one_job: Path) -> None:
     procs = [_group(lighthouse, i, 2, tmp_path / "ft", "++max_steps", "20") for i in range(2)]
     results = [_wait(p) for p in procs]
     for res in results:
@@ -147,8 +155,7 @@ def test_without_failures_two_groups_equal_one_job_bit_for_bit(lighthouse: str, 
     # `distkit lighthouse --quiet`: the lighthouse formed every quorum and logged none of them (nothing but
     # distkit's own line; without --quiet about 1 KB per group per sync)
     assert (tmp_path / "lighthouse.log").read_text().count("\n") == 1, (tmp_path / "lighthouse.log").read_text()[:3000]
-    ref = tmp_path / "one_job"
-    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "2", "++output_dir", str(ref), "++distributed", PARAM % "ddp"))
+    ref = one_job
     for i in range(2):
         s = summary(tmp_path / "ft" / f"group-{i}")
         assert s["param_checksum"] == summary(ref)["param_checksum"]
@@ -222,7 +229,8 @@ def test_a_module_kept_in_sync_is_averaged_across_the_groups(lighthouse: str, tm
 
 
 @pytest.mark.min_replicas(2)
-def test_every_group_killed_then_resumed_ends_where_the_uninterrupted_run_ends(lighthouse: str, tmp_path: Path) -> None:
+def test_every_group_killed_then_resumed_ends_where_the_uninterrupted_run_ends(lighthouse: str, tmp_path: Path,
+                                                                              one_job: Path) -> None:
     # a whole-job restart: both groups SIGKILLed at step 15 (checkpoint every 10), then the same commands with
     # ++resume auto; each group's checkpoint holds the torchft Manager's state (2 syncs committed), so neither
     # heals, and the run ends bit-identical to one job of the same groups
@@ -233,8 +241,7 @@ def test_every_group_killed_then_resumed_ends_where_the_uninterrupted_run_ends(l
     resumed = [_group(lighthouse, i, 2, out, *steps, "++resume", "auto") for i in range(2)]
     for p in resumed:
         assert "at step 10" in ok(_wait(p)).stdout
-    ref = tmp_path / "one_job"
-    ok(distkit(*TRAIN, "++max_steps", "20", "--nprocs", "2", "++output_dir", str(ref), "++distributed", PARAM % "ddp"))
+    ref = one_job
     for i in range(2):
         s = summary(out / f"group-{i}")
         assert s["param_checksum"] == summary(ref)["param_checksum"]

@@ -1,7 +1,7 @@
 """Preemption (issue 25 item 7): a scheduler's SIGTERM or SIGUSR1 stops every rank after the same step with a
 checkpoint of it, exit status 75, and ``++resume auto`` continues bit-identically.
 
-Each case trains the digits config for 200 steps on 2 ranks, sends the signal to the launching process while
+Each case trains the digits config for 60 steps on 2 ranks, sends the signal to the launching process while
 rank 0 is paused at step 20 (released once it took the signal), and checks: the one line naming the signal, the step and the checkpoint; the
 checkpoint ``latest`` names; then the resumed run ends bit for bit where the uninterrupted DDP run ends
 (every engine is bit-identical to DDP on this config). The other ranks are wherever the run has them then."""
@@ -21,7 +21,7 @@ import pytest
 
 from conftest import BIN, ROOT, base_env, catches, distkit, ok, stacks_of_marked, summary
 
-STEPS = 200
+STEPS = 60  # (the pause at PAUSE_STEP holds the run until the signal came: no need of a long run)
 ARGS = ["train", str(ROOT / "configs" / "returnn_ddp.py"), "++max_steps", str(STEPS), "++log_every", "5",
         "++progress_bar", "False"]
 ZERO2 = '{"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}'
@@ -99,7 +99,7 @@ def test_a_preempted_run_stops_with_a_checkpoint_and_resumes_bit_identical(
     p = start([*prefix, *ARGS, "++output_dir", str(out), *over], out)
     code, stdout, stderr = signal_when_paused(p, out, sig, named)
     text = stdout + stderr
-    lines = re.findall(r"distkit: stopped by (\w+) after step (\d+) of 200; checkpoint (step-\d+) written: continue "
+    lines = re.findall(rf"distkit: stopped by (\w+) after step (\d+) of {STEPS}; checkpoint (step-\d+) written: continue "
                        r"with \+\+resume auto", text)
     assert len(lines) == 1, text[-3000:]
     got, step, ckpt = lines[0]
