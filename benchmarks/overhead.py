@@ -91,7 +91,9 @@ def _mpirun(nprocs: int) -> list[str]:
     # 2 ranks to a core), so the launcher is not what differs from the torchrun benchmarks; -x passes
     # the thread count and PYTHONPATH (set by _env) to every rank explicitly.
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun") or "mpirun"
-    return [mpirun, "-np", str(nprocs), "--bind-to", "none", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
+    # (--oversubscribe only where the ranks outnumber the cores, as growth.py's 4 ranks on 2: Open MPI refuses them)
+    over = ["--oversubscribe"] if nprocs > (os.cpu_count() or 1) else []
+    return [mpirun, "-np", str(nprocs), *over, "--bind-to", "none", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
             "-x", "DS_ACCELERATOR", sys.executable]
 
 
