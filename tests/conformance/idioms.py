@@ -359,7 +359,8 @@ PHASES: dict[str, Callable[[Runner], None]] = {f.__name__: f for f in (
 UNCAUGHT = {"distributed_sampler"}
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The script's arguments (and distkit's, unless ``--plain``) from ``argv``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--phases", required=True, help="comma-separated, run in this order")
@@ -373,16 +374,23 @@ def main() -> None:
     parser.add_argument("--rank-offset", type=int, default=0,
                         help="draw the batches of rank r + N (a fault-tolerant group i of 1 rank: N = i, the batches "
                              "rank i takes in one job of the groups)")
-    args, rest = parser.parse_known_args()
+    args, rest = parser.parse_known_args(argv)
     if not args.plain:
         import distkit
 
         distkit.add_arguments(parser)
-        args = parser.parse_args()
-    phases = args.phases.split(",")
-    unknown = [p for p in phases if p not in PHASES]
+        args = parser.parse_args(argv)
+    unknown = [p for p in args.phases.split(",") if p not in PHASES]
     if unknown:
         parser.error(f"unknown phases {unknown}; known: {sorted(PHASES)}")
+    return args
+
+
+def run_kind(args: argparse.Namespace) -> None:
+    """One run: a session (``distkit.init``; under ``--nprocs`` in the launching process, the relaunch as the ranks,
+    which does not return), the phases in order, each rank's record in ``OUT/rank-R.pt``, ``dk.finish`` and
+    ``dk.close``."""
+    phases = args.phases.split(",")
     os.makedirs(args.out, exist_ok=True)
     r = Runner(args)
     record: dict[str, Any] = {"world_size": r.world, "phases": {}}
@@ -420,6 +428,25 @@ def main() -> None:
         _save(record, path)
         r.dk.close()
     sys.stdout.flush()
+
+
+def main() -> None:
+    """One run from the command line, or with ``--chain SPEC`` several runs one after another in the same processes
+    (SPEC: a JSON list of argument lists, each a whole command line of one run, ``--nprocs`` and the engine alike in
+    all): one process start (and one import of torch, the engine and distkit per rank) for a run kind each, which
+    tests/test_conformance.py pays once per engine and mode. Each run is a session of its own (``distkit.init`` to
+    ``dk.close``), with its own ``--out``: what it records is what the same command line alone records (checked by
+    ``test_conformance.py::test_a_chained_run_records_what_it_records_alone``). A run that ends the process (an
+    uncaught documented error) leaves the runs after it unrecorded: the suite orders those last."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--chain":
+        import json
+
+        with open(sys.argv[2]) as f:
+            chain = json.load(f)
+        for argv in chain:
+            run_kind(parse(argv))
+        return
+    run_kind(parse(sys.argv[1:]))
 
 
 def _whole(t: torch.Tensor, zero3: bool = False) -> torch.Tensor:
