@@ -116,6 +116,7 @@ class Job:
         if self.world_size == 1:
             return False
         try:
+            self._strategy.before_last_meet()
             self._strategy.barrier()
         except Exception:  # noqa: BLE001 - a peer is gone: leave alone
             return False

@@ -5,8 +5,9 @@ For each idiom and engine the outcome is DDP's result (every parameter and learn
 DistkitError whose text names the fix). ``EXPECTED`` is the table; ``docs/api.md`` shows it, and
 :func:`test_api_md_shows_the_table_this_suite_proves` keeps the two equal.
 
-Cost: one process start per (engine, mode, run kind), each running many idioms in a row; on mpi, one for the "main"
-kind (the fast tier's parity row) and one for all its other kinds together (:func:`chained`).
+Cost: one process start per engine and mode for the "main" run kind (the fast tier's parity row), one for its other
+kinds together (:func:`chained`; Horovod, and DeepSpeed in grad mode: one each) and one for each kind refused at
+set-up; each start runs many idioms in a row.
 """
 from __future__ import annotations
 
@@ -183,15 +184,14 @@ def launch(engine: str, mode: str, kind: str, out: str) -> dict[str, Any]:
     return {"rc": res.returncode, "out": res.stdout + res.stderr, "ranks": records(out, res), "dir": out}
 
 
-#: the engines whose run kinds share a start (:func:`chained`): mpi, whose launches cost most (mpirun and two new
-#: interpreters: 27 s a launch at the suite's load, ddp's 12) and whose sessions follow one another in a process
-#: (MPI stays initialised; every chained kind of both modes recorded what it records alone, bit for bit). Not:
-#: Horovod, whose ``hvd.shutdown`` finalizes MPI (the next session's init aborts: exit 14); the engines that
-#: rendezvous in rank 0's TCPStore on MASTER_PORT (ddp, fsdp, deepspeed), where a closed session's store stays
-#: listening while DDP's process groups live (distkit/backends/ddp.py ``_KEPT_GROUPS``) and the next session in
-#: the process finds its port taken (PortInUse): open, as is closing that store at close without a race (a rank
-#: faster to the next session reached the old store as rank 0 closed it: 1 of 5 ddp chains).
-CHAINED_ENGINES = ("mpi",)
+#: engine -> the modes whose run kinds share a start (:func:`chained`): where sessions can follow one another in a
+#: process (every chained kind recorded what it records alone, bit for bit, when the chains came in). Not Horovod,
+#: whose ``hvd.shutdown`` finalizes MPI (the next session's init aborts: exit 14), nor DeepSpeed's grad mode, whose
+#: engine keeps the first session's process group (the next ZeRO engine: "Group ... is not registered"): open.
+CHAINED: dict[str, tuple[str, ...]] = {"ddp": ("grad", "param"), "mpi": ("grad", "param"), "fsdp": ("grad", "param"),
+                                       "zero2": ("param",), "zero3": ("param",)}
+#: (engine, mode, kind) refused while the run sets up (dk.setup): the process ends there, so it starts alone
+REFUSED_AT_SETUP = {("zero2", "param", "muon"), ("zero3", "param", "muon"), ("zero3", "grad", "compile")}
 #: the kinds whose run may end its process (an error in the step after a refused phase), last in a chain, in this order
 LAST = ("unused", "unused_no_find")
 
@@ -199,12 +199,13 @@ LAST = ("unused", "unused_no_find")
 @functools.lru_cache(maxsize=None)
 def chain_kinds(engine: str, mode: str) -> tuple[str, ...]:
     """The run kinds of ``engine`` and ``mode`` that one process start runs one after another (idioms.py
-    ``--chain``), on :data:`CHAINED_ENGINES`: every kind a case needs but ``main`` (the fast tier's parity row, alone
-    so that ``make check`` pays for no chain; on mpi and Horovod it ends with the uncaught ``distributed_sampler``).
-    A start costs more than a run kind's own steps: 7 fewer starts."""
-    if engine not in CHAINED_ENGINES:
+    ``--chain``), where :data:`CHAINED` allows: every kind a case needs but ``main`` (the fast tier's parity row, alone
+    so that ``make check`` pays for no chain; on mpi and Horovod it ends with the uncaught ``distributed_sampler``)
+    and those :data:`REFUSED_AT_SETUP`. A start costs more than a run kind's own steps: 26 fewer starts."""
+    if mode not in CHAINED.get(engine, ()):
         return ()
     kinds = {WHERE[idiom][0] for idiom, e, m in CASES if e == engine and m == mode} - {"main"}
+    kinds -= {k for e, m, k in REFUSED_AT_SETUP if (e, m) == (engine, mode)}
     return tuple(sorted(kinds, key=lambda k: (LAST.index(k) + 1 if k in LAST else 0, k)))
 
 
@@ -353,12 +354,14 @@ def _same(a: Any, b: Any, where: str) -> None:
 
 
 @pytest.mark.full(tiers.SWEEP)
-def test_a_chained_run_records_what_it_records_alone(runs: Any, tmp_path: Path) -> None:
-    """A run kind chained after others in the same processes (:func:`chained`: four sessions on the mpi engine in
-    param mode before it, each with its codec's per-rank state) records what the same command line records alone, bit
-    for bit, on every rank: no state of an earlier session reaches the next. (Every chained kind of mpi and Horovod,
-    both modes, was compared so once when the chains came in: all equal.)"""
-    engine, mode = "mpi", "param"
+@pytest.mark.parametrize("engine", ["ddp", "mpi"])
+def test_a_chained_run_records_what_it_records_alone(runs: Any, tmp_path: Path, engine: str) -> None:
+    """A run kind chained after others in the same processes (:func:`chained`: four sessions in param mode before it,
+    each with its codec's per-rank state; on ddp each with its own rendezvous store on the same MASTER_PORT) records
+    what the same command line records alone, bit for bit, on every rank: no state of an earlier session reaches the
+    next. (Every chained kind of every engine in :data:`CHAINED` was compared so once when the chains came in: all
+    equal.)"""
+    mode = "param"
     kind = chain_kinds(engine, mode)[-1]
     assert len(chain_kinds(engine, mode)) >= 4, chain_kinds(engine, mode)
     chained_run = runs(engine, mode, kind)

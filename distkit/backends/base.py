@@ -153,6 +153,10 @@ class Strategy(ABC):
         by ``distributed.timeout_s`` from now on, where they had start-up's bound. Not collective. Default:
         nothing (an engine that reads :func:`distkit.backends.startup.bound` at each wait)."""
 
+    def before_last_meet(self) -> None:
+        """Called on every rank after a normal run, just before the ranks' last meeting (a barrier: no rank passes it
+        before every rank made this call), and before :meth:`teardown`. Default: nothing."""
+
     def teardown(self) -> None:
         """Leave the process group; idempotent."""
 

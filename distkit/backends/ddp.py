@@ -106,6 +106,10 @@ class _Pending:
 class DDPStrategy(Strategy):
     """torch.distributed + DistributedDataParallel."""
 
+    #: rank 0's rendezvous store server (init), and this rank's client of it or of the launcher's agent store
+    _store_server: Any = None
+    _store: Any = None
+
     name = "ddp"
     reduces_in_backward = True
 
@@ -137,11 +141,14 @@ class DDPStrategy(Strategy):
             # wait_for_workers=False: the arrivals are awaited below, and a rank that never arrives is then
             # named from the store (a store that waited itself would leave none to ask)
             if master:  # listening where the ranks reach it only (loopback on one host), not on every interface
-                store = serve_store(listen_address(addr, self.env.local_world_size >= self.world_size), port,
-                                    self.world_size, datetime.timedelta(seconds=startup_s))
-            else:
-                store = dist.TCPStore(addr, port, self.world_size, is_master=False,
-                                      timeout=datetime.timedelta(seconds=startup_s), wait_for_workers=False)
+                self._store_server = serve_store(listen_address(addr, self.env.local_world_size >= self.world_size),
+                                                 port, self.world_size, datetime.timedelta(seconds=startup_s))
+            # Rank 0 is a client of the server it serves, as the other ranks are: the process groups hold the store
+            # they were made with for as long as they live, and DDP's live until the process ends (_KEPT_GROUPS).
+            # Holding the server, they kept MASTER_PORT listening after close (and a second session in the process
+            # found it taken: PortInUse); holding a client, they keep a closed connection (teardown).
+            store = dist.TCPStore(addr, port, self.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=startup_s), wait_for_workers=False)
             identity = job_identity(self.env.launcher, self.env.job_id, self.world_size, self.cfg.output_dir,
                                     sys.argv[0] if sys.argv else "")
             theirs = _same_job(store, self.rank, identity)
@@ -158,7 +165,7 @@ class DDPStrategy(Strategy):
             dist.init_process_group(self.pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                                     timeout=timeout)
         except RuntimeError as e:  # DistNetworkError, DistStoreError: RuntimeErrors
-            if store is None and master and "EADDRINUSE" in str(e):
+            if store is None and master and self._store_server is None and "EADDRINUSE" in str(e):
                 # Launchers with a fixed default port (the deepspeed launcher's 29500) collide when two jobs
                 # run on one host; the ranks of this job get no store and would wait timeout_s for it.
                 raise PortInUse(f"the rendezvous port {port} (MASTER_PORT, from the {self.env.launcher} launcher) is "
@@ -201,6 +208,14 @@ class DDPStrategy(Strategy):
         self._store.set_timeout(timeout)
         self._set_default_timeout(timeout)
 
+    def before_last_meet(self) -> None:
+        """Rank 0 closes the rendezvous store's server before the ranks' last meeting, which no rank leaves before
+        rank 0 reached it: a script that starts another session at once (the same MASTER_PORT, from its launcher)
+        would otherwise reach the old server in the moment before rank 0 closes it and lose its connection there
+        (seen: 1 start in 5 of the conformance script's sessions in a row). Nothing uses the store after start-up
+        (gloo's collectives and the meeting's barrier go over gloo's own connections)."""
+        self._store_server = None  # (its only reference: the process groups and every rank hold clients)
+
     def teardown(self) -> None:
         if dist.is_initialized():
             # (the groups DDP's wrappers hold stay referenced from _KEPT_GROUPS: see there)
@@ -209,8 +224,9 @@ class DDPStrategy(Strategy):
         # thread of its own, whose destructor joins that thread. Freed later by the cyclic garbage collector, it may
         # be freed in a fork of this process (a DataLoader worker of the user's next loop), where the thread does
         # not exist: the join there is a SIGSEGV (a core of the worker: ~TCPStore -> ~LibUVStoreDaemon ->
-        # std::thread::join <- gc's delete_garbage). And a closed Session listens nowhere.
-        self._store = None
+        # std::thread::join <- gc's delete_garbage). And a closed Session listens nowhere: the process groups hold
+        # only clients of the server (init).
+        self._store = self._store_server = None
         if hasattr(self, "_default_timeouts"):
             c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = self._default_timeouts
 
