@@ -140,14 +140,17 @@ class DDPStrategy(Strategy):
         try:
             # wait_for_workers=False: the arrivals are awaited below, and a rank that never arrives is then
             # named from the store (a store that waited itself would leave none to ask)
+            bind = addr
             if master:  # listening where the ranks reach it only (loopback on one host), not on every interface
-                self._store_server = serve_store(listen_address(addr, self.env.local_world_size >= self.world_size),
-                                                 port, self.world_size, datetime.timedelta(seconds=startup_s))
-            # Rank 0 is a client of the server it serves, as the other ranks are: the process groups hold the store
-            # they were made with for as long as they live, and DDP's live until the process ends (_KEPT_GROUPS).
-            # Holding the server, they kept MASTER_PORT listening after close (and a second session in the process
-            # found it taken: PortInUse); holding a client, they keep a closed connection (teardown).
-            store = dist.TCPStore(addr, port, self.world_size, is_master=False,
+                bind = listen_address(addr, self.env.local_world_size >= self.world_size)
+                self._store_server = serve_store(bind, port, self.world_size, datetime.timedelta(seconds=startup_s))
+                bind = bind or "127.0.0.1"  # ("": every interface, loopback too)
+            # Rank 0 is a client of the server it serves, as the other ranks are (at the address it listens on: its
+            # host may resolve MASTER_ADDR to another one): the process groups hold the store they were made with for
+            # as long as they live, and DDP's live until the process ends (_KEPT_GROUPS). Holding the server, they
+            # kept MASTER_PORT listening after close (and a second session in the process found it taken:
+            # PortInUse); holding a client, they keep a closed connection (teardown).
+            store = dist.TCPStore(bind, port, self.world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=startup_s), wait_for_workers=False)
             identity = job_identity(self.env.launcher, self.env.job_id, self.world_size, self.cfg.output_dir,
                                     sys.argv[0] if sys.argv else "")
