@@ -177,11 +177,20 @@ def records(out: str, res: Any) -> list[dict[str, Any]]:
     return ranks
 
 
+def outcome(res: subprocess.CompletedProcess[str], out: str) -> dict[str, Any]:
+    """What a case reads of a run kind: its start's exit status and output, each rank's record in ``out``."""
+    return {"rc": res.returncode, "out": res.stdout + res.stderr, "ranks": records(out, res), "dir": out}
+
+
+def kind_dir(base: str, engine: str, mode: str, kind: str) -> str:
+    """Where a run kind of ``engine`` in ``mode`` writes its records, alone or chained."""
+    return f"{base}/{engine}-{mode}-{kind}"
+
+
 @functools.lru_cache(maxsize=None)
 def launch(engine: str, mode: str, kind: str, out: str) -> dict[str, Any]:
     """Run the idioms script once (2 ranks); returns exit status, output and each rank's record."""
-    res = run([PY, SCRIPT, *argv(engine, mode, kind, out)], timeout=240)
-    return {"rc": res.returncode, "out": res.stdout + res.stderr, "ranks": records(out, res), "dir": out}
+    return outcome(run([PY, SCRIPT, *argv(engine, mode, kind, out)], timeout=240), out)
 
 
 #: engine -> the modes whose run kinds share a start (:func:`chained`): where sessions can follow one another in a
@@ -215,8 +224,14 @@ def chained(engine: str, mode: str, base: str) -> subprocess.CompletedProcess[st
     (where :func:`launch` alone would write)."""
     kinds = chain_kinds(engine, mode)
     spec = Path(base) / f"{engine}-{mode}-chain.json"
-    spec.write_text(json.dumps([argv(engine, mode, k, f"{base}/{engine}-{mode}-{k}") for k in kinds]))
+    spec.write_text(json.dumps([argv(engine, mode, k, kind_dir(base, engine, mode, k)) for k in kinds]))
     return run([PY, SCRIPT, "--chain", str(spec)], timeout=120 + 60 * len(kinds))
+
+
+@functools.lru_cache(maxsize=None)
+def chained_kind(engine: str, mode: str, kind: str, base: str) -> dict[str, Any]:
+    """One kind of :func:`chained`'s start, read once for all its cases (as :func:`launch` caches a start alone)."""
+    return outcome(chained(engine, mode, base), kind_dir(base, engine, mode, kind))
 
 
 @pytest.fixture(scope="module")
@@ -224,11 +239,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     base = tmp_path_factory.mktemp("conformance")
 
     def get(engine: str, mode: str, kind: str) -> dict[str, Any]:
-        out = str(base / f"{engine}-{mode}-{kind}")
-        if kind not in chain_kinds(engine, mode):
-            return launch(engine, mode, kind, out)
-        res = chained(engine, mode, str(base))
-        return {"rc": res.returncode, "out": res.stdout + res.stderr, "ranks": records(out, res), "dir": out}
+        if kind in chain_kinds(engine, mode):
+            return chained_kind(engine, mode, kind, str(base))
+        return launch(engine, mode, kind, kind_dir(str(base), engine, mode, kind))
     return get
 
 

@@ -232,21 +232,30 @@ def test_dataloader_any_structure_and_existing_loader(dk: Any) -> None:
     assert sorted(sum(e0, [])) == list(range(20))
 
 
-CLOSED_SESSION = """
-import gc, os, sys, tempfile, torch
-import distkit
+#: a script's helper: the ports of this process's listening TCP sockets (/proc: the socket inodes of its descriptors)
+LISTENING_PORTS = """
+import os
 
-def listening() -> int:  # this process's listening TCP sockets (/proc: the socket inodes of its descriptors)
+def listening_ports() -> list[int]:
     mine = set()
     for fd in os.listdir("/proc/self/fd"):
         target = os.readlink(f"/proc/self/fd/{fd}") if os.path.islink(f"/proc/self/fd/{fd}") else ""
         if target.startswith("socket:["):
             mine.add(target[8:-1])
-    count = 0
+    ports = []
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         with open(table) as f:
-            count += sum(1 for row in list(f)[1:] if row.split()[3] == "0A" and row.split()[9] in mine)
-    return count
+            ports += [int(row.split()[1].split(":")[-1], 16) for row in list(f)[1:]
+                      if row.split()[3] == "0A" and row.split()[9] in mine]
+    return sorted(ports)
+"""
+
+CLOSED_SESSION = LISTENING_PORTS + """
+import gc, os, sys, tempfile, torch
+import distkit
+
+def listening() -> int:  # this process's listening TCP sockets
+    return len(listening_ports())
 
 s = distkit.init({"output_dir": tempfile.mkdtemp(), "seed": 3})
 m = torch.nn.Linear(2, 2)
@@ -275,22 +284,9 @@ def test_a_closed_session_listens_nowhere_and_a_fork_after_it_collects_safely(tm
     assert during >= 1 and after == 0 and child == 0, res.stdout
 
 
-TWO_SESSIONS = """
+TWO_SESSIONS = LISTENING_PORTS + """
 import argparse, os, torch
 import distkit
-
-def listening_ports() -> list[int]:  # the ports this process's listening TCP sockets are bound to (/proc)
-    mine = set()
-    for fd in os.listdir("/proc/self/fd"):
-        target = os.readlink(f"/proc/self/fd/{fd}") if os.path.islink(f"/proc/self/fd/{fd}") else ""
-        if target.startswith("socket:["):
-            mine.add(target[8:-1])
-    ports = []
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            ports += [int(row.split()[1].split(":")[-1], 16) for row in list(f)[1:]
-                      if row.split()[3] == "0A" and row.split()[9] in mine]
-    return sorted(ports)
 
 parser = argparse.ArgumentParser()
 distkit.add_arguments(parser)

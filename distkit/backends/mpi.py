@@ -349,7 +349,8 @@ class MPIStrategy(Strategy):
         Before the object collectives and as the barrier: these are where one rank waits for another's slow work
         (rank 0 writing a checkpoint, evaluating, a framework's first-fit set-up), and Open MPI's blocking calls
         spin on a core while they wait, taking it from the ranks that compute when the cores are shared: rank 0
-        waiting 3 s for rank 1 used 3.00 s of CPU in ``Barrier`` and 0.18 s here (``benchmarks/wait_cpu.py``). The per-step all-reduces stay blocking (the ranks arrive together; their latency counts)."""
+        waiting 3 s for rank 1 used 3.00 s of CPU in ``Barrier`` and 0.18 s here (``benchmarks/wait_cpu.py``). The
+        per-step all-reduces stay blocking (the ranks arrive together; their latency counts)."""
         wait_all(self.MPI, [self.comm.Ibarrier()])
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
